@@ -1,0 +1,29 @@
+"""orjson parser and renderer for DRF: the API speaks JSON only."""
+
+from __future__ import annotations
+
+import orjson
+from rest_framework.exceptions import ParseError
+from rest_framework.parsers import BaseParser
+from rest_framework.renderers import BaseRenderer
+
+
+class ORJSONParser(BaseParser):
+    media_type = "application/json"
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        try:
+            return orjson.loads(stream.read())
+        except orjson.JSONDecodeError as exc:
+            raise ParseError(f"Malformed JSON: {exc}") from exc
+
+
+class ORJSONRenderer(BaseRenderer):
+    media_type = "application/json"
+    format = "json"
+    charset = None
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        if data is None:
+            return b""
+        return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)

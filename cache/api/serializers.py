@@ -1,0 +1,89 @@
+"""Input and output shapes of the API (validation of the cold endpoints, and the OpenAPI schema)."""
+
+from rest_framework import serializers
+
+
+class ToolCallSerializer(serializers.Serializer):
+    tool = serializers.CharField(max_length=200)
+    args = serializers.DictField()
+
+
+class ToolPolicySerializer(serializers.Serializer):
+    mutates_state = serializers.BooleanField(default=True)
+    cacheable = serializers.BooleanField(default=True)
+
+
+class TaskPutSerializer(serializers.Serializer):
+    env = serializers.DictField(help_text='{"backend": "docker"|"directory"|"sqlite"|"external", ...}')
+    tools = serializers.DictField(child=ToolPolicySerializer(), required=False)
+    sandbox_budget = serializers.IntegerField(min_value=0, required=False)
+
+
+class TaskSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    env = serializers.DictField()
+    env_fingerprint = serializers.CharField()
+    tools = serializers.DictField()
+    sandbox_budget = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+
+
+class LookupSerializer(serializers.Serializer):
+    history = ToolCallSerializer(many=True)
+    call = ToolCallSerializer()
+    rollout_id = serializers.CharField(required=False)
+    epoch = serializers.IntegerField(required=False)
+    env_fingerprint = serializers.CharField(required=False, help_text="Refuse (409 env_changed) if the task's environment changed.")
+
+
+class ResumeSerializer(serializers.Serializer):
+    node_id = serializers.IntegerField()
+    snapshot_id = serializers.IntegerField()
+    snapshot_ref = serializers.CharField()
+    lease_id = serializers.UUIDField()
+    replay = ToolCallSerializer(many=True)
+
+
+class LookupResponseSerializer(serializers.Serializer):
+    hit = serializers.BooleanField()
+    node_id = serializers.IntegerField(required=False, help_text="Hits only.")
+    result = serializers.JSONField(required=False, help_text="Hits only.")
+    matched = serializers.IntegerField(required=False, help_text="Misses: leading history calls whose state is stored.")
+    resume = ResumeSerializer(required=False, allow_null=True, help_text="Misses: where to fork from; null = fresh sandbox.")
+    replay = ToolCallSerializer(many=True, required=False, help_text="Misses: every state-changing call of the history.")
+
+
+class RecordSerializer(LookupSerializer):
+    result = serializers.JSONField()
+    exec_ms = serializers.FloatField(min_value=0)
+
+
+class RecordResponseSerializer(serializers.Serializer):
+    node_id = serializers.IntegerField()
+    created = serializers.BooleanField()
+    snapshot = serializers.ChoiceField(choices=["wanted", "skipped"])
+    evicted = serializers.ListField(child=serializers.CharField())
+
+
+class SnapshotRegisterSerializer(serializers.Serializer):
+    ref = serializers.CharField(max_length=300)
+    backend = serializers.CharField(max_length=40)
+    size_bytes = serializers.IntegerField(min_value=0, required=False)
+    create_ms = serializers.FloatField(min_value=0, required=False)
+
+
+class SnapshotRegisteredSerializer(serializers.Serializer):
+    snapshot_id = serializers.IntegerField()
+    ref = serializers.CharField()
+    evicted = serializers.ListField(child=serializers.CharField())
+
+
+class ErrorBodySerializer(serializers.Serializer):
+    code = serializers.CharField()
+    message = serializers.CharField()
+    details = serializers.JSONField(allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    error = ErrorBodySerializer()

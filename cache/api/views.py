@@ -1,0 +1,132 @@
+"""Trainer-facing API v1: one view per operation; validate, call one service or selector, serialize."""
+
+from __future__ import annotations
+
+import orjson
+from django.http import HttpResponse
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.exceptions import ValidationError
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from cache import selectors, services
+from cache.errors import InvalidInput
+from cache.inputs import parse_call_context, parse_record
+
+from . import serializers as s
+
+ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413)}
+
+
+def _json(payload: bytes, status_code: int = 200) -> HttpResponse:
+    return HttpResponse(payload, status=status_code, content_type="application/json")
+
+
+def _valid(serializer_class, data):
+    serializer = serializer_class(data=data)
+    if not serializer.is_valid():
+        raise ValidationError(serializer.errors)
+    return serializer.validated_data
+
+
+def task_json(task) -> dict:
+    return s.TaskSerializer(task).data
+
+
+class TaskListView(APIView):
+    @extend_schema(responses={200: s.TaskSerializer(many=True)}, summary="List tasks with their totals")
+    def get(self, request):
+        rows = selectors.task_list_stats()
+        return Response({"tasks": [{**task_json(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
+                                    "live_snapshots": r["live_snapshots"]} for r in rows]})
+
+
+class TaskView(APIView):
+    @extend_schema(request=s.TaskPutSerializer, responses={200: s.TaskSerializer, 201: s.TaskSerializer, **ERRORS},
+                   summary="Create or update a task")
+    def put(self, request, task_id: str):
+        if not isinstance(request.data, dict):
+            raise InvalidInput("The request body must be a JSON object.")
+        if "env" not in request.data:
+            raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
+        task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
+                                          sandbox_budget=request.data.get("sandbox_budget"))
+        return Response(task_json(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
+    def get(self, request, task_id: str):
+        task = selectors.task_get(task_id=task_id)
+        return Response({**task_json(task), "stats": selectors.task_stats(task_id=task_id)})
+
+
+class TaskStatsView(APIView):
+    @extend_schema(summary="Calls, hits, hit rate, oracle hit rate, executed and saved ms; per epoch and per tool")
+    def get(self, request, task_id: str):
+        selectors.task_get(task_id=task_id)
+        return Response(selectors.task_stats(task_id=task_id))
+
+
+class LookupView(APIView):
+    @extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
+                   summary="Longest-prefix lookup of a call after a history")
+    def post(self, request, task_id: str):
+        context = parse_call_context(request.data)
+        answer = services.tcg_lookup(task_id=task_id, context=context)
+        if isinstance(answer, services.LookupHit):
+            # The stored result is canonical JSON already: splice it in rather than re-encode it.
+            return _json(b'{"hit":true,"node_id":%d,"result":%s}' % (answer.node_id, answer.result_json.encode()))
+        match = answer.match
+        resume = None
+        if match.resume is not None:
+            resume = {"node_id": match.resume.node_id, "snapshot_id": match.resume.snapshot_id,
+                      "snapshot_ref": match.resume.snapshot_ref, "lease_id": answer.lease_id,
+                      "replay": [call.to_json() for call in match.replay]}
+        return _json(orjson.dumps({"hit": False, "matched": match.matched, "resume": resume,
+                                   "replay": [call.to_json() for call in answer.full_replay]}))
+
+
+class RecordView(APIView):
+    @extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
+                   summary="Record a call's result (idempotent)")
+    def post(self, request, task_id: str):
+        outcome = services.node_record(task_id=task_id, record=parse_record(request.data))
+        return _json(orjson.dumps({"node_id": outcome.node_id, "created": outcome.created,
+                                   "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
+                                   "evicted": outcome.evicted}))
+
+
+class SnapshotRegisterView(APIView):
+    @extend_schema(request=s.SnapshotRegisterSerializer, responses={201: s.SnapshotRegisteredSerializer, **ERRORS},
+                   summary="Register a snapshot a client took after 'snapshot: wanted'")
+    def post(self, request, task_id: str, node_id: int):
+        data = _valid(s.SnapshotRegisterSerializer, request.data)
+        selectors.task_get(task_id=task_id)
+        snapshot, evicted = services.snapshot_register(task_id=task_id, node_id=node_id, **data)
+        return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
+                        status=status.HTTP_201_CREATED)
+
+
+class LeaseView(APIView):
+    @extend_schema(parameters=[OpenApiParameter("restore_ms", float, description="Time the fork from the snapshot took")],
+                   responses={204: None, **ERRORS}, summary="Release a lease")
+    def delete(self, request, lease_id: str):
+        restore_ms = request.query_params.get("restore_ms")
+        try:
+            restore_ms = float(restore_ms) if restore_ms is not None else None
+        except ValueError:
+            raise InvalidInput("'restore_ms' must be a number.", details={"field": "restore_ms"}) from None
+        services.lease_release(lease_id=lease_id, restore_ms=restore_ms)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class GraphView(APIView):
+    @extend_schema(parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
+                   summary="Nodes and edges of the task's tool call graph (optionally a subtree)")
+    def get(self, request, task_id: str):
+        try:
+            root = int(request.query_params["root"]) if "root" in request.query_params else None
+            depth = int(request.query_params["depth"]) if "depth" in request.query_params else None
+        except ValueError:
+            raise InvalidInput("'root' and 'depth' must be integers.") from None
+        return Response(selectors.graph_export(task_id=task_id, root=root, max_depth=depth))

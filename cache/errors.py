@@ -1,0 +1,45 @@
+"""Typed application errors. Each has a stable `code`; one handler turns them into API JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApplicationError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, *, details: Any = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        if code is not None:
+            self.code = code
+
+    def as_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+
+class InvalidInput(ApplicationError):
+    status = 400
+    code = "invalid_payload"
+
+
+class PayloadTooLarge(ApplicationError):
+    status = 413
+    code = "payload_too_large"
+
+
+class NotFound(ApplicationError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ApplicationError):
+    status = 409
+    code = "conflict"
+
+
+class ServiceUnavailable(ApplicationError):
+    status = 503
+    code = "unavailable"

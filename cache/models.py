@@ -1,0 +1,151 @@
+"""The tool call graphs in PostgreSQL. Keys and their meaning come from `cache.tcg`."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+
+class Task(models.Model):
+    id = models.SlugField(primary_key=True, max_length=200)
+    env = models.JSONField()
+    env_fingerprint = models.CharField(max_length=64)
+    tools = models.JSONField(default=dict)  # {name: {"mutates_state": bool, "cacheable": bool}}
+    sandbox_budget = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class Node(models.Model):
+    """One executed tool call with its result, under (anchor state key, call digest)."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="nodes")
+    anchor_key = models.CharField(max_length=64)
+    call_digest = models.CharField(max_length=64)
+    state_key = models.CharField(max_length=64)  # state after the call (= anchor for read-only)
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
+    depth = models.PositiveIntegerField()
+    tool = models.CharField(max_length=200)
+    call = models.JSONField()
+    mutates = models.BooleanField()
+    result_json = models.TextField()  # canonical JSON, served as is
+    result_bytes = models.PositiveIntegerField()
+    exec_ms = models.FloatField()
+    cum_exec_ms = models.FloatField()  # exec time of the state-changing path from the root
+    hit_count = models.PositiveIntegerField(default=0)
+    last_hit_at = models.DateTimeField(null=True, blank=True)
+    first_rollout_id = models.CharField(max_length=200, blank=True, default="")
+    first_epoch = models.IntegerField(null=True, blank=True)
+    pinned = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["task", "anchor_key", "call_digest"], name="node_unique_key"),
+        ]
+        indexes = [
+            models.Index(fields=["task", "state_key"], condition=Q(mutates=True), name="node_write_state"),
+            models.Index(fields=["task", "depth"], name="node_task_depth"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_id}#{self.pk} {self.tool}"
+
+
+class Snapshot(models.Model):
+    class Status(models.TextChoices):
+        LIVE = "live"
+        EVICTED = "evicted"
+
+    class Owner(models.TextChoices):
+        CLIENT = "client"  # taken and kept by a trainer (client mode)
+        SERVICE = "service"  # a sandbox snapshot the service manages
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshots")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="snapshots")
+    backend = models.CharField(max_length=40)
+    ref = models.CharField(max_length=300)
+    owner = models.CharField(max_length=10, choices=Owner.choices, default=Owner.CLIENT)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.LIVE)
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+    create_ms = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    evicted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["task", "ref"], name="snapshot_unique_ref"),
+            models.UniqueConstraint(fields=["node"], condition=Q(status="live"), name="snapshot_one_live_per_node"),
+        ]
+
+
+class Lease(models.Model):
+    """A reference a resuming rollout holds on a snapshot; eviction never touches a leased one."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    snapshot = models.ForeignKey(Snapshot, on_delete=models.CASCADE, related_name="leases")
+    rollout_id = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["snapshot"], condition=Q(released_at__isnull=True), name="lease_open")]
+
+
+class BackendCost(models.Model):
+    """Moving averages of snapshot and restore costs per backend (selective snapshotting)."""
+
+    backend = models.CharField(max_length=40, primary_key=True)
+    snapshot_ms = models.FloatField()
+    restore_ms = models.FloatField()
+    snapshot_samples = models.PositiveIntegerField(default=0)
+    restore_samples = models.PositiveIntegerField(default=0)
+
+
+class Rollout(models.Model):
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="rollouts")
+    rollout_id = models.CharField(max_length=200)
+    epoch = models.IntegerField(default=0)
+    calls = models.PositiveIntegerField(default=0)
+    hits = models.PositiveIntegerField(default=0)
+    history = models.JSONField(default=list)  # tool-server mode keeps the rollout's calls
+    started_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
+
+
+class ToolStat(models.Model):
+    """Counters per task, epoch and tool; task and epoch figures are sums of these rows."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="tool_stats")
+    epoch = models.IntegerField()
+    tool = models.CharField(max_length=200)
+    calls = models.PositiveIntegerField(default=0)
+    hits = models.PositiveIntegerField(default=0)
+    oracle_hits = models.PositiveIntegerField(default=0)
+    executions = models.PositiveIntegerField(default=0)
+    executed_ms = models.FloatField(default=0.0)
+    saved_ms = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "epoch", "tool"], name="toolstat_unique")]
+
+
+class ApiToken(models.Model):
+    """A trainer's token. Only its sha256 is stored; the key is printed once at creation."""
+
+    name = models.CharField(max_length=100, unique=True)
+    key_digest = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return self.name

@@ -1,0 +1,102 @@
+"""Reads of the tool call graphs: task stats and graph export."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connection
+from django.db.models import Count, Q, Sum
+
+from cache.errors import NotFound
+from cache.models import Node, Rollout, Snapshot, Task, ToolStat
+
+COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
+
+
+def task_get(*, task_id: str) -> Task:
+    task = Task.objects.filter(pk=task_id).first()
+    if task is None:
+        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+    return task
+
+
+def _rates(row: dict[str, Any]) -> dict[str, Any]:
+    calls = row.get("calls") or 0
+    out = {key: row.get(key) or 0 for key in COUNTERS}
+    out["hit_rate"] = out["hits"] / calls if calls else 0.0
+    out["oracle_hit_rate"] = out["oracle_hits"] / calls if calls else 0.0
+    return out
+
+
+def task_stats(*, task_id: str) -> dict[str, Any]:
+    """Totals, per epoch and per tool; plus graph sizes."""
+    rows = ToolStat.objects.filter(task_id=task_id)
+    sums = {key: Sum(key) for key in COUNTERS}
+    total = _rates(rows.aggregate(**sums))
+    per_epoch = [dict(epoch=r["epoch"], **_rates(r)) for r in rows.values("epoch").annotate(**sums).order_by("epoch")]
+    per_tool = [dict(tool=r["tool"], **_rates(r)) for r in rows.values("tool").annotate(**sums).order_by("tool")]
+    graph = Node.objects.filter(task_id=task_id).aggregate(
+        nodes=Count("id"), results_bytes=Sum("result_bytes")
+    )
+    snapshots = Snapshot.objects.filter(task_id=task_id).aggregate(
+        live=Count("id", filter=Q(status=Snapshot.Status.LIVE)),
+        live_bytes=Sum("size_bytes", filter=Q(status=Snapshot.Status.LIVE)),
+        evicted=Count("id", filter=Q(status=Snapshot.Status.EVICTED)),
+    )
+    return {
+        **total,
+        "nodes": graph["nodes"],
+        "results_bytes": graph["results_bytes"] or 0,
+        "snapshots": {key: value or 0 for key, value in snapshots.items()},
+        "rollouts": Rollout.objects.filter(task_id=task_id).count(),
+        "per_epoch": per_epoch,
+        "per_tool": per_tool,
+    }
+
+
+def task_list_stats() -> list[dict[str, Any]]:
+    """One row per task with its totals (for the task list and the dashboard overview)."""
+    sums = {key: Sum(key) for key in COUNTERS}
+    totals = {r["task_id"]: _rates(r) for r in ToolStat.objects.values("task_id").annotate(**sums)}
+    nodes = dict(Node.objects.values("task_id").annotate(n=Count("id")).values_list("task_id", "n"))
+    live = dict(Snapshot.objects.filter(status=Snapshot.Status.LIVE).values("task_id").annotate(n=Count("id"))
+                .values_list("task_id", "n"))
+    return [
+        {"task": task, "stats": totals.get(task.pk, _rates({})), "nodes": nodes.get(task.pk, 0),
+         "live_snapshots": live.get(task.pk, 0)}
+        for task in Task.objects.order_by("pk")
+    ]
+
+
+def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None = None, limit: int = 100_000) -> dict:
+    """Nodes and edges of a task's graph; optionally only the subtree under `root`, `max_depth` deep."""
+    task_get(task_id=task_id)
+    nodes = Node.objects.filter(task_id=task_id)
+    if root is not None:
+        if not Node.objects.filter(task_id=task_id, pk=root).exists():
+            raise NotFound(f"Task '{task_id}' has no node {root}.", code="unknown_node")
+        nodes = nodes.filter(pk__in=_subtree_ids(task_id, root, max_depth))
+    elif max_depth is not None:
+        nodes = nodes.filter(depth__lte=max_depth)
+    live = set(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list("node_id", flat=True))
+    rows = nodes.order_by("depth", "pk").values(
+        "id", "parent_id", "depth", "tool", "call", "mutates", "exec_ms", "hit_count", "pinned", "result_bytes",
+        "first_rollout_id", "first_epoch",
+    )[:limit]
+    out_nodes = [{**row, "snapshot": row["id"] in live} for row in rows]
+    edges = [{"source": n["parent_id"], "target": n["id"]} for n in out_nodes if n["parent_id"] is not None]
+    return {"task_id": task_id, "nodes": out_nodes, "edges": edges}
+
+
+def _subtree_ids(task_id: str, root: int, max_depth: int | None) -> list[int]:
+    sql = """
+    WITH RECURSIVE sub(id, level) AS (
+        SELECT id, 0 FROM cache_node WHERE task_id = %s AND id = %s
+        UNION ALL
+        SELECT n.id, sub.level + 1 FROM cache_node n JOIN sub ON n.parent_id = sub.id
+        WHERE %s::int IS NULL OR sub.level < %s::int
+    ) SELECT id FROM sub
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [task_id, root, max_depth, max_depth])
+        return [row[0] for row in cursor.fetchall()]

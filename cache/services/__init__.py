@@ -1,0 +1,22 @@
+"""Writes to the tool call graphs. Plain functions named <entity>_<action>."""
+
+from .lookup import LookupHit, LookupMiss, tcg_lookup
+from .record import RecordOutcome, node_record
+from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
+from .tasks import TaskHandle, task_flush, task_handle, task_put
+
+__all__ = [
+    "LookupHit",
+    "LookupMiss",
+    "RecordOutcome",
+    "TaskHandle",
+    "lease_release",
+    "node_record",
+    "snapshot_evict",
+    "snapshot_register",
+    "task_enforce_budget",
+    "task_flush",
+    "task_handle",
+    "task_put",
+    "tcg_lookup",
+]

@@ -1,0 +1,106 @@
+"""Record: insert-or-get of a node under its unique key, safe under concurrent rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import connection
+
+from cache.errors import PayloadTooLarge
+from cache.inputs import RecordInput
+from cache.tcg import canonical_call, canonical_json
+from cache.tcg.snapshots import SnapshotCosts, snapshot_wanted
+
+from .lookup import task_chain
+from .snapshots import backend_costs, recently_evicted_refs
+from .tasks import task_handle
+
+# Insert the node (its parent is the history's last state-changing node, if recorded) and, when
+# it is new, count the execution. ON CONFLICT DO NOTHING makes two concurrent records of the
+# same path yield one node; the loser reads the winner's row below.
+INSERT_SQL = """
+WITH parent AS (
+    SELECT id, cum_exec_ms FROM cache_node
+    WHERE task_id = %(task)s AND mutates AND state_key = %(parent_key)s
+), ins AS (
+    INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
+                            result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
+                            first_epoch, pinned, created_at)
+    VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
+            %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
+            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now())
+    ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
+    RETURNING id, cum_exec_ms
+), stat AS (
+    INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
+    SELECT %(task)s, %(epoch)s, %(tool)s, 0, 0, 0, 1, %(exec_ms)s, 0 FROM ins
+    ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
+        executions = cache_toolstat.executions + 1, executed_ms = cache_toolstat.executed_ms + EXCLUDED.executed_ms
+)
+SELECT id, cum_exec_ms, true FROM ins
+"""
+
+EXISTING_SQL = "SELECT id, cum_exec_ms, false FROM cache_node WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"
+
+# Replay cost since the nearest live snapshot on the path (the new node's own snapshot included).
+NEAREST_SNAPSHOT_SQL = """
+SELECT coalesce(max(n.cum_exec_ms), 0), bool_or(n.state_key = %s)
+FROM cache_node n JOIN cache_snapshot s ON s.node_id = n.id AND s.status = 'live'
+WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(%s)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordOutcome:
+    node_id: int
+    created: bool
+    snapshot_wanted: bool
+    evicted: list[str]
+
+
+def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
+    task = task_handle(task_id=task_id)
+    context = record.context
+    task.check_fingerprint(context.env_fingerprint)
+    result_json = canonical_json(record.result).decode()
+    limit = settings.TVCACHE["MAX_RESULT_BYTES"]
+    if len(result_json) > limit:
+        raise PayloadTooLarge(f"Result is {len(result_json)} bytes; the limit is {limit}.", code="result_too_large",
+                              details={"limit": limit, "size": len(result_json)})
+    chain = task_chain(task, context)
+    last = chain.steps[-1]
+    writes = chain.writes
+    params = {
+        "task": task.task_id,
+        "parent_key": last.anchor,
+        "anchor": last.anchor,
+        "digest": last.digest,
+        "state_key": last.state_key,
+        "depth": len(writes) if last.mutates else len(writes) + 1,
+        "tool": last.call.tool,
+        "call": canonical_call(last.call).decode(),
+        "mutates": last.mutates,
+        "result": result_json,
+        "result_bytes": len(result_json),
+        "exec_ms": record.exec_ms,
+        "own_cost": record.exec_ms if last.mutates else 0.0,
+        "rollout": context.rollout_id,
+        "epoch": context.epoch,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(INSERT_SQL, params)
+        row = cursor.fetchone()
+        if row is None:
+            cursor.execute(EXISTING_SQL, [task.task_id, last.anchor, last.digest])
+            row = cursor.fetchone()
+        node_id, cum_exec_ms, created = row
+        wanted = False
+        if last.mutates and task.sandbox_budget > 0:
+            cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id, [step.state_key for step in writes]])
+            nearest_cum, has_own = cursor.fetchone()
+            wanted = not has_own and snapshot_wanted(
+                mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend)
+            )
+    return RecordOutcome(node_id=node_id, created=created, snapshot_wanted=wanted,
+                         evicted=recently_evicted_refs(task_id=task.task_id))

@@ -1,0 +1,152 @@
+"""Snapshots, leases and the budget that evicts snapshots (results stay cached)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from cache.errors import Conflict, InvalidInput, NotFound
+from cache.models import BackendCost, Lease, Node, Snapshot, Task
+from cache.tcg.eviction import SnapshotCandidate, eviction_order
+from cache.tcg.snapshots import SnapshotCosts, moving_average
+
+# Before a backend has been measured: what a snapshot and a restore typically cost, in ms.
+DEFAULT_COSTS = {
+    "docker": SnapshotCosts(snapshot_ms=400.0, restore_ms=300.0),
+    "directory": SnapshotCosts(snapshot_ms=20.0, restore_ms=20.0),
+    "sqlite": SnapshotCosts(snapshot_ms=10.0, restore_ms=10.0),
+    "external": SnapshotCosts(snapshot_ms=50.0, restore_ms=50.0),
+}
+EVICTION_NOTICE_S = 60.0  # how long an evicted client snapshot's ref is reported in responses
+COSTS_CACHE_TTL_S = 5.0
+_costs_cache: dict[str, tuple[SnapshotCosts, float]] = {}
+
+
+def backend_costs(backend: str) -> SnapshotCosts:
+    cached = _costs_cache.get(backend)
+    now = time.monotonic()
+    if cached and cached[1] > now:
+        return cached[0]
+    default = DEFAULT_COSTS.get(backend, DEFAULT_COSTS["external"])
+    row = BackendCost.objects.filter(pk=backend).values_list("snapshot_ms", "restore_ms").first()
+    costs = SnapshotCosts(*row) if row else default
+    _costs_cache[backend] = (costs, now + COSTS_CACHE_TTL_S)
+    return costs
+
+
+def _cost_sample(backend: str, *, snapshot_ms: float | None = None, restore_ms: float | None = None) -> None:
+    with transaction.atomic():
+        default = DEFAULT_COSTS.get(backend, DEFAULT_COSTS["external"])
+        row, _ = BackendCost.objects.select_for_update().get_or_create(
+            pk=backend, defaults={"snapshot_ms": default.snapshot_ms, "restore_ms": default.restore_ms}
+        )
+        if snapshot_ms is not None:
+            row.snapshot_ms = moving_average(row.snapshot_ms if row.snapshot_samples else None, snapshot_ms)
+            row.snapshot_samples += 1
+        if restore_ms is not None:
+            row.restore_ms = moving_average(row.restore_ms if row.restore_samples else None, restore_ms)
+            row.restore_samples += 1
+        row.save()
+
+
+def recently_evicted_refs(*, task_id: str) -> list[str]:
+    since = timezone.now() - timedelta(seconds=EVICTION_NOTICE_S)
+    return list(
+        Snapshot.objects.filter(task_id=task_id, owner=Snapshot.Owner.CLIENT, status=Snapshot.Status.EVICTED,
+                                evicted_at__gte=since).values_list("ref", flat=True)
+    )
+
+
+def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, size_bytes: int | None = None,
+                      create_ms: float | None = None, owner: str = Snapshot.Owner.CLIENT) -> tuple[Snapshot, list[str]]:
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(pk=node_id, task_id=task_id).first()
+        if node is None:
+            raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node")
+        if not node.mutates:
+            raise InvalidInput("A read-only call leaves its parent's state: snapshot the parent instead.",
+                               code="snapshot_on_read_only")
+        existing = node.snapshots.filter(status=Snapshot.Status.LIVE).first()
+        if existing is not None:
+            raise Conflict("The node already has a live snapshot.", code="snapshot_exists",
+                           details={"snapshot_id": existing.pk, "ref": existing.ref})
+        if Snapshot.objects.filter(task_id=task_id, ref=ref).exists():
+            raise Conflict(f"Snapshot ref '{ref}' is already registered.", code="duplicate_ref")
+        snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, ref=ref, owner=owner,
+                                           size_bytes=size_bytes, create_ms=create_ms)
+    if create_ms is not None:
+        _cost_sample(backend, snapshot_ms=create_ms)
+    evicted = task_enforce_budget(task_id=task_id)
+    return snapshot, [s.ref for s in evicted]
+
+
+def lease_release(*, lease_id: str, restore_ms: float | None = None) -> None:
+    try:
+        uuid.UUID(str(lease_id))
+    except ValueError:
+        raise NotFound(f"Unknown lease '{lease_id}'.", code="unknown_lease") from None
+    lease = Lease.objects.select_related("snapshot").filter(pk=lease_id).first()
+    if lease is None:
+        raise NotFound(f"Unknown lease '{lease_id}'.", code="unknown_lease")
+    if lease.released_at is None:
+        Lease.objects.filter(pk=lease_id, released_at__isnull=True).update(released_at=timezone.now())
+        if restore_ms is not None:
+            _cost_sample(lease.snapshot.backend, restore_ms=restore_ms)
+
+
+def snapshot_evict(*, snapshot: Snapshot) -> bool:
+    """Evict one snapshot unless a lease holds it. The caller holds the snapshot's row lock."""
+    if snapshot.status != Snapshot.Status.LIVE:
+        return False
+    if snapshot.leases.filter(released_at__isnull=True, expires_at__gt=timezone.now()).exists():
+        return False
+    snapshot.status = Snapshot.Status.EVICTED
+    snapshot.evicted_at = timezone.now()
+    snapshot.save(update_fields=["status", "evicted_at"])
+    return True
+
+
+def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
+    """Evict the live snapshots of lowest expected reuse until the task is within its budget."""
+    with transaction.atomic():
+        budget = Task.objects.filter(pk=task_id).values_list("sandbox_budget", flat=True).first()
+        if budget is None:
+            return []
+        live = list(
+            Snapshot.objects.select_for_update(of=("self",)).filter(task_id=task_id, status=Snapshot.Status.LIVE)
+            .select_related("node").order_by("pk")
+        )
+        over = len(live) - budget
+        if over <= 0:
+            return []
+        now = timezone.now()
+        ids = [s.pk for s in live]
+        leased = set(Lease.objects.filter(snapshot_id__in=ids, released_at__isnull=True, expires_at__gt=now)
+                     .values_list("snapshot_id", flat=True))
+        children = dict(Node.objects.filter(parent_id__in=[s.node_id for s in live]).values("parent_id")
+                        .annotate(n=Count("id")).values_list("parent_id", "n"))
+        candidates = [_candidate(s, now, children.get(s.node_id, 0), s.pk in leased) for s in live]
+        chosen = set(eviction_order(candidates, over))
+        evicted = [s for s in live if s.pk in chosen]
+        Snapshot.objects.filter(pk__in=chosen).update(status=Snapshot.Status.EVICTED, evicted_at=now)
+    return evicted
+
+
+def _candidate(snapshot: Snapshot, now, children: int, leased: bool) -> SnapshotCandidate:
+    node = snapshot.node
+    last_used = node.last_hit_at or node.created_at
+    return SnapshotCandidate(
+        snapshot_id=snapshot.pk,
+        hit_count=node.hit_count,
+        children=children,
+        depth=node.depth,
+        rebuild_ms=node.cum_exec_ms,
+        idle_s=max(0.0, (now - last_used).total_seconds()),
+        leased=leased,
+        pinned=node.pinned,
+    )

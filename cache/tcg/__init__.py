@@ -1,0 +1,27 @@
+"""The pure tool-call-graph core: keys, longest-prefix match, snapshot and eviction policy.
+
+Imports nothing from Django, DRF, Celery, Channels or docker (an import-linter contract and a
+test keep it so). Everything the service stores is derived from these functions.
+"""
+
+from .keys import ToolCall, call_digest, canonical_call, canonical_json, env_fingerprint, next_state_key, root_state_key
+from .match import ChainStep, Match, NodeRef, StateChain, longest_prefix_match, state_chain
+from .policy import TaskPolicy, ToolPolicy
+
+__all__ = [
+    "ChainStep",
+    "StateChain",
+    "canonical_json",
+    "Match",
+    "NodeRef",
+    "TaskPolicy",
+    "ToolCall",
+    "ToolPolicy",
+    "call_digest",
+    "canonical_call",
+    "env_fingerprint",
+    "longest_prefix_match",
+    "next_state_key",
+    "root_state_key",
+    "state_chain",
+]

@@ -1,0 +1,94 @@
+"""State chains and longest-prefix match (LPM) over them.
+
+A history h_1..h_n yields a chain of state keys: the root key, then one new key after each
+state-changing call. Read-only calls leave the key as it is, so their order between two writes
+does not matter. Each stored node sits under (anchor state key, digest of its call); a
+state-changing node also names the state key it leads to. LPM asks the store which of the
+chain's state keys exist (one query) and picks, here, the deepest one, the deepest one with a
+live snapshot, and the state-changing calls to replay from that snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .keys import ToolCall, call_digest, next_state_key, root_state_key
+from .policy import TaskPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStep:
+    position: int  # index of the call in the history (the looked-up call is position n)
+    call: ToolCall
+    digest: str
+    anchor: str  # state key before the call
+    state_key: str  # state key after the call (== anchor for a read-only call)
+    mutates: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StateChain:
+    root: str
+    steps: tuple[ChainStep, ...]
+
+    @property
+    def final(self) -> str:
+        return self.steps[-1].state_key if self.steps else self.root
+
+    @property
+    def writes(self) -> tuple[ChainStep, ...]:
+        return tuple(step for step in self.steps if step.mutates)
+
+
+def state_chain(fingerprint: str, calls: Iterable[ToolCall], policy: TaskPolicy) -> StateChain:
+    state = root = root_state_key(fingerprint)
+    steps = []
+    for position, call in enumerate(calls):
+        digest = call_digest(call)
+        mutates = policy.for_tool(call.tool).mutates_state
+        after = next_state_key(state, digest) if mutates else state
+        steps.append(ChainStep(position, call, digest, state, after, mutates))
+        state = after
+    return StateChain(root=root, steps=tuple(steps))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRef:
+    """What the store knows about the state-changing node that leads to `state_key`."""
+
+    node_id: int
+    state_key: str
+    depth: int
+    cum_exec_ms: float = 0.0
+    snapshot_id: int | None = None
+    snapshot_ref: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    matched: int  # leading history calls whose state the deepest matched node holds
+    node: NodeRef | None  # deepest matched state-changing node; None = the root
+    resume: NodeRef | None  # deepest matched node with a live snapshot; None = a fresh sandbox
+    replay: tuple[ToolCall, ...]  # state-changing calls to replay on top of `resume`
+
+
+def longest_prefix_match(chain: StateChain, found: Mapping[str, NodeRef]) -> Match:
+    """`chain` is the history's chain; `found` maps the chain's state keys that exist to nodes."""
+    writes = chain.writes
+    deepest = 0  # number of writes whose resulting state is held by a stored node
+    for index in range(len(writes), 0, -1):
+        if writes[index - 1].state_key in found:
+            deepest = index
+            break
+    resume_index = 0
+    for index in range(deepest, 0, -1):
+        ref = found.get(writes[index - 1].state_key)
+        if ref is not None and ref.snapshot_id is not None:
+            resume_index = index
+            break
+    matched = writes[deepest].position if deepest < len(writes) else len(chain.steps)
+    node = found[writes[deepest - 1].state_key] if deepest else None
+    resume = found[writes[resume_index - 1].state_key] if resume_index else None
+    replay = tuple(step.call for step in writes[resume_index:])
+    return Match(matched=matched, node=node, resume=resume, replay=replay)

@@ -1,0 +1,5 @@
+"""Websocket routes (the live dashboard pushes arrive here)."""
+
+from channels.routing import URLRouter
+
+websocket_application = URLRouter([])

@@ -1,0 +1,125 @@
+import pytest
+
+from .helpers import call, lookup, record
+
+W1, W2 = call("write", path="f", content="1"), call("write", path="f", content="2")
+R = call("read", path="f")
+
+
+def test_miss_then_record_then_hit(api, toy_task):
+    first = lookup(api, toy_task, [], W1)
+    assert first == {"hit": False, "matched": 0, "resume": None, "replay": []}
+    node = record(api, toy_task, [], W1, {"ok": True}, exec_ms=100)
+    assert node["created"] is True
+    again = lookup(api, toy_task, [], W1)
+    assert again == {"hit": True, "node_id": node["node_id"], "result": {"ok": True}}
+
+
+def test_stale_read_is_a_miss_after_a_write(api, toy_task):
+    record(api, toy_task, [], W1, {"ok": True})
+    record(api, toy_task, [W1], R, {"output": "1"})
+    assert lookup(api, toy_task, [W1], R)["result"] == {"output": "1"}
+    record(api, toy_task, [W1, R], W2, {"ok": True})
+    after = lookup(api, toy_task, [W1, R, W2], R)
+    assert after["hit"] is False
+    assert after["matched"] == 3
+    assert after["replay"] == [W1, W2]
+
+
+def test_read_only_calls_hit_in_any_order_between_the_same_writes(api, toy_task):
+    ra, rb = call("read", path="a"), call("read", path="b")
+    record(api, toy_task, [], W1, {"ok": True})
+    record(api, toy_task, [W1], ra, {"output": "a"})
+    record(api, toy_task, [W1, ra], rb, {"output": "b"})
+    assert lookup(api, toy_task, [W1], rb)["hit"] is True
+    assert lookup(api, toy_task, [W1, rb], ra)["hit"] is True
+
+
+def test_record_is_idempotent(api, toy_task):
+    first = record(api, toy_task, [], W1, {"ok": True})
+    second = record(api, toy_task, [], W1, {"ok": "ignored"})
+    assert second == {**first, "created": False}
+    assert lookup(api, toy_task, [], W1)["result"] == {"ok": True}
+
+
+def test_miss_resumes_from_the_deepest_snapshot_with_a_lease(api, toy_task):
+    record(api, toy_task, [], W1, {"ok": True}, exec_ms=5000)
+    n2 = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)
+    assert n2["snapshot"] == "wanted"
+    reg = api.post(f"/api/v1/tasks/{toy_task}/nodes/{n2['node_id']}/snapshots",
+                   {"ref": "snap-2", "backend": "external", "size_bytes": 10, "create_ms": 30}, format="json")
+    assert reg.status_code == 201, reg.content
+    w3 = call("write", path="f", content="3")
+    miss = lookup(api, toy_task, [W1, R, W2, w3], R)
+    assert miss["hit"] is False
+    assert miss["resume"]["node_id"] == n2["node_id"]
+    assert miss["resume"]["snapshot_ref"] == "snap-2"
+    assert miss["resume"]["replay"] == [w3]
+    assert miss["replay"] == [W1, W2, w3]
+    released = api.delete(f"/api/v1/leases/{miss['resume']['lease_id']}?restore_ms=12")
+    assert released.status_code == 204
+
+
+def test_cheap_writes_are_not_snapshotted(api, toy_task):
+    assert record(api, toy_task, [], W1, {"ok": True}, exec_ms=1)["snapshot"] == "skipped"
+    assert record(api, toy_task, [W1], R, {"ok": True}, exec_ms=99_999)["snapshot"] == "skipped"
+
+
+def test_non_cacheable_tool_always_misses(api):
+    api.put("/api/v1/tasks/clock", {"env": {}, "tools": {"now": {"cacheable": False, "mutates_state": False}}},
+            format="json")
+    record(api, "clock", [], call("now"), {"t": 1})
+    assert lookup(api, "clock", [], call("now"))["hit"] is False
+    stats = api.get("/api/v1/tasks/clock/stats").json()
+    assert (stats["hits"], stats["oracle_hits"]) == (0, 1)
+
+
+def test_changing_the_environment_means_old_results_never_hit(api, toy_task):
+    record(api, toy_task, [], W1, {"ok": True})
+    task = api.put(f"/api/v1/tasks/{toy_task}", {"env": {"backend": "external", "name": "toy-v2"},
+                                                 "tools": {"read": {"mutates_state": False}}}, format="json").json()
+    assert lookup(api, toy_task, [], W1)["hit"] is False
+    stale = api.post(f"/api/v1/tasks/{toy_task}/record",
+                     {"history": [], "call": W1, "result": {}, "exec_ms": 1, "env_fingerprint": "0" * 64},
+                     format="json")
+    assert stale.status_code == 409 and stale.json()["error"]["code"] == "env_changed"
+    assert task["env_fingerprint"] != "0" * 64
+
+
+def test_stats_per_epoch_and_tool(api, toy_task):
+    for epoch in (0, 1):
+        lookup(api, toy_task, [], W1, epoch=epoch, rollout_id=f"r{epoch}")
+        if epoch == 0:
+            record(api, toy_task, [], W1, {"ok": True}, exec_ms=250, epoch=0)
+        lookup(api, toy_task, [W1], R, epoch=epoch, rollout_id=f"r{epoch}")
+        if epoch == 0:
+            record(api, toy_task, [W1], R, {"output": "1"}, exec_ms=50, epoch=0)
+    stats = api.get(f"/api/v1/tasks/{toy_task}").json()["stats"]
+    assert (stats["calls"], stats["hits"], stats["executed_ms"], stats["saved_ms"]) == (4, 2, 300, 300)
+    assert [e["hit_rate"] for e in stats["per_epoch"]] == [0.0, 1.0]
+    assert {t["tool"]: t["hits"] for t in stats["per_tool"]} == {"read": 1, "write": 1}
+    assert stats["oracle_hit_rate"] == stats["hit_rate"] == 0.5
+    assert stats["rollouts"] == 2
+
+
+def test_graph_export_has_parent_edges(api, toy_task):
+    n1 = record(api, toy_task, [], W1, {"ok": True})
+    n2 = record(api, toy_task, [W1], R, {"output": "1"})
+    graph = api.get(f"/api/v1/tasks/{toy_task}/graph").json()
+    assert {(e["source"], e["target"]) for e in graph["edges"]} == {(n1["node_id"], n2["node_id"])}
+    sub = api.get(f"/api/v1/tasks/{toy_task}/graph?root={n1['node_id']}&depth=0").json()
+    assert [n["id"] for n in sub["nodes"]] == [n1["node_id"]]
+
+
+@pytest.mark.parametrize("depth", [1, 50, 500])
+def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, django_assert_num_queries, depth):
+    history = [call("write", path="f", content=str(i)) for i in range(depth)]
+    record(api, toy_task, [], call("warm", up=1), {})  # token verified and backend costs cached
+    with django_assert_num_queries(3):  # task, hit-or-count, longest-prefix match
+        assert lookup(api, toy_task, history, R)["hit"] is False
+    with django_assert_num_queries(3):  # task, insert-or-get, evicted refs (no snapshot test for a read)
+        record(api, toy_task, history, R, {"output": "x"})
+    with django_assert_num_queries(4):  # task, insert-or-get, nearest snapshot, evicted refs
+        record(api, toy_task, history, call("write", path="g", content="x"), {"ok": True})
+    with django_assert_num_queries(2):  # task, hit with counters
+        assert lookup(api, toy_task, history, R, rollout_id="r")["hit"] is True

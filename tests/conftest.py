@@ -1,0 +1,37 @@
+"""Shared fixtures. Every test runs against the real PostgreSQL (and Redis, Docker, Chromium
+where it needs them); a missing service fails the run instead of skipping."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from rest_framework.test import APIClient
+
+from cache.api.auth import token_create
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _postgres_only(django_db_setup, django_db_blocker):
+    with django_db_blocker.unblock():
+        assert connection.vendor == "postgresql", "tests run against PostgreSQL only"
+
+
+@pytest.fixture
+def token(db) -> str:
+    return token_create(name="trainer")
+
+
+@pytest.fixture
+def api(token) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+    return client
+
+
+@pytest.fixture
+def toy_task(api) -> str:
+    response = api.put("/api/v1/tasks/toy", {"env": {"backend": "external", "name": "toy"},
+                                            "tools": {"read": {"mutates_state": False}},
+                                            "sandbox_budget": 4}, format="json")
+    assert response.status_code == 201, response.content
+    return "toy"

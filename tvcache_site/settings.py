@@ -1,0 +1,137 @@
+"""Settings, all from the environment (django-environ).
+
+Without DATABASE_URL / REDIS_URL the service falls back to embedded defaults (a SQLite file,
+in-process background work, an in-memory channel layer) and says so at start. Tests and
+production set both and run against PostgreSQL and Redis.
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+DEBUG = env.bool("DEBUG", default=False)
+# Development-only fallback; production must set SECRET_KEY.
+SECRET_KEY = env("SECRET_KEY", default="dev-only-insecure-key-do-not-deploy")
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=["http://127.0.0.1:8000", "http://localhost:8000"])
+
+VAR_DIR = Path(env("TVCACHE_VAR_DIR", default=str(BASE_DIR / "var")))
+
+# PostgreSQL is the store of record, always (the hot paths use its SQL). The default is the
+# local development server; production sets DATABASE_URL.
+DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/tvcache")}
+EMBEDDED = []
+DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("CONN_MAX_AGE", default=60))
+DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env("REDIS_URL", default="")
+if not REDIS_URL:
+    EMBEDDED.append("background work: in-process (set REDIS_URL for Celery and Channels on Redis)")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "cache",
+    "sandboxes",
+    "workers",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "tvcache_site.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+WSGI_APPLICATION = "tvcache_site.wsgi.application"
+ASGI_APPLICATION = "tvcache_site.asgi.application"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [BASE_DIR / "dashboard" / "static"] if (BASE_DIR / "dashboard" / "static").exists() else []
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["cache.api.auth.TrainerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["cache.api.rendering.ORJSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["cache.api.rendering.ORJSONParser"],
+    "EXCEPTION_HANDLER": "cache.api.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "tvcache API",
+    "DESCRIPTION": "Stateful tool-value cache: lookups and records for RL rollouts.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# Channels: Redis layer when Redis is configured, else in-memory (embedded mode only).
+if REDIS_URL:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ALWAYS_EAGER = not REDIS_URL
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = env("CELERY_QUEUE", default="tvcache")
+
+# tvcache limits and policy
+TVCACHE = {
+    "MAX_RESULT_BYTES": env.int("TVCACHE_MAX_RESULT_BYTES", default=1024 * 1024),
+    "MAX_HISTORY": env.int("TVCACHE_MAX_HISTORY", default=10_000),
+    "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
+    "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="WARNING")},
+    "loggers": {"tvcache": {"level": env("LOG_LEVEL", default="INFO")}},
+}

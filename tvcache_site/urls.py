@@ -1,0 +1,23 @@
+from django.contrib import admin
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/v1/", include("cache.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+]
+
+
+def _error(status: int, code: str, message: str) -> JsonResponse:
+    return JsonResponse({"error": {"code": code, "message": message, "details": None}}, status=status)
+
+
+def handler404(request, exception=None):
+    return _error(404, "not_found", f"No such resource: {request.path}")
+
+
+def handler500(request):
+    return _error(500, "internal_error", "Internal error; nothing was half-written (each write is one transaction).")
