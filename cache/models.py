@@ -14,6 +14,7 @@ class Task(models.Model):
     env_fingerprint = models.CharField(max_length=64)
     tools = models.JSONField(default=dict)  # {name: {"mutates_state": bool, "cacheable": bool}}
     sandbox_budget = models.PositiveIntegerField()
+    version = models.PositiveIntegerField(default=1)  # bumped by every update; hot paths check it
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

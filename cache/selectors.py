@@ -9,6 +9,7 @@ from django.db.models import Count, Q, Sum
 
 from cache.errors import NotFound
 from cache.models import Node, Rollout, Snapshot, Task, ToolStat
+from cache.services.counters import counters_flush
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
 
@@ -30,6 +31,7 @@ def _rates(row: dict[str, Any]) -> dict[str, Any]:
 
 def task_stats(*, task_id: str) -> dict[str, Any]:
     """Totals, per epoch and per tool; plus graph sizes."""
+    counters_flush()
     rows = ToolStat.objects.filter(task_id=task_id)
     sums = {key: Sum(key) for key in COUNTERS}
     total = _rates(rows.aggregate(**sums))
@@ -56,6 +58,7 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
 
 def task_list_stats() -> list[dict[str, Any]]:
     """One row per task with its totals (for the task list and the dashboard overview)."""
+    counters_flush()
     sums = {key: Sum(key) for key in COUNTERS}
     totals = {r["task_id"]: _rates(r) for r in ToolStat.objects.values("task_id").annotate(**sums)}
     nodes = dict(Node.objects.values("task_id").annotate(n=Count("id")).values_list("task_id", "n"))
@@ -71,6 +74,7 @@ def task_list_stats() -> list[dict[str, Any]]:
 def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None = None, limit: int = 100_000) -> dict:
     """Nodes and edges of a task's graph; optionally only the subtree under `root`, `max_depth` deep."""
     task_get(task_id=task_id)
+    counters_flush()
     nodes = Node.objects.filter(task_id=task_id)
     if root is not None:
         if not Node.objects.filter(task_id=task_id, pk=root).exists():

@@ -8,12 +8,23 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from cache.api.auth import token_create
+from cache.services import counters
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _postgres_only(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
         assert connection.vendor == "postgresql", "tests run against PostgreSQL only"
+
+
+@pytest.fixture(autouse=True)
+def _counters_flushed_on_read():
+    """No flush thread in tests: counters are written when stats are read, and none leak
+    from one test into the next."""
+    from django.conf import settings
+
+    settings.TVCACHE["COUNTER_FLUSH_S"] = 0
+    counters._buffer.take()
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ VAR_DIR = Path(env("TVCACHE_VAR_DIR", default=str(BASE_DIR / "var")))
 DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/tvcache")}
 EMBEDDED = []
 DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("CONN_MAX_AGE", default=60))
-DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
@@ -126,6 +125,9 @@ TVCACHE = {
     "MAX_HISTORY": env.int("TVCACHE_MAX_HISTORY", default=10_000),
     "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
     "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
+    # Lookup counters are written in batches this often by a thread per process; 0 = only when
+    # stats are read (the tests use that: everything they count is flushed before it is read).
+    "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.25),
 }
 
 LOGGING = {

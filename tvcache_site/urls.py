@@ -8,6 +8,7 @@ urlpatterns = [
     path("api/v1/", include("cache.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("", include("dashboard.urls")),  # pages, login/logout, /dashboard-api/ (session auth)
 ]
 
 

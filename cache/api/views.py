@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import orjson
-from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
@@ -15,12 +14,9 @@ from cache.errors import InvalidInput
 from cache.inputs import parse_call_context, parse_record
 
 from . import serializers as s
+from .lean import LeanPostView, json_response
 
 ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413)}
-
-
-def _json(payload: bytes, status_code: int = 200) -> HttpResponse:
-    return HttpResponse(payload, status=status_code, content_type="application/json")
 
 
 def _valid(serializer_class, data):
@@ -30,7 +26,7 @@ def _valid(serializer_class, data):
     return serializer.validated_data
 
 
-def task_json(task) -> dict:
+def taskjson_response(task) -> dict:
     return s.TaskSerializer(task).data
 
 
@@ -38,7 +34,7 @@ class TaskListView(APIView):
     @extend_schema(responses={200: s.TaskSerializer(many=True)}, summary="List tasks with their totals")
     def get(self, request):
         rows = selectors.task_list_stats()
-        return Response({"tasks": [{**task_json(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
+        return Response({"tasks": [{**taskjson_response(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
                                     "live_snapshots": r["live_snapshots"]} for r in rows]})
 
 
@@ -52,12 +48,12 @@ class TaskView(APIView):
             raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
         task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
                                           sandbox_budget=request.data.get("sandbox_budget"))
-        return Response(task_json(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+        return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
     def get(self, request, task_id: str):
         task = selectors.task_get(task_id=task_id)
-        return Response({**task_json(task), "stats": selectors.task_stats(task_id=task_id)})
+        return Response({**taskjson_response(task), "stats": selectors.task_stats(task_id=task_id)})
 
 
 class TaskStatsView(APIView):
@@ -67,31 +63,31 @@ class TaskStatsView(APIView):
         return Response(selectors.task_stats(task_id=task_id))
 
 
-class LookupView(APIView):
+class LookupView(LeanPostView):
     @extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
                    summary="Longest-prefix lookup of a call after a history")
     def post(self, request, task_id: str):
-        context = parse_call_context(request.data)
+        context = parse_call_context(self.payload)
         answer = services.tcg_lookup(task_id=task_id, context=context)
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
-            return _json(b'{"hit":true,"node_id":%d,"result":%s}' % (answer.node_id, answer.result_json.encode()))
+            return json_response(b'{"hit":true,"node_id":%d,"result":%s}' % (answer.node_id, answer.result_json.encode()))
         match = answer.match
         resume = None
         if match.resume is not None:
             resume = {"node_id": match.resume.node_id, "snapshot_id": match.resume.snapshot_id,
                       "snapshot_ref": match.resume.snapshot_ref, "lease_id": answer.lease_id,
                       "replay": [call.to_json() for call in match.replay]}
-        return _json(orjson.dumps({"hit": False, "matched": match.matched, "resume": resume,
+        return json_response(orjson.dumps({"hit": False, "matched": match.matched, "resume": resume,
                                    "replay": [call.to_json() for call in answer.full_replay]}))
 
 
-class RecordView(APIView):
+class RecordView(LeanPostView):
     @extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
                    summary="Record a call's result (idempotent)")
     def post(self, request, task_id: str):
-        outcome = services.node_record(task_id=task_id, record=parse_record(request.data))
-        return _json(orjson.dumps({"node_id": outcome.node_id, "created": outcome.created,
+        outcome = services.node_record(task_id=task_id, record=parse_record(self.payload))
+        return json_response(orjson.dumps({"node_id": outcome.node_id, "created": outcome.created,
                                    "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
                                    "evicted": outcome.evicted}))
 

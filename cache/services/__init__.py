@@ -20,3 +20,22 @@ __all__ = [
     "task_put",
     "tcg_lookup",
 ]
+
+# Staff actions, each audited (dashboard controls and Django admin actions call these).
+from .admin import (  # noqa: E402
+    admin_budget_set,
+    admin_node_pin,
+    admin_sandbox_stop,
+    admin_snapshot_evict,
+    admin_subtree_evict,
+    admin_task_flush,
+)
+
+__all__ += [
+    "admin_budget_set",
+    "admin_node_pin",
+    "admin_sandbox_stop",
+    "admin_snapshot_evict",
+    "admin_subtree_evict",
+    "admin_task_flush",
+]

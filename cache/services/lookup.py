@@ -1,7 +1,5 @@
-"""Lookup: one indexed read for a hit, one more for the longest-prefix match on a miss.
-
-Counters (node hits, per-tool stats, rollout counts) are updated in the same statement as the
-read, so a lookup costs the same number of round trips whatever the history length.
+"""Lookup: one indexed read for a hit, one more for the longest-prefix match on a miss,
+whatever the history length. Counters are batched (counters.py).
 """
 
 from __future__ import annotations
@@ -13,41 +11,21 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from cache.errors import NotFound
 from cache.inputs import CallContext
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
+from .counters import counters_add
 from .tasks import TaskHandle, task_handle
 
-_HIT_SQL = """
-WITH hit AS (
-    UPDATE cache_node SET hit_count = hit_count + 1, last_hit_at = now()
-    WHERE task_id = %(task)s AND anchor_key = %(anchor)s AND call_digest = %(digest)s AND %(cacheable)s
-    RETURNING id, result_json, exec_ms
-), seen AS (
-    SELECT count(*) AS n FROM cache_node
-    WHERE task_id = %(task)s AND anchor_key = %(anchor)s AND call_digest = %(digest)s
-), stat AS (
-    INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
-    SELECT %(task)s, %(epoch)s, %(tool)s, 1, (SELECT count(*) FROM hit), (SELECT n FROM seen), 0, 0,
-           coalesce((SELECT sum(exec_ms) FROM hit), 0)
-    ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
-        calls = cache_toolstat.calls + 1,
-        hits = cache_toolstat.hits + EXCLUDED.hits,
-        oracle_hits = cache_toolstat.oracle_hits + EXCLUDED.oracle_hits,
-        saved_ms = cache_toolstat.saved_ms + EXCLUDED.saved_ms
-){rollout}
-SELECT id, result_json FROM hit
+# One indexed read: the task's current version (a cached handle may be outdated) and the node
+# under (anchor, digest). Counters go to the in-process buffer (counters.py), not to this query.
+HIT_SQL = """
+SELECT t.version, n.id, n.result_json, n.exec_ms
+FROM cache_task t
+LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %s AND n.call_digest = %s
+WHERE t.id = %s
 """
-
-_ROLLOUT_SQL = """, roll AS (
-    INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
-    VALUES (%(task)s, %(rollout)s, %(epoch)s, 1, (SELECT count(*) FROM hit), '[]', now())
-    ON CONFLICT (task_id, rollout_id) DO UPDATE SET
-        calls = cache_rollout.calls + 1, hits = cache_rollout.hits + EXCLUDED.hits, epoch = EXCLUDED.epoch
-)"""
-
-HIT_SQL = _HIT_SQL.replace("{rollout}", "")
-HIT_SQL_WITH_ROLLOUT = _HIT_SQL.replace("{rollout}", _ROLLOUT_SQL)
 
 # The chain's state-changing nodes that exist, each with its live snapshot if it has one.
 LPM_SQL = """
@@ -79,24 +57,22 @@ class LookupMiss:
 
 
 def tcg_lookup(*, task_id: str, context: CallContext) -> LookupHit | LookupMiss:
-    task = task_handle(task_id=task_id)
-    task.check_fingerprint(context.env_fingerprint)
-    chain = task_chain(task, context)
-    last = chain.steps[-1]
-    params = {
-        "task": task.task_id,
-        "anchor": last.anchor,
-        "digest": last.digest,
-        "cacheable": task.policy.for_tool(last.call.tool).cacheable,
-        "epoch": context.epoch,
-        "tool": last.call.tool,
-        "rollout": context.rollout_id,
-    }
-    with connection.cursor() as cursor:
-        cursor.execute(HIT_SQL_WITH_ROLLOUT if context.rollout_id else HIT_SQL, params)
-        row = cursor.fetchone()
-    if row is not None:
-        return LookupHit(node_id=row[0], result_json=row[1])
+    # The task handle comes from this process's cache; the statement checks its version, and a
+    # stale handle (the task changed) is re-read and the statement run again with the new keys.
+    task = task_handle(task_id=task_id, cached=True)
+    chain, row = _exact_read(task, context)
+    if row is not None and row[0] != task.version:
+        task = task_handle(task_id=task_id)
+        chain, row = _exact_read(task, context)
+    if row is None:
+        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+    _, node_id, result_json, exec_ms = row
+    call = context.call
+    hit = node_id is not None and task.policy.for_tool(call.tool).cacheable
+    counters_add(task_id=task.task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
+                 node_id=node_id, hit=hit, seen=node_id is not None, saved_ms=exec_ms or 0.0)
+    if hit:
+        return LookupHit(node_id=node_id, result_json=result_json)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, existing_writes(task.task_id, history))
     lease_id = None
@@ -105,6 +81,15 @@ def tcg_lookup(*, task_id: str, context: CallContext) -> LookupHit | LookupMiss:
         if lease_id is None:  # evicted between the match and the lease: start fresh
             match = Match(match.matched, match.node, None, tuple(step.call for step in history.writes))
     return LookupMiss(match=match, lease_id=lease_id, full_replay=tuple(step.call for step in history.writes))
+
+
+def _exact_read(task: TaskHandle, context: CallContext) -> tuple[StateChain, tuple | None]:
+    task.check_fingerprint(context.env_fingerprint)
+    chain = task_chain(task, context)
+    last = chain.steps[-1]
+    with connection.cursor() as cursor:
+        cursor.execute(HIT_SQL, [last.anchor, last.digest, task.task_id])
+        return chain, cursor.fetchone()
 
 
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:

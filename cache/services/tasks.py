@@ -20,6 +20,7 @@ class TaskHandle:
     """What the hot paths need of a task, read in one query per request (a task may change)."""
 
     task_id: str
+    version: int
     fingerprint: str
     policy: TaskPolicy
     backend: str
@@ -34,16 +35,30 @@ class TaskHandle:
             )
 
 
-def task_handle(*, task_id: str) -> TaskHandle:
+_handles: dict[str, TaskHandle] = {}
+MAX_CACHED_HANDLES = 10_000
+
+
+def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
+    """The task's keys and policy. `cached=True` may return an outdated handle: only for callers
+    that check `version` in the same statement that uses the keys (see lookup)."""
+    if cached and task_id in _handles:
+        return _handles[task_id]
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT env_fingerprint, tools::text, env->>'backend', sandbox_budget FROM cache_task WHERE id = %s", [task_id]
+            "SELECT version, env_fingerprint, tools::text, env->>'backend', sandbox_budget FROM cache_task WHERE id = %s",
+            [task_id],
         )
         row = cursor.fetchone()
     if row is None:
+        _handles.pop(task_id, None)
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    fingerprint, tools, backend, budget = row
-    return TaskHandle(task_id, fingerprint, _policy(tools), backend or "external", budget)
+    version, fingerprint, tools, backend, budget = row
+    handle = TaskHandle(task_id, version, fingerprint, _policy(tools), backend or "external", budget)
+    if len(_handles) >= MAX_CACHED_HANDLES:
+        _handles.clear()
+    _handles[task_id] = handle
+    return handle
 
 
 @functools.lru_cache(maxsize=1024)
@@ -92,6 +107,7 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
         # A changed tool policy changes the state keys too (what counts as a write).
         _drop_nodes(task)
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
+    task.version += 1
     task.save()
     return task, False
 
@@ -109,6 +125,8 @@ def task_flush(*, task_id: str) -> int:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
     count = task.nodes.count()
     _drop_nodes(task)
+    task.version += 1  # lookups holding the old handle re-read the task
+    task.save(update_fields=["version", "updated_at"])
     task.rollouts.all().delete()
     task.tool_stats.all().delete()
     return count

@@ -115,11 +115,11 @@ def test_graph_export_has_parent_edges(api, toy_task):
 def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, django_assert_num_queries, depth):
     history = [call("write", path="f", content=str(i)) for i in range(depth)]
     record(api, toy_task, [], call("warm", up=1), {})  # token verified and backend costs cached
-    with django_assert_num_queries(3):  # task, hit-or-count, longest-prefix match
+    with django_assert_num_queries(2):  # hit-or-count (task handle cached, version checked), longest-prefix match
         assert lookup(api, toy_task, history, R)["hit"] is False
     with django_assert_num_queries(3):  # task, insert-or-get, evicted refs (no snapshot test for a read)
         record(api, toy_task, history, R, {"output": "x"})
     with django_assert_num_queries(4):  # task, insert-or-get, nearest snapshot, evicted refs
         record(api, toy_task, history, call("write", path="g", content="x"), {"ok": True})
-    with django_assert_num_queries(2):  # task, hit with counters
+    with django_assert_num_queries(1):  # hit with counters
         assert lookup(api, toy_task, history, R, rollout_id="r")["hit"] is True

@@ -1,0 +1,128 @@
+"""Lookup latency under fixed offered rates (open loop, load from a separate process).
+
+Loads a task of 8,192 nodes with histories 1 to 32 calls deep, serves it as deployed, and drives
+hit and miss lookups at each rate. Writes artifacts/bench/lookup.json and lookup.md.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from cache.api.auth import token_create
+from cache.bench.server import running_server
+from cache.inputs import CallContext, RecordInput
+from cache.models import ApiToken
+from cache.services import node_record, task_flush, task_put
+from cache.tcg import ToolCall
+
+TASK = "bench-lookup"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def build_graph(nodes: int, max_depth: int, seed: int) -> list[tuple[list[ToolCall], ToolCall]]:
+    """Record rollouts that share prefixes and branch, until the task holds `nodes` nodes."""
+    rng = random.Random(seed)
+    task_put(task_id=TASK, env={"backend": "external", "bench": "lookup"},
+             tools={"cat": {"mutates_state": False, "cacheable": True}}, sandbox_budget=0)
+    task_flush(task_id=TASK)
+    seen: set[tuple] = set()
+    paths: list[tuple[list[ToolCall], ToolCall]] = []
+    while len(paths) < nodes:
+        history: list[ToolCall] = []
+        for depth in range(rng.randint(1, max_depth)):
+            if rng.random() < 0.3:
+                call = ToolCall("cat", {"path": f"file{rng.randint(0, 3)}"})
+            else:
+                call = ToolCall("bash", {"command": f"step {depth} variant {rng.randint(0, 2)}"})
+            key = (tuple((c.tool, str(c.args)) for c in history), call.tool, str(call.args))
+            if key not in seen and len(paths) < nodes:
+                seen.add(key)
+                context = CallContext(tuple(history), call, "bench", 0, None)
+                node_record(task_id=TASK, record=RecordInput(context, {"stdout": "x" * 200, "exit_code": 0}, 100.0))
+                paths.append((list(history), call))
+            history.append(call)
+    return paths
+
+
+def lookup_requests(paths, count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed + 1)
+    requests = []
+    for index in range(count):
+        history, call = rng.choice(paths)
+        if index % 2:  # a miss: the same history, a call never recorded
+            call, kind = ToolCall("bash", {"command": f"new {index}"}), "miss"
+        else:
+            kind = "hit"
+        body = {"history": [c.to_json() for c in history], "call": call.to_json(), "rollout_id": f"b{index % 64}"}
+        requests.append({"kind": kind, "path": f"/api/v1/tasks/{TASK}/lookup", "body": body})
+    return requests
+
+
+class Command(BaseCommand):
+    help = __doc__
+
+    def add_arguments(self, parser):
+        parser.add_argument("--rates", default="256,512,1024,2048")
+        parser.add_argument("--duration", type=float, default=10.0)
+        parser.add_argument("--server", choices=["gunicorn", "uvicorn"], default="gunicorn")
+        parser.add_argument("--workers", type=int, default=4)
+        parser.add_argument("--nodes", type=int, default=8192)
+        parser.add_argument("--seed", type=int, default=7)
+        parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "artifacts" / "bench"))
+
+    def handle(self, *args, rates, duration, server, workers, nodes, seed, out, **options):
+        self.stdout.write(f"loading {nodes} nodes ...")
+        paths = build_graph(nodes, 32, seed)
+        ApiToken.objects.filter(name="bench-lookup").delete()
+        token = token_create(name="bench-lookup")
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp, running_server(server, workers) as url:
+            bodies = Path(tmp) / "requests.json"
+            bodies.write_text(json.dumps(lookup_requests(paths, 4096, seed)))
+            self._drive(url, bodies, token, 256, 3.0, Path(tmp) / "warmup.json")  # warm connections and caches
+            for rate in [float(r) for r in rates.split(",")]:
+                result = self._drive(url, bodies, token, rate, duration, Path(tmp) / f"{rate}.json")
+                rows.append(self._summarize(rate, result))
+                self.stdout.write(json.dumps(rows[-1]))
+        self._write(Path(out), rows, server=server, workers=workers, nodes=nodes, duration=duration)
+
+    def _drive(self, url, bodies, token, rate, duration, out) -> dict:
+        subprocess.run([sys.executable, "-m", "cache.bench.loadgen", "--url", url, "--rate", str(rate),
+                        "--duration", str(duration), "--requests", str(bodies), "--token", token,
+                        "--out", str(out)], check=True)
+        return json.loads(out.read_text())
+
+    @staticmethod
+    def _summarize(rate: float, result: dict) -> dict:
+        row = {"offered_rps": rate, "achieved_rps": round(len(result["results"]) / result["elapsed_s"], 1),
+               "errors": sum(1 for _, status, _ in result["results"] if status != 200)}
+        for kind in ("hit", "miss"):
+            latencies = [ms for k, status, ms in result["results"] if k == kind]
+            row[kind] = {f"p{q}": round(percentile(latencies, q), 2) for q in (50, 95, 99)}
+        return row
+
+    def _write(self, out: Path, rows: list[dict], **meta) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lookup.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        lines = ["| offered req/s | achieved req/s | hit P50 / P95 / P99 ms | miss P50 / P95 / P99 ms | errors |",
+                 "|---:|---:|---|---|---:|"]
+        for r in rows:
+            hit, miss = r["hit"], r["miss"]
+            lines.append(f"| {r['offered_rps']:.0f} | {r['achieved_rps']:.0f} | {hit['p50']} / {hit['p95']} / {hit['p99']} "
+                         f"| {miss['p50']} / {miss['p95']} / {miss['p99']} | {r['errors']} |")
+        (out / "lookup.md").write_text("\n".join(lines) + "\n")
+        self.stdout.write("\n".join(lines))

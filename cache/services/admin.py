@@ -1,0 +1,192 @@
+"""Staff actions on the cache. Each is one mutation in one transaction, written to the audit log
+(`dashboard.models.AuditEntry`: who, when, what, outcome) in that same transaction; a refused or
+failed action is logged too, and its error re-raised for the caller to show.
+
+Evicting a subtree deletes it: the live snapshots of the node and of all its descendants are
+evicted and the nodes themselves, with their results, are deleted, so the subtree is gone from
+the graph and the API and the next rollout that gets there executes and records it afresh. (Use
+it to drop results that are wrong or stale; evicting only a node's snapshot keeps its results.)
+A snapshot held by a lease blocks both: eviction never touches a referenced snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from django.db import connection, transaction
+
+from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound, ServiceUnavailable
+from cache.models import Lease, Node, Snapshot, Task
+from dashboard import broadcast
+from dashboard.models import AuditEntry
+
+from .snapshots import snapshot_evict, task_enforce_budget
+from .tasks import task_flush
+
+SUBTREE_SQL = """
+WITH RECURSIVE sub(id) AS (
+    SELECT id FROM cache_node WHERE task_id = %s AND id = %s
+    UNION ALL
+    SELECT n.id FROM cache_node n JOIN sub ON n.parent_id = sub.id
+) SELECT id FROM sub
+"""
+
+
+def _audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
+    try:
+        with transaction.atomic():
+            details = run()
+            return _entry(actor, action, task_id, target, AuditEntry.Outcome.OK, details)
+    except ApplicationError as exc:
+        _entry(actor, action, task_id, target, AuditEntry.Outcome.REFUSED,
+               {"code": exc.code, "message": exc.message, "details": exc.details})
+        raise
+    except Exception as exc:
+        _entry(actor, action, task_id, target, AuditEntry.Outcome.FAILED,
+               {"code": type(exc).__name__, "message": str(exc)})
+        raise
+
+
+def _entry(actor, action: str, task_id: str, target: str, outcome: str, details: dict) -> AuditEntry:
+    user = actor if getattr(actor, "pk", None) is not None else None
+    name = actor.get_username() if user is not None else str(actor or "system")
+    return AuditEntry.objects.create(actor=user, actor_name=name[:150], action=action, task_id=task_id,
+                                     target=target[:300], outcome=outcome, details=details)
+
+
+def _node_for_update(task_id: str, node_id: int) -> Node:
+    node = Node.objects.select_for_update().filter(task_id=task_id, pk=node_id).first()
+    if node is None:
+        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node",
+                       details={"task_id": task_id, "node_id": node_id})
+    return node
+
+
+def _open_leases(snapshots: list[Snapshot]) -> list[int]:
+    from django.utils import timezone
+
+    return sorted(set(Lease.objects.filter(snapshot__in=snapshots, released_at__isnull=True,
+                                           expires_at__gt=timezone.now()).values_list("snapshot_id", flat=True)))
+
+
+def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+    return {"snapshot_id": snapshot.pk, "node_id": snapshot.node_id, "ref": snapshot.ref,
+            "backend": snapshot.backend, "owner": snapshot.owner, "size_bytes": snapshot.size_bytes}
+
+
+def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
+    """Evict the live snapshots of a node and its descendants and delete those nodes."""
+
+    def run() -> dict:
+        node = _node_for_update(task_id, node_id)
+        with connection.cursor() as cursor:
+            cursor.execute(SUBTREE_SQL, [task_id, node_id])
+            ids = [row[0] for row in cursor.fetchall()]
+        live = list(Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE)
+                    .order_by("pk"))
+        leased = _open_leases(live)
+        if leased:
+            raise Conflict("A rollout holds a lease on a snapshot in this subtree; try again once it is released.",
+                           code="snapshot_leased", details={"snapshot_ids": leased})
+        evicted = [_snapshot_json(s) for s in live]
+        Node.objects.filter(pk__in=ids).delete()  # cascades to their snapshots and released leases
+        broadcast.nodes_removed(task_id, ids)
+        for snapshot in evicted:
+            broadcast.snapshot_event(task_id, "evicted", node_id=snapshot["node_id"], ref=snapshot["ref"],
+                                     snapshot_id=snapshot["snapshot_id"])
+        return {"node": {"id": node.pk, "tool": node.tool, "depth": node.depth}, "nodes_deleted": len(ids),
+                "snapshots_evicted": evicted}
+
+    return _audited(actor=actor, action=AuditEntry.Action.SUBTREE_EVICT, task_id=task_id,
+                    target=f"task {task_id} / node {node_id} (subtree)", run=run)
+
+
+def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
+    """Evict only the node's live snapshot; its result stays cached."""
+
+    def run() -> dict:
+        snapshot = (Snapshot.objects.select_for_update().filter(task_id=task_id, node_id=node_id,
+                                                                status=Snapshot.Status.LIVE).first())
+        if snapshot is None:
+            raise NotFound(f"Node {node_id} of task '{task_id}' has no live snapshot.", code="no_live_snapshot",
+                           details={"task_id": task_id, "node_id": node_id})
+        if not snapshot_evict(snapshot=snapshot):
+            raise Conflict("A rollout holds a lease on this snapshot; try again once it is released.",
+                           code="snapshot_leased", details={"snapshot_ids": [snapshot.pk]})
+        broadcast.snapshot_event(task_id, "evicted", node_id=node_id, ref=snapshot.ref, snapshot_id=snapshot.pk)
+        return {"snapshot": _snapshot_json(snapshot)}
+
+    return _audited(actor=actor, action=AuditEntry.Action.SNAPSHOT_EVICT, task_id=task_id,
+                    target=f"task {task_id} / node {node_id} (snapshot)", run=run)
+
+
+def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditEntry:
+    """Pin (never evict its snapshot) or unpin a node."""
+
+    def run() -> dict:
+        node = _node_for_update(task_id, node_id)
+        was = node.pinned
+        Node.objects.filter(pk=node.pk).update(pinned=pinned)
+        broadcast.node_changed(task_id, node_id, pinned=pinned)
+        return {"pinned": pinned, "was_pinned": was}
+
+    action = AuditEntry.Action.NODE_PIN if pinned else AuditEntry.Action.NODE_UNPIN
+    return _audited(actor=actor, action=action, task_id=task_id, target=f"task {task_id} / node {node_id}", run=run)
+
+
+def admin_task_flush(*, actor, task_id: str) -> AuditEntry:
+    """Drop every node, snapshot, rollout and counter of the task (the task stays)."""
+
+    def run() -> dict:
+        live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE)
+                    .values_list("ref", flat=True))
+        nodes = task_flush(task_id=task_id)
+        broadcast.task_changed(task_id, "flushed")
+        return {"nodes_deleted": nodes, "snapshots_evicted": live}
+
+    return _audited(actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=f"task {task_id}",
+                    run=run)
+
+
+def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
+    """Change a task's budget of live snapshots, then enforce it (evicting the least useful)."""
+
+    def run() -> dict:
+        if not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool) or sandbox_budget < 0:
+            raise InvalidInput("The budget must be a non-negative integer.", code="invalid_budget",
+                               details={"sandbox_budget": sandbox_budget})
+        task = Task.objects.select_for_update().filter(pk=task_id).first()
+        if task is None:
+            raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+        old = task.sandbox_budget
+        task.sandbox_budget = sandbox_budget
+        task.save(update_fields=["sandbox_budget", "updated_at"])
+        evicted = task_enforce_budget(task_id=task_id)
+        for snapshot in evicted:
+            broadcast.snapshot_event(task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
+                                     snapshot_id=snapshot.pk)
+        broadcast.task_changed(task_id, "budget")
+        return {"old": old, "new": sandbox_budget, "snapshots_evicted": [_snapshot_json(s) for s in evicted]}
+
+    return _audited(actor=actor, action=AuditEntry.Action.BUDGET_SET, task_id=task_id,
+                    target=f"task {task_id} (budget {sandbox_budget})", run=run)
+
+
+def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEntry:
+    """Stop one sandbox through the sandboxes app."""
+
+    def run() -> dict:
+        try:
+            from sandboxes.services import sandbox_stop
+        except ImportError as exc:
+            raise ServiceUnavailable(
+                "Stopping sandboxes is not available: sandboxes.services.sandbox_stop does not exist yet.",
+                code="sandbox_control_unavailable", details={"import_error": str(exc)},
+            ) from None
+        outcome = sandbox_stop(sandbox_id=sandbox_id)
+        broadcast.pool_changed(sandbox_id=sandbox_id, state="stopping")
+        return {"sandbox_id": sandbox_id, "result": outcome if isinstance(outcome, (dict, list, str, int, bool))
+                else repr(outcome)}
+
+    return _audited(actor=actor, action=AuditEntry.Action.SANDBOX_STOP, task_id=task_id,
+                    target=f"sandbox {sandbox_id}", run=run)
