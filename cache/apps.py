@@ -4,3 +4,6 @@ from django.apps import AppConfig
 class CacheConfig(AppConfig):
     name = "cache"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from .api import schema  # noqa: F401  (registers the OpenAPI auth extension)

@@ -25,7 +25,14 @@ VAR_DIR = Path(env("TVCACHE_VAR_DIR", default=str(BASE_DIR / "var")))
 # local development server; production sets DATABASE_URL.
 DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/tvcache")}
 EMBEDDED = []
-DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("CONN_MAX_AGE", default=60))
+# WSGI workers keep one persistent connection each (cheapest per request). Under ASGI, sync
+# views run on changing threads and persistent per-thread connections would pile up: set
+# DB_POOL_SIZE to use a psycopg pool per process instead (the run command does).
+if env.int("DB_POOL_SIZE", default=0):
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": env.int("DB_POOL_SIZE"), "timeout": 10}
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")

@@ -57,7 +57,8 @@ class TaskView(APIView):
 
 
 class TaskStatsView(APIView):
-    @extend_schema(summary="Calls, hits, hit rate, oracle hit rate, executed and saved ms; per epoch and per tool")
+    @extend_schema(responses={200: dict, **ERRORS},
+                   summary="Calls, hits, hit rate, oracle hit rate, executed and saved ms; per epoch and per tool")
     def get(self, request, task_id: str):
         selectors.task_get(task_id=task_id)
         return Response(selectors.task_stats(task_id=task_id))

@@ -44,15 +44,19 @@ async def _worker(host, port, queue, results):
             if item is None:
                 return
             scheduled, kind, payload = item
-            if connection is None:
-                connection = await asyncio.open_connection(host, port)
-            reader, writer = connection
-            writer.write(payload)
-            await writer.drain()
-            try:
-                status, keep_alive = await _read_response(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                status, keep_alive = 599, False
+            status, keep_alive = 599, False
+            for _attempt in range(2):  # a kept-alive connection the server closed meanwhile: resend once
+                if connection is None:
+                    connection = await asyncio.open_connection(host, port)
+                reader, writer = connection
+                try:
+                    writer.write(payload)
+                    await writer.drain()
+                    status, keep_alive = await _read_response(reader)
+                    break
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    writer.close()
+                    connection = None
             results.append((kind, status, (time.perf_counter() - scheduled) * 1000.0))
             if not keep_alive:
                 writer.close()

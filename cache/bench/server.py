@@ -19,6 +19,11 @@ SERVERS = {
     "gunicorn": lambda port, workers: [sys.executable, "-m", "gunicorn", "tvcache_site.wsgi:application",
                                        "-b", f"127.0.0.1:{port}", "-w", str(workers), "--keep-alive", "75",
                                        "--log-level", "warning", "--worker-class", "sync"],
+    # WSGI, uWSGI's C HTTP parser with keep-alive: the fastest option measured here.
+    "uwsgi": lambda port, workers: [str(Path(sys.executable).with_name("uwsgi")), "--http-socket", f"127.0.0.1:{port}",
+                                    "--module", "tvcache_site.wsgi:application", "--processes", str(workers),
+                                    "--master", "--disable-logging", "--http-keepalive", "--enable-threads",
+                                    "--lazy-apps", "--thunder-lock", "--die-on-term"],
     # ASGI (HTTP + websockets), the application the run command serves.
     "uvicorn": lambda port, workers: [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application",
                                       "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),

@@ -89,7 +89,9 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
             raise Conflict("A rollout holds a lease on a snapshot in this subtree; try again once it is released.",
                            code="snapshot_leased", details={"snapshot_ids": leased})
         evicted = [_snapshot_json(s) for s in live]
-        Node.objects.filter(pk__in=ids).delete()  # cascades to their snapshots and released leases
+        # Deleting the nodes cascades to their snapshots (live and evicted) and released leases; the
+        # live ones are announced here since they do not go through snapshot_evict.
+        Node.objects.filter(pk__in=ids).delete()
         broadcast.nodes_removed(task_id, ids)
         for snapshot in evicted:
             broadcast.snapshot_event(task_id, "evicted", node_id=snapshot["node_id"], ref=snapshot["ref"],
@@ -113,8 +115,7 @@ def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         if not snapshot_evict(snapshot=snapshot):
             raise Conflict("A rollout holds a lease on this snapshot; try again once it is released.",
                            code="snapshot_leased", details={"snapshot_ids": [snapshot.pk]})
-        broadcast.snapshot_event(task_id, "evicted", node_id=node_id, ref=snapshot.ref, snapshot_id=snapshot.pk)
-        return {"snapshot": _snapshot_json(snapshot)}
+        return {"snapshot": _snapshot_json(snapshot)}  # snapshot_evict announces it
 
     return _audited(actor=actor, action=AuditEntry.Action.SNAPSHOT_EVICT, task_id=task_id,
                     target=f"task {task_id} / node {node_id} (snapshot)", run=run)
@@ -161,10 +162,7 @@ def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
         old = task.sandbox_budget
         task.sandbox_budget = sandbox_budget
         task.save(update_fields=["sandbox_budget", "updated_at"])
-        evicted = task_enforce_budget(task_id=task_id)
-        for snapshot in evicted:
-            broadcast.snapshot_event(task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
-                                     snapshot_id=snapshot.pk)
+        evicted = task_enforce_budget(task_id=task_id)  # announces what it evicts
         broadcast.task_changed(task_id, "budget")
         return {"old": old, "new": sandbox_budget, "snapshots_evicted": [_snapshot_json(s) for s in evicted]}
 
@@ -183,8 +181,7 @@ def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEnt
                 "Stopping sandboxes is not available: sandboxes.services.sandbox_stop does not exist yet.",
                 code="sandbox_control_unavailable", details={"import_error": str(exc)},
             ) from None
-        outcome = sandbox_stop(sandbox_id=sandbox_id)
-        broadcast.pool_changed(sandbox_id=sandbox_id, state="stopping")
+        outcome = sandbox_stop(sandbox_id=sandbox_id)  # the sandboxes app announces the pool change
         return {"sandbox_id": sandbox_id, "result": outcome if isinstance(outcome, (dict, list, str, int, bool))
                 else repr(outcome)}
 

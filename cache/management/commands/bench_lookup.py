@@ -17,7 +17,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from cache.api.auth import token_create
-from cache.bench.server import running_server
+from cache.bench.server import SERVERS, running_server
 from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken
 from cache.services import node_record, task_flush, task_put
@@ -78,8 +78,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--rates", default="256,512,1024,2048")
         parser.add_argument("--duration", type=float, default=10.0)
-        parser.add_argument("--server", choices=["gunicorn", "uvicorn"], default="gunicorn")
-        parser.add_argument("--workers", type=int, default=4)
+        parser.add_argument("--server", choices=sorted(SERVERS), default="uwsgi")
+        parser.add_argument("--workers", type=int, default=3)
         parser.add_argument("--nodes", type=int, default=8192)
         parser.add_argument("--seed", type=int, default=7)
         parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "artifacts" / "bench"))

@@ -1,0 +1,12 @@
+"""OpenAPI description of the trainer token (drf-spectacular finds it when the app loads)."""
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+
+
+class TrainerTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "cache.api.auth.TrainerTokenAuthentication"
+    name = "TrainerToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "apiKey", "in": "header", "name": "Authorization",
+                "description": "`Token <key>`; create one with `python manage.py create_token NAME`."}

@@ -1,0 +1,277 @@
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from tvclient import (
+    AsyncToolCallExecutor,
+    InMemoryEnvironment,
+    SnapshotStore,
+    TVCacheClient,
+    TVCacheError,
+    ToolCallExecutor,
+    UnknownTool,
+)
+
+from .fake_service import call, hit, miss, resume
+
+TASK = "task-1"
+
+
+class Factory:
+    """env_factory that keeps every environment it made."""
+
+    def __init__(self, data: dict[str, str] | None = None) -> None:
+        self.data = data
+        self.made: list[InMemoryEnvironment] = []
+
+    def __call__(self) -> InMemoryEnvironment:
+        env = InMemoryEnvironment(self.data)
+        self.made.append(env)
+        return env
+
+
+def frozen(data: dict[str, str]) -> InMemoryEnvironment:
+    env = InMemoryEnvironment(data)
+    env.start()
+    return env
+
+
+def histories(service, route="record"):
+    return [(seen.body["history"], seen.body["call"]) for seen in service.requests(route)]
+
+
+def play_hits(service, executor, calls):
+    for each in calls:
+        service.script("lookup", hit({"value": "cached"}))
+        executor.execute(each)
+
+
+def test_hit_returns_cached_result_and_executes_nothing(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, rollout_id="r1", epoch=2)
+    service.script("lookup", hit({"value": "cached"}))
+
+    assert executor.execute(call("get", key="a")) == {"value": "cached"}
+
+    assert factory.made == []
+    assert service.requests("record") == []
+    assert service.requests("lookup")[0].body == {
+        "history": [],
+        "call": call("get", key="a"),
+        "rollout_id": "r1",
+        "epoch": 2,
+    }
+    assert executor.history == (call("get", key="a"),)
+    assert (executor.hits, executor.misses, executor.executed) == (1, 0, 0)
+
+
+def test_miss_without_snapshot_starts_fresh_and_replays_every_write(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory)
+    set_a, get_a, append_a = call("set", key="a", value="1"), call("get", key="a"), call(
+        "append", key="a", value="2"
+    )
+    play_hits(service, executor, [set_a, get_a, append_a])
+    service.script("lookup", miss(replay=[set_a, append_a], matched=3))
+
+    assert executor.execute(call("list")) == {"keys": ["a"]}
+
+    (env,) = factory.made
+    assert env is executor.env and env.data == {"a": "12"}
+    assert env.executions == 3
+    # Each executed call is recorded after its own prefix of the rollout's history.
+    assert histories(service) == [
+        ([], set_a),
+        ([set_a, get_a], append_a),
+        ([set_a, get_a, append_a], call("list")),
+    ]
+    assert (executor.replayed, executor.executed, executor.misses) == (2, 1, 1)
+    assert service.requests("release") == []
+
+
+def test_miss_resumes_from_local_snapshot_and_replays_only_the_suffix(service, client):
+    store = SnapshotStore()
+    snapshot = frozen({"a": "1"})  # the state after set_a
+    store.add("snap-1", snapshot)
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, snapshots=store)
+    set_a = call("set", key="a", value="1")
+    append_2, append_3 = call("append", key="a", value="2"), call("append", key="a", value="3")
+    play_hits(service, executor, [set_a, append_2, append_3])
+    service.script(
+        "lookup",
+        miss(replay=[set_a, append_2, append_3], resume=resume("snap-1", [append_2, append_3])),
+    )
+
+    assert executor.execute(call("get", key="a")) == {"value": "123"}
+
+    assert factory.made == []
+    assert executor.env.executions == 3  # two replayed appends and the get
+    assert snapshot.executions == 0 and snapshot.data == {"a": "1"}
+    assert histories(service) == [
+        ([set_a], append_2),
+        ([set_a, append_2], append_3),
+        ([set_a, append_2, append_3], call("get", key="a")),
+    ]
+    (release,) = service.requests("release")
+    assert release.path == "/api/v1/leases/7"
+    assert float(release.params["restore_ms"]) >= 0
+
+
+def test_snapshot_this_process_does_not_hold_means_fresh_start(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, snapshots=SnapshotStore())
+    set_a = call("set", key="a", value="1")
+    play_hits(service, executor, [set_a])
+    service.script("lookup", miss(replay=[set_a], resume=resume("other-process", [])))
+
+    assert executor.execute(call("get", key="a")) == {"value": "1"}
+
+    assert factory.made[0].executions == 2
+    (release,) = service.requests("release")
+    assert release.params == {}  # nothing was forked, so no restore time
+
+
+def test_state_changing_hit_is_applied_to_own_env_before_next_miss(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory)
+    set_x = call("set", key="a", value="x")
+    append_y, append_z = call("append", key="a", value="y"), call("append", key="a", value="z")
+    service.script("lookup", miss(replay=[]))
+    executor.execute(set_x)
+    service.script("lookup", hit({"value": "xy"}))
+    executor.execute(append_y)
+    service.script("lookup", hit({"value": "xy"}))
+    executor.execute(call("get", key="a"))  # read-only: nothing to apply later
+    service.script("lookup", miss(replay=[set_x, append_y], matched=3))
+
+    assert executor.execute(append_z) == {"value": "xyz"}
+
+    (env,) = factory.made
+    assert env.executions == 3
+    assert histories(service)[1:] == [
+        ([set_x], append_y),
+        ([set_x, append_y, call("get", key="a")], append_z),
+    ]
+    assert (executor.hits, executor.misses, executor.replayed, executor.executed) == (2, 2, 1, 2)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_lease_is_released_when_execution_fails(service, client, held):
+    store = SnapshotStore()
+    if held:
+        store.add("snap-1", frozen({}))
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, snapshots=store)
+    service.script("lookup", miss(replay=[], resume=resume("snap-1", [], lease_id=9)))
+
+    with pytest.raises(UnknownTool):
+        executor.execute(call("explode"))
+
+    (release,) = service.requests("release")
+    assert release.path == "/api/v1/leases/9"
+    assert ("restore_ms" in release.params) is held
+    # The failed environment is dropped and stopped; the failed call is not in the history.
+    assert executor.env is None and executor.history == ()
+    assert all(not env.running for env in factory.made)
+    assert service.requests("record") == []
+
+
+def test_failed_lease_release_does_not_fail_the_call(service, client, caplog):
+    executor = ToolCallExecutor(client, TASK, Factory())
+    service.script("lookup", miss(replay=[], resume=resume("elsewhere", [], lease_id=5)))
+    service.script("release", {"error": {"code": "not_found", "message": "gone"}}, status=404)
+
+    with caplog.at_level(logging.WARNING, logger="tvclient"):
+        assert executor.execute(call("set", key="a", value="1")) == {"value": "1"}
+
+    assert "lease 5" in caplog.text
+
+
+def test_wanted_snapshot_is_frozen_registered_and_kept(service, client):
+    store = SnapshotStore()
+    executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+    executor.execute(call("set", key="a", value="1"))
+
+    (registration,) = service.requests("snapshot")
+    assert registration.path == f"/api/v1/tasks/{TASK}/nodes/5/snapshots"
+    assert registration.body["backend"] == "external"
+    assert registration.body["create_ms"] >= 0
+    snapshot = store.get(registration.body["ref"])
+    assert snapshot is not None and snapshot is not executor.env
+
+    service.script("lookup", miss(replay=[call("set", key="a", value="1")], matched=1))
+    executor.execute(call("append", key="a", value="2"))
+
+    assert snapshot.data == {"a": "1"} and snapshot.executions == 0
+
+
+def test_evicted_snapshots_are_stopped_and_forgotten(service, client):
+    store = SnapshotStore()
+    by_record, by_registration = frozen({"a": "1"}), frozen({"a": "2"})
+    store.add("old-1", by_record)
+    store.add("old-2", by_registration)
+    executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+    service.script("lookup", miss(replay=[]))
+    service.script(
+        "record",
+        {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": ["old-1", "not-ours"]},
+    )
+    service.script("snapshot", {"snapshot_id": 8, "ref": "x", "evicted": ["old-2"]}, status=201)
+
+    executor.execute(call("set", key="a", value="3"))
+
+    assert not by_record.running and not by_registration.running
+    assert "old-1" not in store and "old-2" not in store
+    assert len(store) == 1  # only the snapshot just taken
+
+
+def test_close_stops_own_env_and_private_snapshots_but_not_shared_ones(service, client):
+    shared = SnapshotStore()
+    factory = Factory()
+    wanted = {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []}
+    with ToolCallExecutor(client, TASK, factory, snapshots=shared) as sharing, ToolCallExecutor(
+        client, TASK, factory
+    ) as private:
+        for executor in (sharing, private):
+            service.script("lookup", miss(replay=[]))
+            service.script("record", wanted)
+            executor.execute(call("set", key="a", value="1"))
+        kept_private = private.snapshots.get(service.requests("snapshot")[1].body["ref"])
+
+    assert all(not env.running for env in factory.made)
+    assert not kept_private.running
+    assert len(shared) == 1 and shared.get(service.requests("snapshot")[0].body["ref"]).running
+
+
+def test_replay_that_is_not_in_the_history_is_a_service_error(service, client):
+    executor = ToolCallExecutor(client, TASK, Factory())
+    service.script("lookup", miss(replay=[call("set", key="never", value="sent")]))
+
+    with pytest.raises(TVCacheError) as raised:
+        executor.execute(call("get", key="a"))
+
+    assert raised.value.code == "bad_response"
+    assert executor.env is None
+
+
+def test_async_executor_runs_the_same_protocol(service):
+    factory = Factory()
+    set_a = call("set", key="a", value="1")
+    service.script("lookup", hit({"value": "1"}))
+    service.script("lookup", miss(replay=[set_a], matched=1))
+
+    async def rollout():
+        transport = httpx.MockTransport(service.handle)
+        with TVCacheClient("http://tvcache.test", "secret", transport=transport) as client:
+            async with AsyncToolCallExecutor(client, TASK, factory) as executor:
+                first = await executor.execute(set_a)
+                second = await executor.execute(call("get", key="a"))
+                return first, second, executor.executor.hits
+
+    assert asyncio.run(rollout()) == ({"value": "1"}, {"value": "1"}, 1)
+    assert factory.made[0].executions == 2 and not factory.made[0].running

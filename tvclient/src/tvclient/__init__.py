@@ -1,0 +1,38 @@
+"""tvclient: the trainer-side library of tvcache, the stateful tool-value cache."""
+
+from .client import AsyncTVCacheClient, TVCacheClient
+from .environment import ToolExecutionEnvironment
+from .envs import FolderEnvironment, InMemoryEnvironment, UnknownTool
+from .errors import TVCacheError, TVCacheUnavailable
+from .executor import AsyncToolCallExecutor, ToolCallExecutor
+from .results import (
+    Call,
+    CallResult,
+    LookupResult,
+    RecordResult,
+    Resume,
+    SnapshotRegistration,
+    ToolResult,
+)
+from .snapshots import SnapshotStore
+
+__all__ = [
+    "AsyncTVCacheClient",
+    "AsyncToolCallExecutor",
+    "Call",
+    "CallResult",
+    "FolderEnvironment",
+    "InMemoryEnvironment",
+    "LookupResult",
+    "RecordResult",
+    "Resume",
+    "SnapshotRegistration",
+    "SnapshotStore",
+    "TVCacheClient",
+    "TVCacheError",
+    "TVCacheUnavailable",
+    "ToolCallExecutor",
+    "ToolExecutionEnvironment",
+    "ToolResult",
+    "UnknownTool",
+]

@@ -1,0 +1,259 @@
+"""Sync and async HTTP clients for the tvcache REST API v1.
+
+Both clients keep one keep-alive connection pool for their lifetime; create one per trainer
+process (or per event loop) and share it between rollouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, TypeVar
+
+import httpx
+
+from . import operations
+from .operations import Operation
+from .results import (
+    Call,
+    CallResult,
+    LookupResult,
+    RecordResult,
+    SnapshotRegistration,
+    ToolResult,
+)
+
+T = TypeVar("T")
+
+Tools = Mapping[str, Mapping[str, bool]]  # {name: {"mutates_state": bool, "cacheable": bool}}
+
+
+def _http_options(base_url: str, token: str, timeout: float) -> dict[str, Any]:
+    return {
+        "base_url": base_url,
+        "headers": {"Authorization": f"Token {token}", "Accept": "application/json"},
+        "timeout": httpx.Timeout(timeout),
+    }
+
+
+def _request(operation: Operation[Any]) -> dict[str, Any]:
+    return {
+        "method": operation.method,
+        "url": operation.path,
+        "json": operation.body,
+        "params": operation.params,
+    }
+
+
+class TVCacheClient:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.Client(**_http_options(base_url, token, timeout), transport=transport)
+
+    def _send(self, operation: Operation[T]) -> T:
+        try:
+            response = self._http.request(**_request(operation))
+        except httpx.TransportError as exc:
+            raise operations.unavailable(operation, exc) from exc
+        return operations.read_response(operation, response)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> TVCacheClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def put_task(
+        self,
+        task_id: str,
+        env: Mapping[str, Any],
+        tools: Tools | None = None,
+        sandbox_budget: int | None = None,
+    ) -> dict[str, Any]:
+        return self._send(operations.put_task(task_id, env, tools, sandbox_budget))
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        return self._send(operations.get_task(task_id))
+
+    def list_tasks(self) -> list[dict[str, Any]]:
+        return self._send(operations.list_tasks())
+
+    def lookup(
+        self,
+        task_id: str,
+        history: list[Call],
+        call: Call,
+        *,
+        rollout_id: str | None = None,
+        epoch: int | None = None,
+    ) -> LookupResult:
+        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch))
+
+    def record(
+        self,
+        task_id: str,
+        history: list[Call],
+        call: Call,
+        result: ToolResult,
+        exec_ms: float,
+        *,
+        rollout_id: str | None = None,
+        epoch: int | None = None,
+    ) -> RecordResult:
+        return self._send(
+            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch)
+        )
+
+    def register_snapshot(
+        self,
+        task_id: str,
+        node_id: int,
+        ref: str,
+        backend: str,
+        *,
+        size_bytes: int | None = None,
+        create_ms: float | None = None,
+    ) -> SnapshotRegistration:
+        return self._send(
+            operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms)
+        )
+
+    def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
+        self._send(operations.release_lease(lease_id, restore_ms))
+
+    def call(
+        self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None
+    ) -> CallResult:
+        return self._send(operations.rollout_call(task_id, rollout_id, call, epoch))
+
+    def end_rollout(self, task_id: str, rollout_id: str) -> None:
+        self._send(operations.end_rollout(task_id, rollout_id))
+
+    def announce_step(self, tasks: list[str], rollouts_per_task: int, epoch: int) -> dict[str, Any]:
+        return self._send(operations.announce_step(tasks, rollouts_per_task, epoch))
+
+    def graph(self, task_id: str) -> dict[str, Any]:
+        return self._send(operations.graph(task_id))
+
+    def stats(self, task_id: str) -> dict[str, Any]:
+        return self._send(operations.stats(task_id))
+
+    def pools(self) -> dict[str, Any]:
+        return self._send(operations.pools())
+
+
+class AsyncTVCacheClient:
+    """The same endpoints as TVCacheClient, awaitable, over one httpx.AsyncClient."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            **_http_options(base_url, token, timeout), transport=transport
+        )
+
+    async def _send(self, operation: Operation[T]) -> T:
+        try:
+            response = await self._http.request(**_request(operation))
+        except httpx.TransportError as exc:
+            raise operations.unavailable(operation, exc) from exc
+        return operations.read_response(operation, response)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncTVCacheClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def put_task(
+        self,
+        task_id: str,
+        env: Mapping[str, Any],
+        tools: Tools | None = None,
+        sandbox_budget: int | None = None,
+    ) -> dict[str, Any]:
+        return await self._send(operations.put_task(task_id, env, tools, sandbox_budget))
+
+    async def get_task(self, task_id: str) -> dict[str, Any]:
+        return await self._send(operations.get_task(task_id))
+
+    async def list_tasks(self) -> list[dict[str, Any]]:
+        return await self._send(operations.list_tasks())
+
+    async def lookup(
+        self,
+        task_id: str,
+        history: list[Call],
+        call: Call,
+        *,
+        rollout_id: str | None = None,
+        epoch: int | None = None,
+    ) -> LookupResult:
+        return await self._send(operations.lookup(task_id, history, call, rollout_id, epoch))
+
+    async def record(
+        self,
+        task_id: str,
+        history: list[Call],
+        call: Call,
+        result: ToolResult,
+        exec_ms: float,
+        *,
+        rollout_id: str | None = None,
+        epoch: int | None = None,
+    ) -> RecordResult:
+        return await self._send(
+            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch)
+        )
+
+    async def register_snapshot(
+        self,
+        task_id: str,
+        node_id: int,
+        ref: str,
+        backend: str,
+        *,
+        size_bytes: int | None = None,
+        create_ms: float | None = None,
+    ) -> SnapshotRegistration:
+        return await self._send(
+            operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms)
+        )
+
+    async def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
+        await self._send(operations.release_lease(lease_id, restore_ms))
+
+    async def call(
+        self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None
+    ) -> CallResult:
+        return await self._send(operations.rollout_call(task_id, rollout_id, call, epoch))
+
+    async def end_rollout(self, task_id: str, rollout_id: str) -> None:
+        await self._send(operations.end_rollout(task_id, rollout_id))
+
+    async def announce_step(
+        self, tasks: list[str], rollouts_per_task: int, epoch: int
+    ) -> dict[str, Any]:
+        return await self._send(operations.announce_step(tasks, rollouts_per_task, epoch))
+
+    async def graph(self, task_id: str) -> dict[str, Any]:
+        return await self._send(operations.graph(task_id))
+
+    async def stats(self, task_id: str) -> dict[str, Any]:
+        return await self._send(operations.stats(task_id))
+
+    async def pools(self) -> dict[str, Any]:
+        return await self._send(operations.pools())

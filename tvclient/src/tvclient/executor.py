@@ -1,0 +1,266 @@
+"""Client mode: a rollout's tool calls, answered by the cache or run in the trainer's sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Callable, cast
+
+from .client import TVCacheClient
+from .environment import ToolExecutionEnvironment
+from .errors import TVCacheError
+from .results import Call, LookupResult, ToolResult
+from .snapshots import SnapshotStore
+
+logger = logging.getLogger(__name__)
+
+EnvFactory = Callable[[], ToolExecutionEnvironment]
+
+
+def _elapsed_ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000.0
+
+
+def _json_copy(call: Call) -> Call:
+    # The caller may reuse its dict, and calls must compare equal to the service's JSON echo
+    # of them (a tuple argument comes back as a list).
+    return json.loads(json.dumps(call))
+
+
+def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]:
+    """Positions in `history` of the service's state-changing calls, a subsequence of it.
+
+    Equal calls share a tool and so a mutates_state declaration: the first occurrence after
+    the previous write is the right one.
+    """
+    positions: list[int] = []
+    for write in writes:
+        start = positions[-1] + 1 if positions else 0
+        try:
+            positions.append(history.index(write, start))
+        except ValueError:
+            raise TVCacheError(
+                200, "bad_response", f"replay call {write!r} is not in the rollout's history"
+            ) from None
+    return positions
+
+
+class ToolCallExecutor:
+    """Runs one rollout's tool calls through the cache, in environments the trainer owns.
+
+    Create one per rollout and call `execute` once per tool call, in order. A hit runs
+    nothing. The first miss materialises the rollout's own environment, forked from a
+    snapshot this process holds when the service offers one, else started fresh, and replays
+    the state-changing calls it lacks; later misses reuse it. Every executed call, replays
+    included, is recorded.
+
+    Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment) and
+    `replayed` (calls run again only to rebuild state).
+
+    `snapshots` should be one store shared by all executors of the trainer process; without
+    it the executor keeps a private store and stops its snapshots on close().
+    """
+
+    def __init__(
+        self,
+        client: TVCacheClient,
+        task_id: str,
+        env_factory: EnvFactory,
+        *,
+        rollout_id: str | None = None,
+        epoch: int | None = None,
+        snapshots: SnapshotStore | None = None,
+    ) -> None:
+        self._client = client
+        self.task_id = task_id
+        self._env_factory = env_factory
+        self.rollout_id = rollout_id
+        self.epoch = epoch
+        self._owns_snapshots = snapshots is None
+        self.snapshots = SnapshotStore() if snapshots is None else snapshots
+        self._history: list[Call] = []
+        self._env: ToolExecutionEnvironment | None = None
+        # History positions of state-changing hits that the rollout's own env has not run.
+        self._pending: list[int] = []
+        self.hits = 0
+        self.misses = 0
+        self.executed = 0
+        self.replayed = 0
+
+    @property
+    def history(self) -> tuple[Call, ...]:
+        return tuple(self._history)
+
+    @property
+    def env(self) -> ToolExecutionEnvironment | None:
+        """The rollout's own environment, once a miss has materialised it."""
+        return self._env
+
+    def execute(self, call: Call) -> ToolResult:
+        call = _json_copy(call)
+        lookup = self._client.lookup(
+            self.task_id, self._history, call, rollout_id=self.rollout_id, epoch=self.epoch
+        )
+        if lookup.hit:
+            self._note_hit(call)
+            return cast(ToolResult, lookup.result)  # a hit always carries its result
+        self.misses += 1
+        result = self._resolve_miss(call, lookup)
+        self._history.append(call)
+        return result
+
+    def close(self) -> None:
+        self._drop_env()
+        if self._owns_snapshots:
+            self.snapshots.close()
+
+    def __enter__(self) -> ToolCallExecutor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _note_hit(self, call: Call) -> None:
+        self.hits += 1
+        if self._env is not None and self._env.mutates_state(call):
+            self._pending.append(len(self._history))
+        self._history.append(call)
+
+    def _resolve_miss(self, call: Call, lookup: LookupResult) -> ToolResult:
+        restore_ms: float | None = None
+        try:
+            if self._env is None:
+                restore_ms, replay = self._open_env(lookup)
+            else:
+                replay, self._pending = self._pending, []
+            for position in replay:
+                self._run(position, self._history[position])
+                self.replayed += 1
+            result = self._run(len(self._history), call)
+            self.executed += 1
+            return result
+        except BaseException:
+            # After a failure the environment's state no longer follows the history; the
+            # next miss rebuilds it.
+            self._drop_env()
+            raise
+        finally:
+            if lookup.resume is not None:
+                self._release(lookup.resume.lease_id, restore_ms)
+
+    def _open_env(self, lookup: LookupResult) -> tuple[float | None, list[int]]:
+        """Fork the offered snapshot if this process holds it, else start fresh.
+
+        Returns the fork's restore time (None for a fresh start) and the history positions
+        to replay on the new environment.
+        """
+        positions = _write_positions(self._history, lookup.replay)
+        resume = lookup.resume
+        snapshot = self.snapshots.get(resume.snapshot_ref) if resume is not None else None
+        if resume is None or snapshot is None:
+            env = self._env_factory()
+            env.start()
+            self._env = env
+            return None, positions
+        started = time.perf_counter()
+        self._env = snapshot.fork()
+        return _elapsed_ms(started), positions[len(positions) - len(resume.replay) :]
+
+    def _run(self, position: int, call: Call) -> ToolResult:
+        """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
+        assert self._env is not None
+        started = time.perf_counter()
+        result = self._env.execute(call)
+        exec_ms = _elapsed_ms(started)
+        recorded = self._client.record(
+            self.task_id,
+            self._history[:position],
+            call,
+            result,
+            exec_ms,
+            rollout_id=self.rollout_id,
+            epoch=self.epoch,
+        )
+        if recorded.snapshot_wanted:
+            self._snapshot(recorded.node_id)
+        self._discard(recorded.evicted)
+        return result
+
+    def _snapshot(self, node_id: int) -> None:
+        assert self._env is not None
+        started = time.perf_counter()
+        frozen = self._env.fork()
+        create_ms = _elapsed_ms(started)
+        ref = uuid.uuid4().hex
+        # Stored before the service can offer the ref, so that another executor of this
+        # process that is offered it right away finds it.
+        self.snapshots.add(ref, frozen)
+        try:
+            registration = self._client.register_snapshot(
+                self.task_id, node_id, ref, frozen.backend, create_ms=create_ms
+            )
+        except BaseException:
+            self.snapshots.discard(ref)
+            raise
+        self._discard(registration.evicted)
+
+    def _discard(self, refs: tuple[str, ...]) -> None:
+        for ref in refs:
+            self.snapshots.discard(ref)
+
+    def _release(self, lease_id: int | str, restore_ms: float | None) -> None:
+        try:
+            self._client.release_lease(lease_id, restore_ms=restore_ms)
+        except TVCacheError as exc:
+            # The service reaps expired leases, so a lost release only delays an eviction;
+            # it must neither fail the rollout nor mask the call's own error.
+            logger.warning("could not release lease %s: %s", lease_id, exc)
+
+    def _drop_env(self) -> None:
+        env, self._env, self._pending = self._env, None, []
+        if env is not None:
+            env.stop()
+
+
+class AsyncToolCallExecutor:
+    """ToolCallExecutor for asyncio trainers.
+
+    Each call runs the synchronous executor in a worker thread (`asyncio.to_thread`): the
+    environments block anyway, and one code path keeps both executors alike. Rollouts in
+    flight share the loop's default thread pool; size it (`loop.set_default_executor`) to
+    their number. A cancelled `execute` still finishes in its thread.
+    """
+
+    def __init__(
+        self,
+        client: TVCacheClient,
+        task_id: str,
+        env_factory: EnvFactory,
+        *,
+        rollout_id: str | None = None,
+        epoch: int | None = None,
+        snapshots: SnapshotStore | None = None,
+    ) -> None:
+        self.executor = ToolCallExecutor(
+            client,
+            task_id,
+            env_factory,
+            rollout_id=rollout_id,
+            epoch=epoch,
+            snapshots=snapshots,
+        )
+
+    async def execute(self, call: Call) -> ToolResult:
+        return await asyncio.to_thread(self.executor.execute, call)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.executor.close)
+
+    async def __aenter__(self) -> AsyncToolCallExecutor:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

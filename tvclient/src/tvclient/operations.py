@@ -1,0 +1,208 @@
+"""What each endpoint sends and how its answer is read, shared by the sync and async clients.
+
+The clients only move an `Operation` over HTTP; everything about the REST contract lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Mapping, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from .errors import TVCacheError, TVCacheUnavailable
+from .results import (
+    Call,
+    CallResult,
+    LookupResult,
+    RecordResult,
+    SnapshotRegistration,
+    ToolResult,
+)
+
+T = TypeVar("T")
+
+API = "/api/v1"
+# Statuses a gateway answers when the service behind it is down or overloaded.
+GATEWAY_DOWN = frozenset({502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class Operation(Generic[T]):
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    body: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+
+
+def _segment(value: str | int) -> str:
+    # Task and rollout ids are the caller's strings; a "/" in one must not change the route.
+    return quote(str(value), safe="")
+
+
+def _without_none(**fields: Any) -> dict[str, Any]:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _object(payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise TypeError(f"expected a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def _object_or_empty(payload: Any) -> dict[str, Any]:
+    return {} if payload is None else _object(payload)
+
+
+def _nothing(payload: Any) -> None:
+    return None
+
+
+def _parse_with(result_type: Any) -> Callable[[Any], Any]:
+    return lambda payload: result_type.from_json(_object(payload))
+
+
+def _task_list(payload: Any) -> list[dict[str, Any]]:
+    return list(_object(payload)["tasks"])
+
+
+def _task_path(task_id: str) -> str:
+    return f"{API}/tasks/{_segment(task_id)}"
+
+
+def put_task(
+    task_id: str,
+    env: Mapping[str, Any],
+    tools: Mapping[str, Mapping[str, bool]] | None,
+    sandbox_budget: int | None,
+) -> Operation[dict[str, Any]]:
+    body = _without_none(env=dict(env), tools=tools, sandbox_budget=sandbox_budget)
+    return Operation("PUT", _task_path(task_id), _object, body=body)
+
+
+def get_task(task_id: str) -> Operation[dict[str, Any]]:
+    return Operation("GET", _task_path(task_id), _object)
+
+
+def list_tasks() -> Operation[list[dict[str, Any]]]:
+    return Operation("GET", f"{API}/tasks", _task_list)
+
+
+def lookup(
+    task_id: str,
+    history: list[Call],
+    call: Call,
+    rollout_id: str | None,
+    epoch: int | None,
+) -> Operation[LookupResult]:
+    body = _without_none(history=history, call=call, rollout_id=rollout_id, epoch=epoch)
+    return Operation("POST", f"{_task_path(task_id)}/lookup", _parse_with(LookupResult), body=body)
+
+
+def record(
+    task_id: str,
+    history: list[Call],
+    call: Call,
+    result: ToolResult,
+    exec_ms: float,
+    rollout_id: str | None,
+    epoch: int | None,
+) -> Operation[RecordResult]:
+    body = _without_none(
+        history=history,
+        call=call,
+        result=result,
+        exec_ms=exec_ms,
+        rollout_id=rollout_id,
+        epoch=epoch,
+    )
+    return Operation("POST", f"{_task_path(task_id)}/record", _parse_with(RecordResult), body=body)
+
+
+def register_snapshot(
+    task_id: str,
+    node_id: int,
+    ref: str,
+    backend: str,
+    size_bytes: int | None,
+    create_ms: float | None,
+) -> Operation[SnapshotRegistration]:
+    body = _without_none(ref=ref, backend=backend, size_bytes=size_bytes, create_ms=create_ms)
+    path = f"{_task_path(task_id)}/nodes/{_segment(node_id)}/snapshots"
+    return Operation("POST", path, _parse_with(SnapshotRegistration), body=body)
+
+
+def release_lease(lease_id: int | str, restore_ms: float | None) -> Operation[None]:
+    params = _without_none(restore_ms=restore_ms)
+    return Operation("DELETE", f"{API}/leases/{_segment(lease_id)}", _nothing, params=params)
+
+
+def rollout_call(
+    task_id: str, rollout_id: str, call: Call, epoch: int | None
+) -> Operation[CallResult]:
+    path = f"{_task_path(task_id)}/rollouts/{_segment(rollout_id)}/calls"
+    body = _without_none(call=call, epoch=epoch)
+    return Operation("POST", path, _parse_with(CallResult), body=body)
+
+
+def end_rollout(task_id: str, rollout_id: str) -> Operation[None]:
+    return Operation("DELETE", f"{_task_path(task_id)}/rollouts/{_segment(rollout_id)}", _nothing)
+
+
+def announce_step(
+    tasks: list[str], rollouts_per_task: int, epoch: int
+) -> Operation[dict[str, Any]]:
+    body = {"tasks": list(tasks), "rollouts_per_task": rollouts_per_task, "epoch": epoch}
+    return Operation("POST", f"{API}/steps", _object_or_empty, body=body)
+
+
+def graph(task_id: str) -> Operation[dict[str, Any]]:
+    return Operation("GET", f"{_task_path(task_id)}/graph", _object)
+
+
+def stats(task_id: str) -> Operation[dict[str, Any]]:
+    return Operation("GET", f"{_task_path(task_id)}/stats", _object)
+
+
+def pools() -> Operation[dict[str, Any]]:
+    return Operation("GET", f"{API}/pools", _object)
+
+
+def read_response(operation: Operation[T], response: httpx.Response) -> T:
+    """The operation's typed answer, or the service's error raised as a TVCacheError."""
+    if response.is_error:
+        raise error_from_response(response)
+    try:
+        payload = response.json() if response.content else None
+        return operation.parse(payload)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TVCacheError(
+            response.status_code,
+            "bad_response",
+            f"unexpected answer to {operation.method} {operation.path}: {exc!r}",
+            response.text[:2000],
+        ) from exc
+
+
+def error_from_response(response: httpx.Response) -> TVCacheError:
+    error_type = TVCacheUnavailable if response.status_code in GATEWAY_DOWN else TVCacheError
+    try:
+        error = response.json()["error"]
+        return error_type(
+            response.status_code, str(error["code"]), str(error["message"]), error.get("details")
+        )
+    except (KeyError, TypeError, ValueError):
+        # Not the service's error JSON: a proxy's page or a crash before the error handler ran.
+        message = response.text[:500] or response.reason_phrase
+        return error_type(response.status_code, f"http_{response.status_code}", message)
+
+
+def unavailable(operation: Operation[Any], exc: httpx.TransportError) -> TVCacheUnavailable:
+    return TVCacheUnavailable(
+        None,
+        "unavailable",
+        f"{operation.method} {operation.path} failed: {exc!r}",
+        {"exception": type(exc).__name__},
+    )

@@ -1,0 +1,117 @@
+"""Typed answers of the trainer's hot-path endpoints.
+
+Lookup, record, snapshot registration and tool-server calls answer with frozen dataclasses
+because the executor branches on their fields. Descriptive resources (tasks, graph, stats,
+pools) are returned as plain dicts: they are read by people and grow with the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+Call = dict[str, Any]  # {"tool": str, "args": {...}}
+ToolResult = dict[str, Any]  # whatever the tool answered; a JSON object
+
+
+def _calls(data: Any) -> tuple[Call, ...]:
+    return tuple(dict(call) for call in data)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """The deepest matched node with a live snapshot, held for us by a lease until released."""
+
+    node_id: int
+    snapshot_id: int
+    snapshot_ref: str
+    lease_id: int | str
+    replay: tuple[Call, ...]  # state-changing calls after the snapshot, to replay on its fork
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Resume:
+        return cls(
+            node_id=data["node_id"],
+            snapshot_id=data["snapshot_id"],
+            snapshot_ref=data["snapshot_ref"],
+            lease_id=data["lease_id"],
+            replay=_calls(data["replay"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    hit: bool
+    node_id: int | None = None
+    result: ToolResult | None = None
+    matched: int = 0
+    resume: Resume | None = None
+    replay: tuple[Call, ...] = ()  # every state-changing call of the history, for a fresh sandbox
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LookupResult:
+        if data["hit"]:
+            return cls(hit=True, node_id=data["node_id"], result=data["result"])
+        resume = data.get("resume")
+        return cls(
+            hit=False,
+            node_id=data.get("node_id"),
+            matched=data["matched"],
+            resume=Resume.from_json(resume) if resume is not None else None,
+            replay=_calls(data["replay"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RecordResult:
+    node_id: int
+    created: bool
+    snapshot: str  # "wanted" | "skipped"
+    evicted: tuple[str, ...]  # refs of client-owned snapshots to stop now
+
+    @property
+    def snapshot_wanted(self) -> bool:
+        return self.snapshot == "wanted"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RecordResult:
+        return cls(
+            node_id=data["node_id"],
+            created=bool(data.get("created", False)),
+            snapshot=data["snapshot"],
+            evicted=tuple(data.get("evicted", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRegistration:
+    snapshot_id: int
+    ref: str
+    evicted: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SnapshotRegistration:
+        return cls(
+            snapshot_id=data["snapshot_id"],
+            ref=data["ref"],
+            evicted=tuple(data.get("evicted", ())),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """Answer of a tool-server mode call."""
+
+    result: ToolResult
+    cached: bool
+    node_id: int
+    latency_ms: float
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CallResult:
+        return cls(
+            result=data["result"],
+            cached=data["cached"],
+            node_id=data["node_id"],
+            latency_ms=data["latency_ms"],
+        )
