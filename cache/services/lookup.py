@@ -12,6 +12,7 @@ from django.db import connection
 from django.utils import timezone
 
 from cache.errors import NotFound
+from dashboard import broadcast
 from cache.inputs import CallContext
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
@@ -71,6 +72,8 @@ def tcg_lookup(*, task_id: str, context: CallContext) -> LookupHit | LookupMiss:
     hit = node_id is not None and task.policy.for_tool(call.tool).cacheable
     counters_add(task_id=task.task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
                  node_id=node_id, hit=hit, seen=node_id is not None, saved_ms=exec_ms or 0.0)
+    broadcast.lookup(task.task_id, hit, oracle=node_id is not None, epoch=context.epoch, tool=call.tool,
+                     node_id=node_id, saved_ms=exec_ms or 0.0)
     if hit:
         return LookupHit(node_id=node_id, result_json=result_json)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import connection
 
 from cache.errors import PayloadTooLarge
+from dashboard import broadcast
 from cache.inputs import RecordInput
 from cache.tcg import canonical_call, canonical_json
 from cache.tcg.snapshots import SnapshotCosts, snapshot_wanted
@@ -95,6 +96,8 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
             cursor.execute(EXISTING_SQL, [task.task_id, last.anchor, last.digest])
             row = cursor.fetchone()
         node_id, cum_exec_ms, created = row
+        if created:
+            broadcast.node_created(task.task_id, node_id)
         wanted = False
         if last.mutates and task.sandbox_budget > 0:
             cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id, [step.state_key for step in writes]])

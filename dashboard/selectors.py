@@ -1,0 +1,258 @@
+"""Reads behind the dashboard pages; the figures come from `cache.selectors`, shaped here for display."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from django.db import connection
+from django.db.models import Count, Q, Sum
+from django.utils import timezone
+
+from cache import selectors as cache_selectors
+from cache.errors import NotFound
+from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
+
+GRAPH_LEVELS = 3  # levels fetched at first paint and per expansion
+GRAPH_LIMIT = 400  # nodes per fetch: a 10,000-node task stays responsive
+SEARCH_LIMIT = 30
+LABEL_CHARS = 40
+TEXT_CHARS = 300
+RESULT_FOLD_CHARS = 4000
+RESULT_FOLD_LINES = 60
+ROLLOUTS_SHOWN = 100
+ZERO_RATES = {**dict.fromkeys(cache_selectors.COUNTERS, 0), "hit_rate": 0.0, "oracle_hit_rate": 0.0}
+
+TOOL_MEDIANS_SQL = """
+SELECT tool, percentile_cont(0.5) WITHIN GROUP (ORDER BY exec_ms), count(*)
+FROM cache_node WHERE task_id = %s GROUP BY tool
+"""
+
+PATH_SQL = """
+WITH RECURSIVE up(id, parent_id, level) AS (
+    SELECT id, parent_id, 0 FROM cache_node WHERE task_id = %s AND id = %s
+    UNION ALL
+    SELECT n.id, n.parent_id, up.level + 1 FROM cache_node n JOIN up ON n.id = up.parent_id
+) SELECT id FROM up ORDER BY level DESC
+"""
+
+
+# --- labels ------------------------------------------------------------------------------------
+
+def call_text(call: dict) -> str:
+    """The call as a person reads it: the tool and its main argument (or its args)."""
+    args = call.get("args") or {}
+    strings = [value for value in args.values() if isinstance(value, str)]
+    main = strings[0] if len(args) == 1 and strings else json.dumps(args, separators=(",", ":"), sort_keys=True)
+    return f"{call.get('tool', '?')}: {main}"
+
+
+def call_label(call: dict) -> str:
+    text = " ".join(call_text(call).split())
+    return text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 1] + "…"
+
+
+# --- overview ----------------------------------------------------------------------------------
+
+def pools() -> dict[str, Any]:
+    """`sandboxes.selectors.pools_overview()`, or the live snapshots alone until the sandboxes app has it."""
+    try:
+        from sandboxes.selectors import pools_overview
+    except ImportError:
+        return _pools_fallback()
+    return pools_overview()
+
+
+def _pools_fallback() -> dict[str, Any]:
+    snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE).order_by("task_id", "pk").values(
+        "task_id", "node_id", "ref", "backend", "size_bytes", "status")
+    return {"engine": {"backend": "none", "ok": None, "detail": "sandbox pools are not available yet"},
+            "pools": [], "snapshots": list(snapshots),
+            "fork_latency_ms": {"warm_p50": None, "warm_p95": None, "cold_p50": None, "cold_p95": None}}
+
+
+def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
+    """Sandboxes not on their way out, per task."""
+    counts: dict[str, int] = defaultdict(int)
+    for pool in pool_rows:
+        states = pool.get("states") or {}
+        counts[pool.get("task_id")] += sum(n for state, n in states.items() if state != "stopping")
+    return counts
+
+
+def overview() -> list[dict[str, Any]]:
+    """Every task with its totals and its hit rate per epoch."""
+    rows = cache_selectors.task_list_stats()  # first: it writes the buffered lookup counters
+    epochs: dict[str, list] = defaultdict(list)
+    per_epoch = (ToolStat.objects.values("task_id", "epoch").annotate(calls=Sum("calls"), hits=Sum("hits"))
+                 .order_by("task_id", "epoch"))
+    for row in per_epoch:
+        epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
+    sandboxes = live_sandboxes(pools()["pools"])
+    return [
+        {"id": row["task"].pk, "backend": (row["task"].env or {}).get("backend", "external"),
+         "budget": row["task"].sandbox_budget, "stats": row["stats"], "nodes": row["nodes"],
+         "live_snapshots": row["live_snapshots"], "sandboxes": sandboxes.get(row["task"].pk, 0),
+         "epochs": epochs.get(row["task"].pk, [])}
+        for row in rows
+    ]
+
+
+# --- task --------------------------------------------------------------------------------------
+
+def task_detail(*, task_id: str) -> dict[str, Any]:
+    task = cache_selectors.task_get(task_id=task_id)
+    stats = cache_selectors.task_stats(task_id=task_id)
+    with connection.cursor() as cursor:
+        cursor.execute(TOOL_MEDIANS_SQL, [task_id])
+        medians = {tool: (median, nodes) for tool, median, nodes in cursor.fetchall()}
+    tools = []
+    for row in stats["per_tool"]:
+        median, nodes = medians.pop(row["tool"], (None, 0))
+        tools.append({**row, "median_exec_ms": median, "nodes": nodes})
+    for tool, (median, nodes) in sorted(medians.items()):  # recorded but never looked up
+        tools.append({**ZERO_RATES, "tool": tool, "median_exec_ms": median, "nodes": nodes})
+    rollouts = list(Rollout.objects.filter(task_id=task_id).order_by("-started_at", "-pk")
+                    .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at")[:ROLLOUTS_SHOWN])
+    for rollout in rollouts:
+        rollout["misses"] = rollout["calls"] - rollout["hits"]
+    return {"task": task, "stats": stats, "tools": tools, "rollouts": rollouts,
+            "epochs": [[e["epoch"], e["calls"], e["hits"], e["oracle_hits"]] for e in stats["per_epoch"]]}
+
+
+# --- graph -------------------------------------------------------------------------------------
+
+def _graph_node(row: dict, children: dict[int, int]) -> dict[str, Any]:
+    text = call_text(row["call"])
+    return {
+        "id": row["id"], "parent": row["parent_id"], "depth": row["depth"], "tool": row["tool"],
+        "label": call_label(row["call"]), "text": text[:TEXT_CHARS], "mutates": row["mutates"],
+        "exec_ms": row["exec_ms"], "hits": row["hit_count"], "pinned": row["pinned"], "snapshot": row["snapshot"],
+        "children": children.get(row["id"], 0), "bytes": row["result_bytes"],
+    }
+
+
+def _child_counts(ids: list[int]) -> dict[int, int]:
+    if not ids:
+        return {}
+    return dict(Node.objects.filter(parent_id__in=ids).values("parent_id").annotate(n=Count("id"))
+                .values_list("parent_id", "n"))
+
+
+def graph_slice(*, task_id: str, root: int | None = None, levels: int = GRAPH_LEVELS,
+                limit: int = GRAPH_LIMIT) -> dict[str, Any]:
+    """A few levels of the graph (from the top, or under `root`), each node with its child count so the
+    page knows what it can expand."""
+    if root is None:
+        data = cache_selectors.graph_export(task_id=task_id, max_depth=levels, limit=limit)
+    else:
+        data = cache_selectors.graph_export(task_id=task_id, root=root, max_depth=levels, limit=limit + 1)
+    rows = data["nodes"]
+    children = _child_counts([row["id"] for row in rows])
+    top_level = Node.objects.filter(task_id=task_id, parent__isnull=True).count() if root is None else None
+    return {"task_id": task_id, "root": root, "nodes": [_graph_node(row, children) for row in rows],
+            "top_level": top_level, "truncated": len(rows) >= limit}
+
+
+def _rows(task_id: str, query: Q, limit: int) -> list[dict]:
+    rows = list(Node.objects.filter(query, task_id=task_id).order_by("depth", "pk").values(
+        "id", "parent_id", "depth", "tool", "call", "mutates", "exec_ms", "hit_count", "pinned", "result_bytes",
+    )[:limit])
+    live = set(Snapshot.objects.filter(node_id__in=[r["id"] for r in rows], status=Snapshot.Status.LIVE)
+               .values_list("node_id", flat=True))
+    for row in rows:
+        row["snapshot"] = row["id"] in live
+    return rows
+
+
+def graph_nodes(*, task_id: str, ids: list[int]) -> list[dict[str, Any]]:
+    """Given nodes (new ones announced live), shaped like a slice."""
+    rows = _rows(task_id, Q(pk__in=ids[:GRAPH_LIMIT]), GRAPH_LIMIT)
+    children = _child_counts([row["id"] for row in rows])
+    return [_graph_node(row, children) for row in rows]
+
+
+def node_path(*, task_id: str, node_id: int) -> list[int]:
+    """Node ids from the top of the graph down to the node."""
+    with connection.cursor() as cursor:
+        cursor.execute(PATH_SQL, [task_id, node_id])
+        ids = [row[0] for row in cursor.fetchall()]
+    if not ids:
+        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node")
+    return ids
+
+
+def graph_reveal(*, task_id: str, node_id: int) -> dict[str, Any]:
+    """What the page needs to show a node deep in the graph: its path, and the children of each node
+    on the path (plus the top level), so every node on the way is shown expanded."""
+    path = node_path(task_id=task_id, node_id=node_id)
+    rows = _rows(task_id, Q(parent__isnull=True) | Q(parent_id__in=path) | Q(pk__in=path), GRAPH_LIMIT * 2)
+    children = _child_counts([row["id"] for row in rows])
+    return {"task_id": task_id, "path": path, "nodes": [_graph_node(row, children) for row in rows]}
+
+
+def graph_search(*, task_id: str, text: str) -> list[dict[str, Any]]:
+    """Nodes whose call contains the text (case-insensitive)."""
+    text = text.strip()
+    if not text:
+        return []
+    rows = _rows(task_id, Q(call__icontains=text), SEARCH_LIMIT)
+    return [_graph_node(row, {}) for row in rows]
+
+
+# --- node --------------------------------------------------------------------------------------
+
+def _folded(text: str) -> dict[str, Any]:
+    lines = text.splitlines()
+    if len(text) <= RESULT_FOLD_CHARS and len(lines) <= RESULT_FOLD_LINES:
+        return {"head": text, "rest": "", "lines": len(lines)}
+    head = "\n".join(lines[:RESULT_FOLD_LINES])[:RESULT_FOLD_CHARS]
+    return {"head": head, "rest": text[len(head):], "lines": len(lines)}
+
+
+def result_parts(result_json: str) -> list[dict[str, Any]]:
+    """The result as folded blocks: long string fields (stdout, output...) as text, the rest as JSON."""
+    result = json.loads(result_json)
+    parts = []
+    if isinstance(result, dict):
+        rest = {}
+        for key, value in result.items():
+            if isinstance(value, str) and ("\n" in value or len(value) > 120):
+                parts.append({"name": key, **_folded(value)})
+            else:
+                rest[key] = value
+        if rest:
+            parts.insert(0, {"name": "fields", **_folded(json.dumps(rest, indent=2, ensure_ascii=False))})
+    else:
+        parts.append({"name": "result", **_folded(json.dumps(result, indent=2, ensure_ascii=False))})
+    return parts
+
+
+def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
+    node = Node.objects.filter(task_id=task_id, pk=node_id).select_related("task").first()
+    if node is None:
+        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node")
+    path_ids = node_path(task_id=task_id, node_id=node_id)
+    labels = dict(Node.objects.filter(pk__in=path_ids).values_list("pk", "call"))
+    path = [{"id": pk, "label": call_label(labels[pk])} for pk in path_ids]
+    now = timezone.now()
+    snapshots = list(node.snapshots.order_by("-created_at").annotate(
+        open_leases=Count("leases", filter=Q(leases__released_at__isnull=True, leases__expires_at__gt=now))))
+    return {
+        "node": node, "call_text": call_text(node.call), "call_json": json.dumps(node.call, indent=2, ensure_ascii=False),
+        "result": result_parts(node.result_json), "path": path, "children": node.children.count(),
+        "snapshots": snapshots, "live_snapshot": next((s for s in snapshots if s.status == Snapshot.Status.LIVE), None),
+    }
+
+
+def subtree_size(*, task_id: str, node_id: int) -> dict[str, int]:
+    """What evicting the subtree would remove (for the confirmation page)."""
+    from cache.services.admin import SUBTREE_SQL
+
+    with connection.cursor() as cursor:
+        cursor.execute(SUBTREE_SQL, [task_id, node_id])
+        ids = [row[0] for row in cursor.fetchall()]
+    live = Snapshot.objects.filter(node_id__in=ids, status=Snapshot.Status.LIVE)
+    leased = Lease.objects.filter(snapshot__in=live, released_at__isnull=True, expires_at__gt=timezone.now()).count()
+    return {"nodes": len(ids), "snapshots": live.count(), "leased": leased}

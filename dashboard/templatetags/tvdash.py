@@ -1,0 +1,57 @@
+"""Formatting of the dashboard's figures."""
+
+from __future__ import annotations
+
+from django import template
+
+register = template.Library()
+
+
+@register.filter
+def percent(value) -> str:
+    if value is None:
+        return "–"
+    return f"{100 * float(value):.1f} %"
+
+
+@register.filter
+def duration(ms) -> str:
+    """Milliseconds as a person reads them: 850 ms, 4.2 s, 3 min 20 s, 2 h 05 min."""
+    if ms is None:
+        return "–"
+    ms = float(ms)
+    if ms < 1000:
+        return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, seconds = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+@register.filter
+def size(n) -> str:
+    if n is None:
+        return "–"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+@register.filter
+def get(mapping, key):
+    return (mapping or {}).get(key)
+
+
+@register.filter
+def tojson(value) -> str:
+    """JSON for a data-* attribute (autoescaping then makes it attribute-safe)."""
+    import json
+
+    return json.dumps(value, separators=(",", ":"), default=str)

@@ -1,0 +1,126 @@
+"""Pages and the graph JSON: login required, what each page shows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.test import Client
+
+pytestmark = pytest.mark.django_db
+
+
+def page_urls(task: str, tree: dict[str, int]) -> list[str]:
+    return ["/", f"/tasks/{task}/", f"/tasks/{task}/graph/", f"/tasks/{task}/nodes/{tree['test']}/", "/pools/", "/audit/"]
+
+
+def test_every_page_needs_a_login(tree, toy_task):
+    client = Client()
+    for url in page_urls(toy_task, tree):
+        response = client.get(url)
+        assert response.status_code == 302, url
+        assert response["Location"].startswith("/login/?next="), url
+
+
+def test_login_page_logs_in_and_out(plain_user):
+    client = Client()
+    page = client.get("/login/")
+    assert page.status_code == 200 and b'name="password"' in page.content
+    response = client.post("/login/", {"username": "bob", "password": "wrong"})
+    assert response.status_code == 200 and b"Wrong user name or password" in response.content
+    response = client.post("/login/", {"username": "bob", "password": "correct horse battery staple", "next": "/pools/"})
+    assert response.status_code == 302 and response["Location"] == "/pools/"
+    assert client.get("/").status_code == 200
+    assert client.post("/logout/").status_code == 302
+    assert client.get("/").status_code == 302
+
+
+def test_overview_lists_every_task_with_its_figures(user_client, tree, toy_task, api):
+    api.put("/api/v1/tasks/empty", {"env": {"backend": "external"}}, format="json")
+    page = user_client.get("/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert f'data-task="{toy_task}"' in html and 'data-task="empty"' in html
+    row = page.context["tasks"][[t["id"] for t in page.context["tasks"]].index(toy_task)]
+    # 6 lookups: clone and make hit for both rollouts; "make install" misses twice.
+    assert row["stats"]["calls"] == 6 and row["stats"]["hits"] == 4
+    assert row["nodes"] == 7 and row["live_snapshots"] == 2
+    assert row["epochs"] == [[0, 3, 2], [1, 3, 2]]  # [epoch, calls, hits] for the sparkline
+    assert "66.7 %" in html  # hit rate
+
+
+def test_task_page_shows_tools_epochs_and_rollouts(user_client, tree, toy_task):
+    page = user_client.get(f"/tasks/{toy_task}/")
+    assert page.status_code == 200
+    tools = {t["tool"]: t for t in page.context["tools"]}
+    assert tools["bash"]["calls"] == 6 and tools["bash"]["hits"] == 4
+    assert tools["bash"]["median_exec_ms"] == pytest.approx(1950.0)  # of 8, 30, 900 | 3000, 4000, 12000
+    assert tools["read"]["calls"] == 0 and tools["read"]["nodes"] == 1  # recorded, never looked up
+    rollouts = {r["rollout_id"]: r for r in page.context["rollouts"]}
+    assert rollouts["r1"]["hits"] == 2 and rollouts["r1"]["misses"] == 1
+    html = page.content.decode()
+    assert 'id="epochs-data"' in html and 'id="live-calls"' in html
+    assert user_client.get("/tasks/nope/").status_code == 404
+
+
+def test_graph_page_embeds_the_top_levels_only(user_client, tree, toy_task):
+    page = user_client.get(f"/tasks/{toy_task}/graph/")
+    assert page.status_code == 200
+    initial = page.context["initial"]
+    ids = {n["id"] for n in initial["nodes"]}
+    assert {tree["clone"], tree["make"], tree["ls"], tree["test"], tree["read"]} <= ids
+    assert tree["patch"] not in ids and tree["retest"] not in ids  # depth 4 and 5: loaded on demand
+    test = next(n for n in initial["nodes"] if n["id"] == tree["test"])
+    assert test["children"] == 1 and test["snapshot"] is True and test["label"].startswith("bash: pytest")
+    assert initial["top_level"] == 1
+    assert b'id="graph-initial"' in page.content and b"cytoscape.min.js" in page.content
+
+
+def test_node_page_shows_call_result_path_and_snapshot(user_client, tree, toy_task):
+    page = user_client.get(f"/tasks/{toy_task}/nodes/{tree['read']}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert [step["id"] for step in page.context["path"]] == [tree["clone"], tree["make"], tree["read"]]
+    assert "read: foo.py" in html
+    output = next(part for part in page.context["result"] if part["name"] == "output")
+    assert output["lines"] == 200 and output["rest"]  # a long output is folded
+    assert "Show the rest" in html
+    page = user_client.get(f"/tasks/{toy_task}/nodes/{tree['test']}/")
+    assert "snap-test" in page.content.decode() and page.context["live_snapshot"].ref == "snap-test"
+    assert user_client.get(f"/tasks/{toy_task}/nodes/999999/").status_code == 404
+
+
+def test_pools_page_falls_back_to_live_snapshots(user_client, tree):
+    page = user_client.get("/pools/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "snap-test" in html and "snap-patch" in html
+    assert user_client.get("/pools/?fragment=1").content.decode().count("<h2>") == 2  # the live fragment
+
+
+def test_graph_api_needs_a_session(client, tree, toy_task):
+    response = client.get(f"/dashboard-api/tasks/{toy_task}/graph")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "not_authenticated"
+
+
+def test_graph_api_expands_searches_and_reveals(user_client, tree, toy_task):
+    expanded = user_client.get(f"/dashboard-api/tasks/{toy_task}/graph?root={tree['test']}&depth=3").json()
+    assert [n["id"] for n in expanded["nodes"]] == [tree["test"], tree["patch"], tree["retest"]]
+    found = user_client.get(f"/dashboard-api/tasks/{toy_task}/search?q=TEST_FIX").json()["nodes"]
+    assert [n["id"] for n in found] == [tree["retest"]]
+    revealed = user_client.get(f"/dashboard-api/tasks/{toy_task}/reveal/{tree['retest']}").json()
+    assert revealed["path"] == [tree["clone"], tree["make"], tree["test"], tree["patch"], tree["retest"]]
+    assert {tree["retest"], tree["ls"], tree["read"]} <= {n["id"] for n in revealed["nodes"]}
+    nodes = user_client.get(f"/dashboard-api/tasks/{toy_task}/nodes?ids={tree['ls']},{tree['patch']}").json()["nodes"]
+    assert {n["id"]: n["parent"] for n in nodes} == {tree["ls"]: tree["clone"], tree["patch"]: tree["test"]}
+
+
+@pytest.mark.parametrize("url, code", [("/dashboard-api/tasks/toy/graph?root=x", 400),
+                                       ("/dashboard-api/tasks/toy/graph?root=99999999", 404),
+                                       ("/dashboard-api/tasks/nope/graph", 404),
+                                       ("/dashboard-api/tasks/toy/nodes?ids=a,b", 400)])
+def test_graph_api_rejects_bad_input(user_client, tree, url, code):
+    response = user_client.get(url)
+    assert response.status_code == code
+    assert "error" in json.loads(response.content)
