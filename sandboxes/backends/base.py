@@ -1,0 +1,182 @@
+"""The one sandbox interface (DESIGN.md, "Sandbox backends"): pools and forking are written against it.
+
+Backends never import Django: their configuration comes in as frozen dataclasses
+(`sandboxes.backends.config`), so they run the same in the service, in Celery workers and in tests.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Every container, image, folder and file a backend creates carries this label, so reapers can
+# tell what is ours from whatever else shares the engine or the disk.
+OWNER_LABEL = "tvcache.owner"
+OWNER = "tvcache"
+# On snapshots: the sandbox they were taken from.
+SOURCE_LABEL = "tvcache.source"
+
+
+class SandboxError(Exception):
+    """Base of every backend error; `code` is stable and reaches the API's error JSON."""
+
+    code = "sandbox_error"
+
+    def __init__(self, message: str, *, details: Any = None):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class ToolNotFound(SandboxError):
+    code = "unknown_tool"
+
+
+class InvalidToolArgs(SandboxError):
+    code = "invalid_tool_args"
+
+
+class InvalidEnv(SandboxError):
+    """The task's env spec cannot be served by this backend (bad field, missing image)."""
+
+    code = "invalid_env"
+
+
+class SandboxGone(SandboxError):
+    """The sandbox died (or was removed) before or during a call."""
+
+    code = "sandbox_gone"
+
+
+class EngineUnavailable(SandboxError):
+    code = "engine_unavailable"
+
+
+class SnapshotMissing(SandboxError):
+    code = "snapshot_missing"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool's caching policy. The safe default: it mutates state and its results are cacheable."""
+
+    mutates_state: bool = True
+    cacheable: bool = True
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    ref: str
+    size_bytes: int
+    create_ms: float
+
+
+@dataclass(frozen=True)
+class OwnedResource:
+    """A sandbox or snapshot that a backend created, as listed for reaping."""
+
+    id: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    created_at: dt.datetime | None = None  # timezone-aware UTC
+
+
+class Sandbox(ABC):
+    """One running sandbox. Calls on one sandbox are serialized by the sandbox itself."""
+
+    sandbox_id: str
+
+    @abstractmethod
+    def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Run one built-in tool call and return its JSON result.
+
+        Raises ToolNotFound, InvalidToolArgs, SandboxGone, EngineUnavailable. A tool that fails
+        in a way the agent should see (a missing file, bad SQL, a non-zero exit) returns a result.
+        """
+
+    @abstractmethod
+    def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
+        """Freeze the current state into an immutable snapshot; the sandbox keeps running."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Free the sandbox. Idempotent."""
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class SandboxBackend(ABC):
+    name: str
+    # The built-in tools and their policy; tasks may declare a stricter one.
+    tools: Mapping[str, ToolSpec]
+
+    @abstractmethod
+    def start(self, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> Sandbox:
+        """A fresh sandbox in the task's initial state."""
+
+    @abstractmethod
+    def fork(self, ref: str, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> Sandbox:
+        """A new sandbox in the state of snapshot `ref`. Raises SnapshotMissing."""
+
+    @abstractmethod
+    def delete_snapshot(self, ref: str) -> None:
+        """Drop a snapshot. Idempotent; sandboxes already forked from it keep running."""
+
+    @abstractmethod
+    def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
+        """Facts beyond the env spec that decide tool results (image id, seed hash, versions).
+
+        They go into the task's env fingerprint, so a rebuilt image or a changed tool
+        implementation can never hit results computed in the old environment.
+        """
+
+    @abstractmethod
+    def health(self) -> dict[str, Any]:
+        """{"ok": bool, ...backend facts}; never raises."""
+
+    @abstractmethod
+    def list_sandboxes(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
+        """Our sandboxes whose labels include every key=value of the selector."""
+
+    @abstractmethod
+    def list_snapshots(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
+        """Our snapshots whose labels include every key=value of the selector; ids are refs."""
+
+    @abstractmethod
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        """Stop and remove a sandbox by id, including one another process started. Idempotent."""
+
+    def tool_spec(self, tool: str) -> ToolSpec:
+        try:
+            return self.tools[tool]
+        except KeyError:
+            raise ToolNotFound(f"{self.name} sandboxes have no tool {tool!r}", details={"tools": sorted(self.tools)}) from None
+
+
+def require_str(args: Mapping[str, Any], key: str) -> str:
+    """Tool argument validation shared by the backends."""
+    if not isinstance(args, Mapping):
+        raise InvalidToolArgs("tool args must be a JSON object")
+    value = args.get(key)
+    if not isinstance(value, str):
+        raise InvalidToolArgs(f"{key!r} must be a string", details={"field": key})
+    return value
+
+
+def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise TypeError("labels must map strings to strings")
+    return dict(labels)
+
+
+def labels_match(labels: Mapping[str, str], selector: Mapping[str, str] | None) -> bool:
+    return all(labels.get(k) == v for k, v in (selector or {}).items())

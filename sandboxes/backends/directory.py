@@ -1,0 +1,243 @@
+"""The directory backend: a folder per sandbox, tools are Python functions over it (never a shell).
+
+Snapshot and fork are full copies of the folder. Hard links would be cheaper but unsafe: a
+write in place in the fork would show through in the snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .base import (
+    InvalidEnv,
+    SOURCE_LABEL,
+    OwnedResource,
+    Sandbox,
+    SandboxBackend,
+    SandboxGone,
+    SnapshotInfo,
+    SnapshotMissing,
+    ToolSpec,
+    check_labels,
+    require_str,
+)
+from .config import DirectoryConfig
+from .folders import FolderStore, folder_size
+from .patch import PatchRejected, plan_patch
+
+# Bump when a tool's behaviour changes: it is part of the env fingerprint.
+TOOLS_VERSION = 1
+_FILES = "files"
+
+
+class PathEscape(Exception):
+    """A tool path that would leave the sandbox folder."""
+
+
+def confine(root: Path, relpath: str) -> Path:
+    """`relpath` resolved inside `root` (itself fully resolved); raises PathEscape otherwise."""
+    parts = PurePosixPath(relpath).parts
+    if "\x00" in relpath or relpath.startswith("/") or ".." in parts:
+        raise PathEscape(f"path must be relative and stay inside the sandbox: {relpath!r}")
+    target = root.joinpath(*parts)
+    # Symlinks cannot be made by the tools, but a seed or a fork source might hold one.
+    real = Path(os.path.realpath(target))
+    if real != root and root not in real.parents:
+        raise PathEscape(f"path leads outside the sandbox: {relpath!r}")
+    return target
+
+
+def _result(output: str, ok: bool = True) -> dict[str, Any]:
+    return {"output": output, "ok": ok}
+
+
+def _read_file(root: Path, args: Mapping[str, Any], config: DirectoryConfig) -> dict[str, Any]:
+    path = confine(root, require_str(args, "path"))
+    if not path.is_file():
+        return _result(f"no such file: {args['path']}", ok=False)
+    if path.stat().st_size > config.max_read_bytes:
+        return _result(f"file is larger than {config.max_read_bytes} bytes: {args['path']}", ok=False)
+    return _result(path.read_bytes().decode("utf-8", errors="replace"))
+
+
+def _write_file(root: Path, args: Mapping[str, Any], config: DirectoryConfig) -> dict[str, Any]:
+    path = confine(root, require_str(args, "path"))
+    data = require_str(args, "content").encode("utf-8")
+    if len(data) > config.max_write_bytes:
+        return _result(f"content is larger than {config.max_write_bytes} bytes", ok=False)
+    blocked = _unwritable(root, path)
+    if blocked:
+        return _result(blocked, ok=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return _result(f"wrote {len(data)} bytes to {args['path']}")
+
+
+def _list_dir(root: Path, args: Mapping[str, Any], config: DirectoryConfig) -> dict[str, Any]:
+    path = confine(root, require_str(args, "path"))
+    if not path.is_dir():
+        return _result(f"no such directory: {args['path']}", ok=False)
+    names = sorted(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else "") for entry in os.scandir(path))
+    return _result("\n".join(names))
+
+
+def _apply_patch(root: Path, args: Mapping[str, Any], config: DirectoryConfig) -> dict[str, Any]:
+    def read(relpath: str) -> str | None:
+        path = confine(root, relpath)
+        return path.read_bytes().decode("utf-8") if path.is_file() else None
+
+    try:
+        changes = plan_patch(require_str(args, "patch"), read)
+    except (PatchRejected, UnicodeDecodeError) as exc:
+        return _result(f"patch rejected, nothing changed: {exc}", ok=False)
+    targets = [(confine(root, change.path), change) for change in changes]
+    blocked = [reason for path, change in targets if change.content is not None and (reason := _unwritable(root, path))]
+    if blocked:
+        return _result(f"patch rejected, nothing changed: {blocked[0]}", ok=False)
+    for path, change in targets:
+        if change.content is None:
+            path.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(change.content.encode("utf-8"))
+    return _result("\n".join(f"{change.action} {change.path}" for change in changes))
+
+
+def _unwritable(root: Path, path: Path) -> str | None:
+    """Why a regular file cannot be written at `path`, checked before anything is written."""
+    if path == root or path.is_dir():
+        return f"is a directory: {path.relative_to(root)}"
+    for parent in path.relative_to(root).parents:
+        if (root / parent).exists() and not (root / parent).is_dir():
+            return f"not a directory: {parent}"
+    return None
+
+
+DirectoryTool = Callable[[Path, Mapping[str, Any], DirectoryConfig], dict[str, Any]]
+_TOOLS: dict[str, tuple[DirectoryTool, ToolSpec]] = {
+    "read_file": (_read_file, ToolSpec(mutates_state=False)),
+    "write_file": (_write_file, ToolSpec(mutates_state=True)),
+    "list_dir": (_list_dir, ToolSpec(mutates_state=False)),
+    "apply_patch": (_apply_patch, ToolSpec(mutates_state=True)),
+}
+
+
+def _seed_files(env: Mapping[str, Any]) -> dict[str, str]:
+    files = env.get("files", {})
+    if not isinstance(files, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise InvalidEnv('"files" must map relative paths to text contents')
+    return dict(files)
+
+
+def _write_seed(folder: Path, files: Mapping[str, str]) -> None:
+    folder.mkdir()
+    root = Path(os.path.realpath(folder))
+    for relpath, content in files.items():
+        try:
+            path = confine(root, relpath)
+        except PathEscape as exc:
+            raise InvalidEnv(str(exc)) from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode("utf-8"))
+
+
+class DirectorySandbox(Sandbox):
+    def __init__(self, backend: DirectoryBackend, sandbox_id: str, folder: Path):
+        self.sandbox_id = sandbox_id
+        self._backend = backend
+        self._folder = folder
+        self._files = Path(os.path.realpath(folder / _FILES))
+        # Serializes calls and snapshots, so a snapshot never copies a half-applied patch.
+        self._lock = threading.Lock()
+
+    def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        self._backend.tool_spec(tool)
+        run = _TOOLS[tool][0]
+        with self._lock:
+            self._check_alive()
+            try:
+                return run(self._files, args, self._backend.config)
+            except PathEscape as exc:
+                return _result(str(exc), ok=False)
+
+    def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
+        with self._lock:
+            self._check_alive()
+            started = time.perf_counter()
+            snapshot_labels = {
+                **self._backend.sandboxes.labels(self.sandbox_id),
+                **check_labels(labels or {}),
+                SOURCE_LABEL: self.sandbox_id,
+            }
+            ref = self._backend.snapshots.create(snapshot_labels, self._copy_into)
+            create_ms = (time.perf_counter() - started) * 1000
+        return SnapshotInfo(ref=ref, size_bytes=folder_size(self._backend.snapshots.root / ref / _FILES), create_ms=create_ms)
+
+    def stop(self) -> None:
+        self._backend.remove_sandbox(self.sandbox_id)
+
+    def alive(self) -> bool:
+        return self._folder.is_dir()
+
+    def _copy_into(self, staging: Path) -> None:
+        shutil.copytree(self._files, staging / _FILES, symlinks=True)
+
+    def _check_alive(self) -> None:
+        if not self.alive():
+            raise SandboxGone(f"directory sandbox {self.sandbox_id} was removed")
+
+
+class DirectoryBackend(SandboxBackend):
+    name = "directory"
+    tools = {name: spec for name, (_, spec) in _TOOLS.items()}
+
+    def __init__(self, root: Path, config: DirectoryConfig = DirectoryConfig()):
+        self.config = config
+        self.sandboxes = FolderStore(root / "sandboxes")
+        self.snapshots = FolderStore(root / "snapshots")
+
+    def start(self, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DirectorySandbox:
+        files = _seed_files(env)
+        sandbox_id = self.sandboxes.create(check_labels(labels), lambda staging: _write_seed(staging / _FILES, files))
+        return self._open(sandbox_id)
+
+    def fork(self, ref: str, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DirectorySandbox:
+        source = self.snapshots.path(ref)
+        if source is None:
+            raise SnapshotMissing(f"no directory snapshot {ref!r}")
+
+        def copy(staging: Path) -> None:
+            shutil.copytree(source / _FILES, staging / _FILES, symlinks=True)
+
+        return self._open(self.sandboxes.create(check_labels(labels), copy))
+
+    def delete_snapshot(self, ref: str) -> None:
+        self.snapshots.remove(ref)
+
+    def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
+        _seed_files(env)
+        return {"backend": self.name, "tools_version": TOOLS_VERSION}
+
+    def health(self) -> dict[str, Any]:
+        writable = os.access(self.sandboxes.root, os.W_OK) and os.access(self.snapshots.root, os.W_OK)
+        return {"ok": writable, "root": str(self.sandboxes.root.parent), "sandboxes": self.sandboxes.count(), "snapshots": self.snapshots.count()}
+
+    def list_sandboxes(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
+        return self.sandboxes.list(label_selector)
+
+    def list_snapshots(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
+        return self.snapshots.list(label_selector)
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        self.sandboxes.remove(sandbox_id)
+
+    def _open(self, sandbox_id: str) -> DirectorySandbox:
+        folder = self.sandboxes.path(sandbox_id)
+        assert folder is not None  # just created
+        return DirectorySandbox(self, sandbox_id, folder)

@@ -1,0 +1,524 @@
+"""The docker backend: one container per sandbox, driven through the Docker Engine API (docker SDK).
+
+The `bash` tool runs each command in a fresh shell (`docker exec`) that first restores the
+previous call's working directory and exported variables from a state folder inside the
+container (/.tvcache), and saves them again on exit. Because the state lives in the container's
+filesystem, `commit` captures it: a fork resumes the same shell session. The shell starts from
+an empty environment (`env -i`), so a variable the agent unsets stays unset.
+
+Containers: no network unless the task asks, memory/CPU/pid limits, a small capability set,
+no-new-privileges, a fixed hostname (outputs must not depend on which container ran them),
+nothing of the host mounted, and a keep-alive `sleep` under docker's init so orphans are reaped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import re
+import select
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from .base import (
+    OWNER,
+    OWNER_LABEL,
+    SOURCE_LABEL,
+    EngineUnavailable,
+    InvalidEnv,
+    InvalidToolArgs,
+    OwnedResource,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxGone,
+    SnapshotInfo,
+    SnapshotMissing,
+    ToolSpec,
+    check_labels,
+    require_str,
+)
+from .config import DockerConfig
+
+# Bump when the bash tool's behaviour changes: it is part of the env fingerprint.
+TOOLS_VERSION = 1
+SHELL_LABEL = "tvcache.shell"
+KIND_LABEL = "tvcache.kind"
+SNAPSHOT_REPOSITORY = "tvcache/snapshot"
+_SNAPSHOT_REF = re.compile(re.escape(SNAPSHOT_REPOSITORY) + r":[0-9a-f]{32}")
+_ENV_KEYS = frozenset({"backend", "image", "network", "limits", "workdir"})
+_LIMIT_KEYS = frozenset({"memory_mb", "cpus", "pids"})
+_KEEPALIVE = ["sleep", "2147483647"]
+# Docker's default set minus raw sockets, mknod, chroot, audit and file capabilities.
+_CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP", "NET_BIND_SERVICE"]
+# One argument of execve is capped at 128 KiB by Linux.
+_MAX_COMMAND_BYTES = 128 * 1024 - 1
+_KILL_GRACE_S = 5.0
+_ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
+
+STATE_DIR = "/.tvcache"
+# Run once in a fresh sandbox: seed the session state from the image's environment and working
+# directory, and say whether bash exists (the busybox image only has ash).
+_INIT_SCRIPT = f"""mkdir -p {STATE_DIR} && export -p > {STATE_DIR}/env.sh && pwd > {STATE_DIR}/cwd && {{ command -v bash || true; }}"""
+# Run per call as `env -i SHELL -c _CALL_SCRIPT SHELL COMMAND`. The pid file lets a timeout kill
+# the call's whole process group (docker starts each exec as a session and group leader).
+_CALL_SCRIPT = f"""echo $$ > {STATE_DIR}/pid
+. {STATE_DIR}/env.sh
+IFS= read -r __tvc_cwd < {STATE_DIR}/cwd
+cd "$__tvc_cwd" 2>/dev/null || cd /
+trap '__tvc_rc=$?; export -p > {STATE_DIR}/env.sh; pwd > {STATE_DIR}/cwd; exit $__tvc_rc' EXIT
+__tvc_cmd=$1
+set --
+eval "unset __tvc_cwd __tvc_cmd
+$__tvc_cmd"
+"""
+_KILL_SCRIPT = f"read -r p < {STATE_DIR}/pid && kill -9 -$p"
+
+
+@dataclass(frozen=True)
+class DockerEnv:
+    """A task's docker env spec, validated, with the service defaults filled in."""
+
+    image: str
+    network: bool
+    memory_mb: int
+    cpus: float
+    pids: int
+    workdir: str | None
+
+    @classmethod
+    def parse(cls, env: Mapping[str, Any], config: DockerConfig) -> DockerEnv:
+        unknown = set(env) - _ENV_KEYS
+        if unknown:
+            raise InvalidEnv(f"unknown docker env fields: {sorted(unknown)}", details={"allowed": sorted(_ENV_KEYS)})
+        limits = env.get("limits") or {}
+        if not isinstance(limits, Mapping) or set(limits) - _LIMIT_KEYS:
+            raise InvalidEnv(f'"limits" may only set {sorted(_LIMIT_KEYS)}')
+        parsed = cls(
+            image=env.get("image") or config.default_image,
+            network=env.get("network", False),
+            memory_mb=limits.get("memory_mb", config.memory_mb),
+            cpus=limits.get("cpus", config.cpus),
+            pids=limits.get("pids", config.pids),
+            workdir=env.get("workdir"),
+        )
+        parsed._check()
+        return parsed
+
+    def _check(self) -> None:
+        if not isinstance(self.image, str) or not isinstance(self.network, bool):
+            raise InvalidEnv('"image" must be a string and "network" a boolean')
+        if self.workdir is not None and not (isinstance(self.workdir, str) and self.workdir.startswith("/")):
+            raise InvalidEnv('"workdir" must be an absolute path')
+        for name in ("memory_mb", "cpus", "pids"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidEnv(f"limits.{name} must be a positive number")
+            if name != "cpus" and not isinstance(value, int):
+                raise InvalidEnv(f"limits.{name} must be an integer")
+
+    def limits(self) -> dict[str, Any]:
+        return {"memory_mb": self.memory_mb, "cpus": self.cpus, "pids": self.pids}
+
+
+class StartLimiter:
+    """Caps concurrent container creations: past the engine's saturation point every start slows."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._slots = threading.BoundedSemaphore(capacity)
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._slots:
+            with self._lock:
+                self.in_flight += 1
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """Turns a dead or unreachable engine into EngineUnavailable; API errors pass through."""
+    try:
+        yield
+    except _ENGINE_DOWN as exc:
+        raise EngineUnavailable(f"docker engine unreachable: {exc}") from exc
+
+
+class _Stop(enum.Enum):
+    EOF = "eof"
+    DEADLINE = "deadline"
+    FLOOD = "flood"
+
+
+class _Output:
+    """stdout/stderr of one call, each kept up to `cap` bytes."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.streams = {1: bytearray(), 2: bytearray()}
+        self.received = 0
+        self.truncated = False
+
+    def add(self, stream: int, data: bytes) -> None:
+        self.received += len(data)
+        kept = self.streams.get(stream)
+        if kept is None:
+            return
+        room = self.cap - len(kept)
+        if len(data) > room:
+            self.truncated = True
+        kept += data[: max(room, 0)]
+
+    def text(self, stream: int) -> str:
+        return self.streams[stream].decode("utf-8", errors="replace")
+
+
+class _ExecStream:
+    """Reads docker's multiplexed exec stream: frames of 8-byte header (stream, 0, 0, 0, size) + data."""
+
+    def __init__(self, sock: Any):
+        self._sock = sock
+        self._recv = getattr(sock, "recv", None) or sock.read
+        self._buffer = bytearray()
+
+    def pump(self, output: _Output, deadline: float, flood_bytes: int) -> _Stop:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return _Stop.DEADLINE
+            # TLS sockets may hold decrypted bytes that select() cannot see.
+            pending = getattr(self._sock, "pending", lambda: 0)()
+            if not pending and not select.select([self._sock], [], [], remaining)[0]:
+                return _Stop.DEADLINE
+            data = self._recv(65536)
+            if not data:
+                return _Stop.EOF
+            self._buffer += data
+            self._drain(output)
+            if output.received > flood_bytes:
+                return _Stop.FLOOD
+
+    def _drain(self, output: _Output) -> None:
+        offset = 0
+        while len(self._buffer) - offset >= 8:
+            stream, size = struct.unpack_from(">BxxxL", self._buffer, offset)
+            if len(self._buffer) - offset - 8 < size:
+                break
+            output.add(stream, bytes(self._buffer[offset + 8 : offset + 8 + size]))
+            offset += 8 + size
+        del self._buffer[:offset]
+
+    def close(self) -> None:
+        # Closing the HTTP response closes the socket under it; closing the socket first breaks it.
+        response = getattr(self._sock, "_response", None)
+        (response or self._sock).close()
+
+
+class DockerSandbox(Sandbox):
+    def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_id: str, image_size: int):
+        self.sandbox_id = container_id
+        self._backend = backend
+        self._shell = shell
+        self._image_id = image_id
+        self._image_size = image_size
+        # One shell session: calls run one at a time, and a snapshot never lands mid-call.
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        self._backend.tool_spec(tool)
+        command = require_str(args, "command")
+        timeout_s = self._timeout(args)
+        if "\x00" in command or len(command.encode("utf-8")) > _MAX_COMMAND_BYTES:
+            raise InvalidToolArgs(f"command must be at most {_MAX_COMMAND_BYTES} bytes without NUL characters")
+        with self._lock, engine_errors():
+            return self._run(command, timeout_s)
+
+    def _timeout(self, args: Mapping[str, Any]) -> float:
+        config = self._backend.config
+        timeout_s = args.get("timeout_s", config.default_timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise InvalidToolArgs('"timeout_s" must be a positive number', details={"field": "timeout_s"})
+        return min(float(timeout_s), config.max_timeout_s)
+
+    def _run(self, command: str, timeout_s: float) -> dict[str, Any]:
+        config = self._backend.config
+        api = self._backend.api
+        deadline = time.monotonic() + timeout_s
+        exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command])["Id"]
+        stream = _ExecStream(self._gone_if_missing(api.exec_start, exec_id, socket=True))
+        output = _Output(config.output_cap_bytes)
+        try:
+            stop = stream.pump(output, deadline, config.output_kill_bytes)
+            if stop is not _Stop.EOF:
+                self._kill_call()
+                stream.pump(output, time.monotonic() + _KILL_GRACE_S, float("inf"))
+        except OSError as exc:  # the hijacked connection broke: engine or container went away
+            self._raise_if_gone()
+            raise EngineUnavailable(f"exec stream broke: {exc}") from exc
+        finally:
+            stream.close()
+        exit_code = self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S)
+        if exit_code is None or exit_code >= 128:  # signalled: maybe by the container's death
+            self._raise_if_gone()
+        return {
+            "stdout": output.text(1),
+            "stderr": output.text(2),
+            "exit_code": exit_code,
+            "timed_out": stop is _Stop.DEADLINE,
+            "truncated": output.truncated or stop is _Stop.FLOOD,
+        }
+
+    def _kill_call(self) -> None:
+        api = self._backend.api
+        kill = self._gone_if_missing(api.exec_create, self.sandbox_id, [self._shell, "-c", _KILL_SCRIPT])["Id"]
+        # Detached, and the caller keeps draining the call's stream meanwhile: the engine (20.10)
+        # handles a container's exec exits one at a time and holds the call's exit until its
+        # output is read, so waiting for the kill's own output here would deadlock.
+        api.exec_start(kill, detach=True)
+
+    def _exit_code(self, exec_id: str, deadline: float) -> int | None:
+        # The stream can end a moment before the engine records the exit code.
+        while True:
+            state = self._backend.api.exec_inspect(exec_id)
+            if not state["Running"] or time.monotonic() > deadline:
+                return state["ExitCode"] if not state["Running"] else None
+            time.sleep(0.01)
+
+    def _gone_if_missing(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except docker.errors.NotFound as exc:
+            raise SandboxGone(f"container {self.sandbox_id[:12]} no longer exists") from exc
+        except docker.errors.APIError as exc:
+            if exc.status_code == 409:  # "container ... is not running"
+                raise SandboxGone(f"container {self.sandbox_id[:12]} is not running: {exc.explanation}") from exc
+            raise SandboxError(f"docker exec failed: {exc.explanation}") from exc
+
+    def _raise_if_gone(self) -> None:
+        if not self.alive():
+            raise SandboxGone(f"container {self.sandbox_id[:12]} died during the call")
+
+    def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
+        ref = f"{SNAPSHOT_REPOSITORY}:{uuid.uuid4().hex}"
+        repository, tag = ref.split(":")
+        snapshot_labels = {**check_labels(labels or {}), OWNER_LABEL: OWNER, KIND_LABEL: "snapshot", SOURCE_LABEL: self.sandbox_id, SHELL_LABEL: self._shell}
+        with self._lock, engine_errors():
+            started = time.perf_counter()
+            # pause=False: the sandbox keeps running; calls are held off by the lock instead.
+            self._gone_if_missing(self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag, pause=False, conf={"Labels": snapshot_labels})
+            create_ms = (time.perf_counter() - started) * 1000
+            size = self._backend.api.inspect_image(ref)["Size"]
+        return SnapshotInfo(ref=ref, size_bytes=max(size - self._image_size, 0), create_ms=create_ms)
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._backend.remove_sandbox(self.sandbox_id)
+            self._stopped = True
+
+    def alive(self) -> bool:
+        with engine_errors():
+            try:
+                return bool(self._backend.api.inspect_container(self.sandbox_id)["State"]["Running"])
+            except docker.errors.NotFound:
+                return False
+
+
+class DockerBackend(SandboxBackend):
+    name = "docker"
+    tools = {"bash": ToolSpec(mutates_state=True)}
+
+    def __init__(self, config: DockerConfig = DockerConfig()):
+        self.config = config
+        self.limiter = StartLimiter(config.max_concurrent_starts)
+        self._client: docker.DockerClient | None = None
+        self._client_lock = threading.Lock()
+
+    @property
+    def api(self) -> docker.APIClient:
+        return self.client.api
+
+    @property
+    def client(self) -> docker.DockerClient:
+        """Connected on first use, so a backend can be built while the engine is still down."""
+        with self._client_lock:
+            if self._client is None:
+                try:
+                    if self.config.base_url:
+                        self._client = docker.DockerClient(base_url=self.config.base_url, version="auto", timeout=self.config.api_timeout_s)
+                    else:
+                        self._client = docker.from_env(version="auto", timeout=self.config.api_timeout_s)
+                except docker.errors.DockerException as exc:
+                    where = self.config.base_url or "DOCKER_HOST / the default socket"
+                    raise EngineUnavailable(f"cannot reach the docker engine at {where}: {exc}") from exc
+            return self._client
+
+    def start(self, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DockerSandbox:
+        spec = DockerEnv.parse(env, self.config)
+        with engine_errors():
+            image = self._image(spec.image, missing=InvalidEnv(f"image {spec.image!r} not found (build it: manage.py build_images)"))
+            with self.limiter.slot():
+                container_id = self._create(spec, spec.image, image, labels)
+                try:
+                    probed = self._init_session(container_id)
+                except BaseException:
+                    self._discard(container_id)
+                    raise
+        shell = image["Config"]["Labels"].get(SHELL_LABEL) if image["Config"].get("Labels") else None
+        return DockerSandbox(self, container_id, shell=shell or probed, image_id=image["Id"], image_size=image["Size"])
+
+    def fork(self, ref: str, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DockerSandbox:
+        spec = DockerEnv.parse(env, self.config)
+        if not _SNAPSHOT_REF.fullmatch(ref):
+            raise SnapshotMissing(f"not a docker snapshot ref: {ref!r}")
+        with engine_errors():
+            image = self._image(ref, missing=SnapshotMissing(f"snapshot {ref} does not exist"))
+            with self.limiter.slot():
+                container_id = self._create(spec, ref, image, labels)
+        # The fork's own snapshots are measured against the snapshot image it runs from.
+        return DockerSandbox(self, container_id, shell=image["Config"]["Labels"][SHELL_LABEL], image_id=image["Id"], image_size=image["Size"])
+
+    def delete_snapshot(self, ref: str) -> None:
+        if not _SNAPSHOT_REF.fullmatch(ref):
+            return
+        with engine_errors():
+            try:
+                # force: untag even while forks run from it; the image goes with the last fork.
+                self.api.remove_image(ref, force=True)
+            except docker.errors.NotFound:
+                pass
+
+    def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
+        spec = DockerEnv.parse(env, self.config)
+        with engine_errors():
+            image = self._image(spec.image, missing=InvalidEnv(f"image {spec.image!r} not found (build it: manage.py build_images)"))
+        return {"backend": self.name, "tools_version": TOOLS_VERSION, "image_id": image["Id"], "limits": spec.limits()}
+
+    def health(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {"max_concurrent_starts": self.limiter.capacity, "starts_in_flight": self.limiter.in_flight}
+        try:
+            with engine_errors():
+                version = self.api.version()
+                running = self.api.containers(filters={"label": [f"{OWNER_LABEL}={OWNER}", f"{KIND_LABEL}=sandbox"]}, quiet=True)
+        except (SandboxError, docker.errors.DockerException) as exc:
+            return {"ok": False, "error": str(exc), **facts}
+        return {"ok": True, "engine_version": version.get("Version"), "api_version": version.get("ApiVersion"), "running_sandboxes": len(running), **facts}
+
+    def list_sandboxes(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
+        with engine_errors():
+            found = self.api.containers(all=True, filters={"label": _label_filter("sandbox", label_selector)})
+        return [_owned(c["Id"], c.get("Labels"), c.get("Created")) for c in found]
+
+    def list_snapshots(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
+        with engine_errors():
+            found = self.api.images(filters={"label": _label_filter("snapshot", label_selector)})
+        # Untagged snapshot images were deleted and only wait for their last fork to go.
+        return [
+            _owned(tag, image.get("Labels"), image.get("Created"))
+            for image in found
+            for tag in image.get("RepoTags") or ()
+            if _SNAPSHOT_REF.fullmatch(tag)
+        ]
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        with engine_errors():
+            self._discard(sandbox_id)
+
+    def _image(self, ref: str, *, missing: SandboxError) -> dict[str, Any]:
+        try:
+            return self.api.inspect_image(ref)
+        except docker.errors.ImageNotFound:
+            raise missing from None
+
+    def _create(self, spec: DockerEnv, image_ref: str, image: dict[str, Any], labels: Mapping[str, str]) -> str:
+        host_config = self.api.create_host_config(
+            network_mode="bridge" if spec.network else "none",
+            mem_limit=f"{spec.memory_mb}m",
+            memswap_limit=f"{spec.memory_mb}m",  # no swap on top
+            nano_cpus=int(spec.cpus * 1e9),
+            pids_limit=spec.pids,
+            cap_drop=["ALL"],
+            cap_add=_CAPABILITIES,
+            security_opt=["no-new-privileges"],
+            privileged=False,
+            init=True,
+        )
+        container = self.api.create_container(
+            image=image_ref,
+            command=_KEEPALIVE,
+            hostname="sandbox",
+            working_dir=spec.workdir,
+            labels=_container_labels(image, check_labels(labels)),
+            host_config=host_config,
+        )
+        try:
+            self.api.start(container["Id"])
+        except BaseException:
+            self._discard(container["Id"])
+            raise
+        return container["Id"]
+
+    def _init_session(self, container_id: str) -> str:
+        """Writes the first session state; returns the shell that calls will run under."""
+        exec_id = self.api.exec_create(container_id, ["/bin/sh", "-c", _INIT_SCRIPT])["Id"]
+        out = self.api.exec_start(exec_id).decode("utf-8", errors="replace").strip()
+        if self.api.exec_inspect(exec_id)["ExitCode"] != 0:
+            raise SandboxError(f"could not initialise the shell session: {out[-500:]}")
+        return out or "/bin/sh"
+
+    def _discard(self, container_id: str) -> None:
+        try:
+            container = self.api.inspect_container(container_id)
+        except docker.errors.NotFound:
+            return
+        if container["Config"].get("Labels", {}).get(OWNER_LABEL) != OWNER:
+            raise SandboxError(f"container {container_id[:12]} is not a tvcache sandbox")
+        try:
+            self.api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            return
+        self._drop_if_deleted_snapshot(container["Image"])
+
+    def _drop_if_deleted_snapshot(self, image_id: str) -> None:
+        """A deleted snapshot stays as an untagged image while forks run from it; the last one drops it."""
+        try:
+            image = self.api.inspect_image(image_id)
+            labels = image["Config"].get("Labels") or {}
+            if labels.get(KIND_LABEL) == "snapshot" and not image.get("RepoTags"):
+                self.api.remove_image(image_id)
+        except docker.errors.APIError:  # gone already, or still used by another fork
+            pass
+
+
+def _container_labels(image: dict[str, Any], labels: Mapping[str, str]) -> dict[str, str]:
+    # Containers inherit their image's labels and docker cannot remove one, so labels a snapshot
+    # carried from its source sandbox are blanked: a fork carries exactly the labels it was given.
+    inherited = image["Config"].get("Labels") or {}
+    blanked = {key: "" for key in inherited if key not in (OWNER_LABEL, SHELL_LABEL)}
+    return {**blanked, **labels, OWNER_LABEL: OWNER, KIND_LABEL: "sandbox"}
+
+
+def _label_filter(kind: str, selector: Mapping[str, str] | None) -> list[str]:
+    return [f"{OWNER_LABEL}={OWNER}", f"{KIND_LABEL}={kind}", *(f"{k}={v}" for k, v in (selector or {}).items())]
+
+
+def _owned(resource_id: str, labels: Mapping[str, str] | None, created: int | None) -> OwnedResource:
+    created_at = dt.datetime.fromtimestamp(created, dt.UTC) if created else None
+    return OwnedResource(id=resource_id, labels={k: v for k, v in (labels or {}).items() if v}, created_at=created_at)

@@ -1,0 +1,140 @@
+"""Base images for the docker backend, built locally from Debian packages (no registry is assumed).
+
+- tvcache/busybox:latest: the busybox-static binary and its applet links; builds in seconds,
+  used by tests and by tasks that only need a POSIX shell.
+- tvcache/debian:bookworm: debootstrap minbase plus bash, python3, git, make and gcc; about a
+  minute. The rootfs tarball is cached under the var dir, so rebuilding is an import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+
+from sandboxes.backends.base import OWNER, OWNER_LABEL
+from sandboxes.backends.docker import SHELL_LABEL
+
+BUSYBOX_TAG = "tvcache/busybox:latest"
+DEBIAN_TAG = "tvcache/debian:bookworm"
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# libc6-dev: gcc can compile but not link without it (debootstrap skips Recommends).
+DEBIAN_PACKAGES = ("bash", "ca-certificates", "python3", "git", "make", "gcc", "libc6-dev")
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    tag: str
+    image_id: str
+    seconds: float
+    built: bool  # False: the image existed and was kept
+
+
+def build_busybox_image(
+    client: docker.DockerClient | None = None, *, force: bool = False, busybox: Path = Path("/bin/busybox")
+) -> BuiltImage:
+    client = client or docker.from_env()
+    started = time.perf_counter()
+    existing = _existing(client, BUSYBOX_TAG)
+    if existing and not force:
+        return BuiltImage(BUSYBOX_TAG, existing, 0.0, built=False)
+    rootfs = _busybox_rootfs_tar(busybox)
+    repository, tag = BUSYBOX_TAG.split(":")
+    client.api.import_image_from_data(rootfs, repository=repository, tag=tag, changes=_image_changes("/bin/sh"))
+    return BuiltImage(BUSYBOX_TAG, client.images.get(BUSYBOX_TAG).id, time.perf_counter() - started, built=True)
+
+
+def build_debian_image(
+    client: docker.DockerClient | None = None,
+    *,
+    var_dir: Path,
+    force: bool = False,
+    mirror: str = DEBIAN_MIRROR,
+) -> BuiltImage:
+    client = client or docker.from_env()
+    started = time.perf_counter()
+    existing = _existing(client, DEBIAN_TAG)
+    if existing and not force:
+        return BuiltImage(DEBIAN_TAG, existing, 0.0, built=False)
+    tarball = _debian_rootfs_tarball(var_dir / "images", mirror)
+    repository, tag = DEBIAN_TAG.split(":")
+    client.api.import_image(src=str(tarball), repository=repository, tag=tag, changes=_image_changes("/bin/bash"))
+    return BuiltImage(DEBIAN_TAG, client.images.get(DEBIAN_TAG).id, time.perf_counter() - started, built=True)
+
+
+def _existing(client: docker.DockerClient, tag: str) -> str | None:
+    try:
+        return client.images.get(tag).id
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def _image_changes(shell: str) -> list[str]:
+    # The shell label spares the docker backend a probe of the first container of the image.
+    return [
+        f"LABEL {OWNER_LABEL}={OWNER} {SHELL_LABEL}={shell}",
+        f"ENV PATH={_PATH}",
+        "ENV HOME=/root",
+        "ENV LANG=C.UTF-8",
+        "WORKDIR /root",
+        f'CMD ["{shell}"]',
+    ]
+
+
+def _busybox_rootfs_tar(busybox: Path) -> bytes:
+    applets = subprocess.run([str(busybox), "--list-full"], check=True, capture_output=True, text=True).stdout.split()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for folder, mode in [("bin", 0o755), ("sbin", 0o755), ("usr", 0o755), ("usr/bin", 0o755), ("usr/sbin", 0o755),
+                             ("etc", 0o755), ("root", 0o700), ("tmp", 0o1777), ("var", 0o755), ("var/tmp", 0o1777),
+                             ("home", 0o755), ("dev", 0o755), ("proc", 0o555), ("sys", 0o555)]:
+            _add(tar, folder, tarfile.DIRTYPE, mode)
+        _add(tar, "bin/busybox", tarfile.REGTYPE, 0o755, busybox.read_bytes())
+        for applet in applets:
+            if applet != "bin/busybox":
+                _add(tar, applet, tarfile.SYMTYPE, 0o777, link="/bin/busybox")
+        _add(tar, "etc/passwd", tarfile.REGTYPE, 0o644, b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
+        _add(tar, "etc/group", tarfile.REGTYPE, 0o644, b"root:x:0:\nnogroup:x:65534:\n")
+    return buffer.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, kind: bytes, mode: int, data: bytes = b"", link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.size, info.linkname, info.mtime = kind, mode, len(data), link, 0
+    tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+def _debian_rootfs_tarball(cache_dir: Path, mirror: str) -> Path:
+    """debootstrap once per (suite, mirror, package list); later builds reuse the tarball."""
+    key = hashlib.sha256(repr((DEBIAN_SUITE, mirror, DEBIAN_PACKAGES)).encode()).hexdigest()[:12]
+    tarball = cache_dir / f"debian-{DEBIAN_SUITE}-{key}.tar"
+    if tarball.exists():
+        return tarball
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".rootfs-") as workdir:
+        rootfs = Path(workdir) / "rootfs"
+        subprocess.run(
+            ["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE, str(rootfs), mirror],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        # Downloaded .debs and package lists are half the size and no use inside a sandbox.
+        for leftover in [rootfs / "var/cache/apt/archives", rootfs / "var/lib/apt/lists"]:
+            for path in leftover.glob("*"):
+                if path.is_file():
+                    path.unlink()
+        partial = Path(workdir) / "rootfs.tar"
+        subprocess.run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(partial), "."], check=True)
+        shutil.move(partial, tarball)
+    return tarball
