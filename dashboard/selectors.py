@@ -206,9 +206,10 @@ def graph_search(*, task_id: str, text: str) -> list[dict[str, Any]]:
 def _folded(text: str) -> dict[str, Any]:
     lines = text.splitlines()
     if len(text) <= RESULT_FOLD_CHARS and len(lines) <= RESULT_FOLD_LINES:
-        return {"head": text, "rest": "", "lines": len(lines)}
+        return {"head": text, "rest": "", "lines": len(lines), "rest_lines": 0}
     head = "\n".join(lines[:RESULT_FOLD_LINES])[:RESULT_FOLD_CHARS]
-    return {"head": head, "rest": text[len(head):], "lines": len(lines)}
+    rest = text[len(head):].removeprefix("\n")
+    return {"head": head, "rest": rest, "lines": len(lines), "rest_lines": len(rest.splitlines())}
 
 
 def result_parts(result_json: str) -> list[dict[str, Any]]:

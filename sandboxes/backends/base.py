@@ -172,6 +172,15 @@ def require_str(args: Mapping[str, Any], key: str) -> str:
     return value
 
 
+def check_env_keys(env: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """Unknown fields are refused: a typo ("netwrok") must not silently run a different sandbox."""
+    if not isinstance(env, Mapping):
+        raise InvalidEnv("the env spec must be a JSON object")
+    unknown = set(env) - allowed
+    if unknown:
+        raise InvalidEnv(f"unknown env fields: {sorted(unknown)}", details={"allowed": sorted(allowed)})
+
+
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise TypeError("labels must map strings to strings")

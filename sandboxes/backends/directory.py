@@ -24,6 +24,7 @@ from .base import (
     SnapshotInfo,
     SnapshotMissing,
     ToolSpec,
+    check_env_keys,
     check_labels,
     require_str,
 )
@@ -34,6 +35,7 @@ from .patch import PatchRejected, plan_patch
 # Bump when a tool's behaviour changes: it is part of the env fingerprint.
 TOOLS_VERSION = 1
 _FILES = "files"
+_ENV_KEYS = frozenset({"backend", "files"})
 
 
 class PathEscape(Exception):
@@ -129,6 +131,7 @@ _TOOLS: dict[str, tuple[DirectoryTool, ToolSpec]] = {
 
 
 def _seed_files(env: Mapping[str, Any]) -> dict[str, str]:
+    check_env_keys(env, _ENV_KEYS)
     files = env.get("files", {})
     if not isinstance(files, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise InvalidEnv('"files" must map relative paths to text contents')

@@ -45,6 +45,7 @@ from .base import (
     SnapshotInfo,
     SnapshotMissing,
     ToolSpec,
+    check_env_keys,
     check_labels,
     require_str,
 )
@@ -64,6 +65,7 @@ _CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", 
 # One argument of execve is capped at 128 KiB by Linux.
 _MAX_COMMAND_BYTES = 128 * 1024 - 1
 _KILL_GRACE_S = 5.0
+_DEATH_SETTLE_S = 0.25
 _ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 STATE_DIR = "/.tvcache"
@@ -98,9 +100,7 @@ class DockerEnv:
 
     @classmethod
     def parse(cls, env: Mapping[str, Any], config: DockerConfig) -> DockerEnv:
-        unknown = set(env) - _ENV_KEYS
-        if unknown:
-            raise InvalidEnv(f"unknown docker env fields: {sorted(unknown)}", details={"allowed": sorted(_ENV_KEYS)})
+        check_env_keys(env, _ENV_KEYS)
         limits = env.get("limits") or {}
         if not isinstance(limits, Mapping) or set(limits) - _LIMIT_KEYS:
             raise InvalidEnv(f'"limits" may only set {sorted(_LIMIT_KEYS)}')
@@ -313,8 +313,14 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"docker exec failed: {exc.explanation}") from exc
 
     def _raise_if_gone(self) -> None:
-        if not self.alive():
-            raise SandboxGone(f"container {self.sandbox_id[:12]} died during the call")
+        # The engine marks a killed container as exited a moment after its processes died, so a
+        # signalled call gets a short grace to tell "the command was killed" from "the sandbox was".
+        settle = time.monotonic() + _DEATH_SETTLE_S
+        while self.alive():
+            if time.monotonic() > settle:
+                return
+            time.sleep(0.02)
+        raise SandboxGone(f"container {self.sandbox_id[:12]} died during the call")
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         ref = f"{SNAPSHOT_REPOSITORY}:{uuid.uuid4().hex}"

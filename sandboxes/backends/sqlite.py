@@ -28,6 +28,7 @@ from .base import (
     SnapshotInfo,
     SnapshotMissing,
     ToolSpec,
+    check_env_keys,
     check_labels,
     require_str,
 )
@@ -37,6 +38,7 @@ from .folders import FolderStore
 # Bump when a tool's behaviour changes: it is part of the env fingerprint.
 TOOLS_VERSION = 1
 _DB = "db.sqlite"
+_ENV_KEYS = frozenset({"backend", "schema_sql", "seed_sql"})
 # Pragmas that would move files or change how the database file is written and read.
 _FORBIDDEN_PRAGMAS = frozenset({"journal_mode", "locking_mode", "mmap_size", "temp_store_directory", "data_store_directory"})
 
@@ -208,6 +210,7 @@ class SqliteBackend(SandboxBackend):
 
     def _seed(self, env: Mapping[str, Any]) -> Path:
         """The task's seed database, built once per distinct schema/seed SQL and then reused."""
+        check_env_keys(env, _ENV_KEYS)
         scripts = [env.get("schema_sql") or "", env.get("seed_sql") or ""]
         if not all(isinstance(s, str) for s in scripts):
             raise InvalidEnv('"schema_sql" and "seed_sql" must be strings')

@@ -6,6 +6,7 @@
   const TV = window.TV;
   const el = document.getElementById("cy");
   if (!el) return;
+  performance.mark("tvcache-graph-start");
   const ds = el.dataset;
   const LEVELS = +ds.levels || 3;
   const STAFF = ds.staff === "1";
@@ -107,6 +108,7 @@
 
   const cy = cytoscape({ container: el, style, wheelSensitivity: 0.3, minZoom: 0.05, maxZoom: 3,
                          boxSelectionEnabled: false, selectionType: "single" });
+  performance.mark("tvcache-graph-cy");
 
   // --- keep the canvas in step with the data ----------------------------------------------------
   function sync(focus) {
@@ -123,8 +125,10 @@
       }
       cy.add(add);
     });
+    if (!painted) performance.mark("tvcache-graph-added");
     cy.layout({ name: "dagre", rankDir: "LR", nodeSep: 8, rankSep: 40, nodeDimensionsIncludeLabels: true,
                 animate: false, fit: false }).run();
+    if (!painted) performance.mark("tvcache-graph-layout");
     if (!painted || (want.length <= FIT_BELOW && !focus)) fitView();
     if (!painted) {
       painted = true;

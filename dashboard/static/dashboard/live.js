@@ -172,5 +172,6 @@
     nodePage();
     const topic = document.body.dataset.live;
     if (topic) connect(topic, 1000);
+    else if (document.getElementById("live-status")) document.getElementById("live-status").hidden = true;
   });
 })();
