@@ -38,12 +38,11 @@ def task(request, task_id: str):
 @login_required
 def graph(request, task_id: str):
     try:
-        detail = selectors.task_detail(task_id=task_id)
         initial = selectors.graph_slice(task_id=task_id)
+        context = selectors.task_counts(task_id=task_id)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/graph.html", {**detail, "initial": initial,
-                                                    "levels": selectors.GRAPH_LEVELS, "limit": selectors.GRAPH_LIMIT})
+    return render(request, "dashboard/graph.html", {**context, "initial": initial, "levels": selectors.GRAPH_LEVELS})
 
 
 @require_GET

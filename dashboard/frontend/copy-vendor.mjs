@@ -9,11 +9,9 @@ const here = dirname(fileURLToPath(import.meta.url));
 const vendor = join(here, "..", "static", "dashboard", "vendor");
 const files = [
   ["cytoscape", "dist/cytoscape.min.js", "cytoscape.min.js"],
-  ["cytoscape-dagre", "dist/cytoscape-dagre.min.js", "cytoscape-dagre.min.js"],  // bundles @dagrejs/dagre
   ["uplot", "dist/uPlot.iife.min.js", "uPlot.iife.min.js"],
   ["uplot", "dist/uPlot.min.css", "uPlot.min.css"],
   ["cytoscape", "LICENSE", "LICENSE.cytoscape"],
-  ["cytoscape-dagre", "LICENSE", "LICENSE.cytoscape-dagre"],
   ["uplot", "LICENSE", "LICENSE.uplot"],
 ];
 

@@ -150,7 +150,17 @@ def _parse_hunks(lines: list[str], i: int) -> tuple[list[Hunk], int]:
         new_count = int(header[4] or 1)
         old_lines, new_lines, i = _parse_hunk_body(lines, i + 1, old_count, new_count)
         hunks.append(Hunk(old_start, old_count, tuple(old_lines), tuple(new_lines)))
+        if _continues_hunk(lines, i):
+            raise PatchRejected(f"line {i + 1}: hunk longer than its header says")
     return hunks, i
+
+
+def _continues_hunk(lines: list[str], i: int) -> bool:
+    """A body line right after a complete hunk means the header's counts are wrong."""
+    if i >= len(lines) or lines[i][:1] not in (" ", "-", "+"):
+        return False
+    is_next_header = lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")
+    return not is_next_header
 
 
 def _parse_hunk_body(lines: list[str], i: int, old_count: int, new_count: int) -> tuple[list[str], list[str], int]:

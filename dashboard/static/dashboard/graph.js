@@ -1,6 +1,9 @@
-// Tool call graph browser (Cytoscape.js + dagre). The graph is loaded a few levels at a time: the page
-// embeds the top levels, expanding a node fetches its subtree, search reveals a deep node's path.
-// A node is shown when its parent is shown and not collapsed, so state survives collapse/expand.
+// Tool call graph browser (Cytoscape.js). The graph is loaded a few levels at a time: the page embeds
+// the top levels, expanding a node fetches its subtree, search reveals a deep node's path. A node is
+// shown when its parent is shown and not collapsed, so state survives collapse/expand.
+// A TCG is a tree, so it is laid out by a tidy tree layout (depth left to right, leaves in rows, a
+// parent centred on its children): linear time, where dagre's general DAG layout took most of the
+// first paint.
 (function () {
   "use strict";
   const TV = window.TV;
@@ -18,8 +21,6 @@
   let topLevel = 0;
   let selected = null;
   let painted = false;
-
-  cytoscape.use(cytoscapeDagre);
 
   // --- data -----------------------------------------------------------------------------------
   const parentOf = (d) => (d.parent == null ? ROOT : String(d.parent));
@@ -126,17 +127,17 @@
       cy.add(add);
     });
     if (!painted) performance.mark("tvcache-graph-added");
-    cy.layout({ name: "dagre", rankDir: "LR", nodeSep: 8, rankSep: 40, nodeDimensionsIncludeLabels: true,
-                animate: false, fit: false }).run();
+    const positions = treeLayout();
+    cy.layout({ name: "preset", positions: (node) => positions[node.id()], animate: false, fit: false }).run();
     if (!painted) performance.mark("tvcache-graph-layout");
     if (!painted || (want.length <= FIT_BELOW && !focus)) fitView();
     if (!painted) {
       painted = true;
-      cy.one("render", () => requestAnimationFrame(() => {
+      cy.one("render", () => {
         performance.mark("tvcache-graph-first-paint");
         window.tvGraphFirstPaint = performance.now();
         el.dataset.painted = "1";
-      }));
+      });
       cy.forceRender && cy.forceRender();
     }
     if (focus) {
@@ -148,6 +149,29 @@
       (want.length - 1) + " shown of " + document.getElementById("live-nodes").textContent + " nodes";
   }
   const syncSoon = TV.debounce(() => sync(), 500);
+
+  const COLUMN = 190, ROW = 46;  // px: a label is at most 150 wide, a node at most ~40 tall plus its label
+  function shownChildren(id) {
+    if (collapsed.has(id)) return [];
+    return [...(kids.get(id) || [])].sort((a, b) => a - b);
+  }
+  function treeLayout() {
+    const positions = {};
+    let row = 0;
+    const place = (id, column) => {
+      const children = shownChildren(id);
+      let y;
+      if (!children.length) y = row++ * ROW;
+      else {
+        const ys = children.map((child) => place(child, column + 1));
+        y = (ys[0] + ys[ys.length - 1]) / 2;
+      }
+      positions[id] = { x: column * COLUMN, y };
+      return y;
+    };
+    place(ROOT, 0);
+    return positions;
+  }
 
   // Small graphs are fitted to the canvas (never zoomed in past 1.2x); large ones keep the user's view.
   const FIT_BELOW = 80;
