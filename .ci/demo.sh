@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/setup.sh
+[ "$TVCACHE_DOCKER" = 1 ] && .venv/bin/python manage.py build_images --only busybox
 if ! redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1; then
   log "no Redis at $REDIS_URL: background work runs in process (embedded default)"
   unset REDIS_URL

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TVCACHE_REQUIRE_DOCKER=1
 source .ci/setup.sh
+.venv/bin/python manage.py build_images
 .venv/bin/lint-imports
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?

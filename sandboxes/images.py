@@ -30,6 +30,12 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # libc6-dev: gcc can compile but not link without it (debootstrap skips Recommends).
 DEBIAN_PACKAGES = ("bash", "ca-certificates", "python3", "git", "make", "gcc", "libc6-dev")
+_BUSYBOX_DIRS = {
+    **dict.fromkeys(["bin", "sbin", "usr", "usr/bin", "usr/sbin", "etc", "var", "home", "dev"], 0o755),
+    **dict.fromkeys(["tmp", "var/tmp"], 0o1777),
+    **dict.fromkeys(["proc", "sys"], 0o555),
+    "root": 0o700,
+}
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -52,7 +58,7 @@ def build_busybox_image(
     rootfs = _busybox_rootfs_tar(busybox)
     repository, tag = BUSYBOX_TAG.split(":")
     client.api.import_image_from_data(rootfs, repository=repository, tag=tag, changes=_image_changes("/bin/sh"))
-    return BuiltImage(BUSYBOX_TAG, client.images.get(BUSYBOX_TAG).id, time.perf_counter() - started, built=True)
+    return BuiltImage(BUSYBOX_TAG, _retire(client, BUSYBOX_TAG, existing), time.perf_counter() - started, built=True)
 
 
 def build_debian_image(
@@ -70,7 +76,7 @@ def build_debian_image(
     tarball = _debian_rootfs_tarball(var_dir / "images", mirror)
     repository, tag = DEBIAN_TAG.split(":")
     client.api.import_image(src=str(tarball), repository=repository, tag=tag, changes=_image_changes("/bin/bash"))
-    return BuiltImage(DEBIAN_TAG, client.images.get(DEBIAN_TAG).id, time.perf_counter() - started, built=True)
+    return BuiltImage(DEBIAN_TAG, _retire(client, DEBIAN_TAG, existing), time.perf_counter() - started, built=True)
 
 
 def _existing(client: docker.DockerClient, tag: str) -> str | None:
@@ -78,6 +84,17 @@ def _existing(client: docker.DockerClient, tag: str) -> str | None:
         return client.images.get(tag).id
     except docker.errors.ImageNotFound:
         return None
+
+
+def _retire(client: docker.DockerClient, tag: str, previous: str | None) -> str:
+    """The new image id of `tag`; the image it replaced is removed unless something still uses it."""
+    current = client.images.get(tag).id
+    if previous and previous != current:
+        try:
+            client.images.remove(previous)
+        except docker.errors.APIError:  # sandboxes or snapshots still build on it
+            pass
+    return current
 
 
 def _image_changes(shell: str) -> list[str]:
@@ -96,15 +113,14 @@ def _busybox_rootfs_tar(busybox: Path) -> bytes:
     applets = subprocess.run([str(busybox), "--list-full"], check=True, capture_output=True, text=True).stdout.split()
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for folder, mode in [("bin", 0o755), ("sbin", 0o755), ("usr", 0o755), ("usr/bin", 0o755), ("usr/sbin", 0o755),
-                             ("etc", 0o755), ("root", 0o700), ("tmp", 0o1777), ("var", 0o755), ("var/tmp", 0o1777),
-                             ("home", 0o755), ("dev", 0o755), ("proc", 0o555), ("sys", 0o555)]:
+        for folder, mode in _BUSYBOX_DIRS.items():
             _add(tar, folder, tarfile.DIRTYPE, mode)
         _add(tar, "bin/busybox", tarfile.REGTYPE, 0o755, busybox.read_bytes())
         for applet in applets:
             if applet != "bin/busybox":
                 _add(tar, applet, tarfile.SYMTYPE, 0o777, link="/bin/busybox")
-        _add(tar, "etc/passwd", tarfile.REGTYPE, 0o644, b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
+        passwd = b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+        _add(tar, "etc/passwd", tarfile.REGTYPE, 0o644, passwd)
         _add(tar, "etc/group", tarfile.REGTYPE, 0o644, b"root:x:0:\nnogroup:x:65534:\n")
     return buffer.getvalue()
 

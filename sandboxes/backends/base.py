@@ -116,7 +116,7 @@ class Sandbox(ABC):
 
 class SandboxBackend(ABC):
     name: str
-    # The built-in tools and their policy; tasks may declare a stricter one.
+    # The built-in tools and their default policy; a task's own tool declarations override it.
     tools: Mapping[str, ToolSpec]
 
     @abstractmethod

@@ -21,6 +21,8 @@ class DockerConfig:
     default_timeout_s: float = 120.0
     max_timeout_s: float = 3600.0
     api_timeout_s: float = 60.0
+    # Engine connections kept per process: one per concurrent call or start, past that they churn.
+    api_pool_size: int = 32
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,12 @@ class DirectoryBackend(SandboxBackend):
 
     def health(self) -> dict[str, Any]:
         writable = os.access(self.sandboxes.root, os.W_OK) and os.access(self.snapshots.root, os.W_OK)
-        return {"ok": writable, "root": str(self.sandboxes.root.parent), "sandboxes": self.sandboxes.count(), "snapshots": self.snapshots.count()}
+        return {
+            "ok": writable,
+            "root": str(self.sandboxes.root.parent),
+            "sandboxes": self.sandboxes.count(),
+            "snapshots": self.snapshots.count(),
+        }
 
     def list_sandboxes(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
         return self.sandboxes.list(label_selector)

@@ -232,12 +232,11 @@ class _ExecStream:
 
 
 class DockerSandbox(Sandbox):
-    def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_id: str, image_size: int):
+    def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_size: int):
         self.sandbox_id = container_id
         self._backend = backend
         self._shell = shell
-        self._image_id = image_id
-        self._image_size = image_size
+        self._image_size = image_size  # snapshots report only what the sandbox added to its image
         # One shell session: calls run one at a time, and a snapshot never lands mid-call.
         self._lock = threading.Lock()
         self._stopped = False
@@ -262,7 +261,8 @@ class DockerSandbox(Sandbox):
         config = self._backend.config
         api = self._backend.api
         deadline = time.monotonic() + timeout_s
-        exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command])["Id"]
+        argv = ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command]
+        exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, argv)["Id"]
         stream = _ExecStream(self._gone_if_missing(api.exec_start, exec_id, socket=True))
         output = _Output(config.output_cap_bytes)
         try:
@@ -298,8 +298,10 @@ class DockerSandbox(Sandbox):
         # The stream can end a moment before the engine records the exit code.
         while True:
             state = self._backend.api.exec_inspect(exec_id)
-            if not state["Running"] or time.monotonic() > deadline:
-                return state["ExitCode"] if not state["Running"] else None
+            if not state["Running"]:
+                return state["ExitCode"]
+            if time.monotonic() > deadline:
+                return None
             time.sleep(0.01)
 
     def _gone_if_missing(self, call: Any, *args: Any, **kwargs: Any) -> Any:
@@ -325,11 +327,19 @@ class DockerSandbox(Sandbox):
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         ref = f"{SNAPSHOT_REPOSITORY}:{uuid.uuid4().hex}"
         repository, tag = ref.split(":")
-        snapshot_labels = {**check_labels(labels or {}), OWNER_LABEL: OWNER, KIND_LABEL: "snapshot", SOURCE_LABEL: self.sandbox_id, SHELL_LABEL: self._shell}
+        snapshot_labels = {
+            **check_labels(labels or {}),
+            OWNER_LABEL: OWNER,
+            KIND_LABEL: "snapshot",
+            SOURCE_LABEL: self.sandbox_id,
+            SHELL_LABEL: self._shell,  # forks run calls under the same shell without probing
+        }
         with self._lock, engine_errors():
             started = time.perf_counter()
             # pause=False: the sandbox keeps running; calls are held off by the lock instead.
-            self._gone_if_missing(self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag, pause=False, conf={"Labels": snapshot_labels})
+            self._gone_if_missing(
+                self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag, pause=False, conf={"Labels": snapshot_labels}
+            )
             create_ms = (time.perf_counter() - started) * 1000
             size = self._backend.api.inspect_image(ref)["Size"]
         return SnapshotInfo(ref=ref, size_bytes=max(size - self._image_size, 0), create_ms=create_ms)
@@ -366,11 +376,12 @@ class DockerBackend(SandboxBackend):
         """Connected on first use, so a backend can be built while the engine is still down."""
         with self._client_lock:
             if self._client is None:
+                options = {"version": "auto", "timeout": self.config.api_timeout_s, "max_pool_size": self.config.api_pool_size}
                 try:
                     if self.config.base_url:
-                        self._client = docker.DockerClient(base_url=self.config.base_url, version="auto", timeout=self.config.api_timeout_s)
+                        self._client = docker.DockerClient(base_url=self.config.base_url, **options)
                     else:
-                        self._client = docker.from_env(version="auto", timeout=self.config.api_timeout_s)
+                        self._client = docker.from_env(**options)
                 except docker.errors.DockerException as exc:
                     where = self.config.base_url or "DOCKER_HOST / the default socket"
                     raise EngineUnavailable(f"cannot reach the docker engine at {where}: {exc}") from exc
@@ -381,14 +392,14 @@ class DockerBackend(SandboxBackend):
         with engine_errors():
             image = self._image(spec.image, missing=InvalidEnv(f"image {spec.image!r} not found (build it: manage.py build_images)"))
             with self.limiter.slot():
-                container_id = self._create(spec, spec.image, image, labels)
+                container_id = self._create(spec, image, labels)
                 try:
                     probed = self._init_session(container_id)
                 except BaseException:
                     self._discard(container_id)
                     raise
-        shell = image["Config"]["Labels"].get(SHELL_LABEL) if image["Config"].get("Labels") else None
-        return DockerSandbox(self, container_id, shell=shell or probed, image_id=image["Id"], image_size=image["Size"])
+        shell = (image["Config"].get("Labels") or {}).get(SHELL_LABEL) or probed
+        return DockerSandbox(self, container_id, shell=shell, image_size=image["Size"])
 
     def fork(self, ref: str, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DockerSandbox:
         spec = DockerEnv.parse(env, self.config)
@@ -397,9 +408,9 @@ class DockerBackend(SandboxBackend):
         with engine_errors():
             image = self._image(ref, missing=SnapshotMissing(f"snapshot {ref} does not exist"))
             with self.limiter.slot():
-                container_id = self._create(spec, ref, image, labels)
+                container_id = self._create(spec, image, labels)
         # The fork's own snapshots are measured against the snapshot image it runs from.
-        return DockerSandbox(self, container_id, shell=image["Config"]["Labels"][SHELL_LABEL], image_id=image["Id"], image_size=image["Size"])
+        return DockerSandbox(self, container_id, shell=image["Config"]["Labels"][SHELL_LABEL], image_size=image["Size"])
 
     def delete_snapshot(self, ref: str) -> None:
         if not _SNAPSHOT_REF.fullmatch(ref):
@@ -425,7 +436,13 @@ class DockerBackend(SandboxBackend):
                 running = self.api.containers(filters={"label": [f"{OWNER_LABEL}={OWNER}", f"{KIND_LABEL}=sandbox"]}, quiet=True)
         except (SandboxError, docker.errors.DockerException) as exc:
             return {"ok": False, "error": str(exc), **facts}
-        return {"ok": True, "engine_version": version.get("Version"), "api_version": version.get("ApiVersion"), "running_sandboxes": len(running), **facts}
+        return {
+            "ok": True,
+            "engine_version": version.get("Version"),
+            "api_version": version.get("ApiVersion"),
+            "running_sandboxes": len(running),
+            **facts,
+        }
 
     def list_sandboxes(self, label_selector: Mapping[str, str] | None = None) -> list[OwnedResource]:
         with engine_errors():
@@ -453,7 +470,7 @@ class DockerBackend(SandboxBackend):
         except docker.errors.ImageNotFound:
             raise missing from None
 
-    def _create(self, spec: DockerEnv, image_ref: str, image: dict[str, Any], labels: Mapping[str, str]) -> str:
+    def _create(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str]) -> str:
         host_config = self.api.create_host_config(
             network_mode="bridge" if spec.network else "none",
             mem_limit=f"{spec.memory_mb}m",
@@ -467,7 +484,8 @@ class DockerBackend(SandboxBackend):
             init=True,
         )
         container = self.api.create_container(
-            image=image_ref,
+            # By id: the image the caller inspected (and fingerprinted), even if the tag moved since.
+            image=image["Id"],
             command=_KEEPALIVE,
             hostname="sandbox",
             working_dir=spec.workdir,

@@ -1,0 +1,155 @@
+"""The directory backend: tools over a folder, confinement, snapshots and forks as copies."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sandboxes.backends.base import InvalidEnv, InvalidToolArgs, SandboxGone, SnapshotMissing, ToolNotFound
+
+ENV = {"backend": "directory", "files": {"README.md": "hello\n", "src/app.py": "x = 1\ny = 2\n"}}
+
+
+@pytest.fixture
+def sandbox(directory_backend):
+    return directory_backend.start(ENV, labels={"tvcache.task": "t1"})
+
+
+def call(sandbox, tool, **args):
+    return sandbox.execute(tool, args)
+
+
+def test_tools_read_write_and_list(sandbox):
+    assert call(sandbox, "read_file", path="README.md") == {"output": "hello\n", "ok": True}
+    assert call(sandbox, "write_file", path="docs/new.txt", content="née\n")["ok"] is True
+    assert call(sandbox, "read_file", path="docs/new.txt")["output"] == "née\n"
+    assert call(sandbox, "list_dir", path=".")["output"] == "README.md\ndocs/\nsrc/"
+    assert call(sandbox, "list_dir", path="src")["output"] == "app.py"
+
+
+def test_stale_read_sees_the_new_content(sandbox):
+    assert call(sandbox, "read_file", path="README.md")["output"] == "hello\n"
+    call(sandbox, "write_file", path="README.md", content="new\n")
+    assert call(sandbox, "read_file", path="README.md")["output"] == "new\n"
+
+
+def test_missing_files_are_results_not_errors(sandbox):
+    assert call(sandbox, "read_file", path="nope.txt") == {"output": "no such file: nope.txt", "ok": False}
+    assert call(sandbox, "list_dir", path="nope")["ok"] is False
+    assert call(sandbox, "write_file", path="README.md/x", content="")["ok"] is False
+
+
+@pytest.mark.parametrize("path", ["../outside.txt", "/etc/passwd", "src/../../outside.txt", "a\x00b"])
+def test_paths_that_leave_the_folder_are_rejected(sandbox, tmp_path, path):
+    for tool, args in [("read_file", {}), ("write_file", {"content": "x"}), ("list_dir", {})]:
+        result = call(sandbox, tool, path=path, **args)
+        assert result["ok"] is False
+    assert not (tmp_path / "outside.txt").exists()
+
+
+def test_symlink_escapes_are_rejected(directory_backend, sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    # Tools cannot make symlinks; plant one the way a tampered folder would hold it.
+    files = directory_backend.sandboxes.path(sandbox.sandbox_id) / "files"
+    os.symlink(tmp_path, files / "escape")
+    assert call(sandbox, "read_file", path="escape/secret.txt")["ok"] is False
+    assert call(sandbox, "write_file", path="escape/secret.txt", content="owned")["ok"] is False
+    assert secret.read_text() == "host secret"
+
+
+def test_seed_files_outside_the_folder_are_refused(directory_backend):
+    with pytest.raises(InvalidEnv):
+        directory_backend.start({"backend": "directory", "files": {"../x": "y"}}, labels={})
+    with pytest.raises(InvalidEnv):
+        directory_backend.start({"backend": "directory", "files": {"a": 1}}, labels={})
+
+
+PATCH = """\
+--- a/src/app.py
++++ b/src/app.py
+@@ -1,2 +1,3 @@
+ x = 1
+-y = 2
++y = 20
++z = 3
+--- /dev/null
++++ b/src/new.py
+@@ -0,0 +1 @@
++print("new")
+"""
+
+
+def test_apply_patch_edits_and_creates_files(sandbox):
+    result = call(sandbox, "apply_patch", patch=PATCH)
+    assert result == {"output": "patched src/app.py\ncreated src/new.py", "ok": True}
+    assert call(sandbox, "read_file", path="src/app.py")["output"] == "x = 1\ny = 20\nz = 3\n"
+    assert call(sandbox, "read_file", path="src/new.py")["output"] == 'print("new")\n'
+
+
+def test_apply_patch_with_wrong_context_changes_nothing(sandbox):
+    call(sandbox, "write_file", path="src/app.py", content="x = 1\ny = 99\n")
+    result = call(sandbox, "apply_patch", patch=PATCH)
+    assert result["ok"] is False and "hunk 1" in result["output"]
+    assert call(sandbox, "read_file", path="src/app.py")["output"] == "x = 1\ny = 99\n"
+    assert call(sandbox, "read_file", path="src/new.py")["ok"] is False
+
+
+def test_apply_patch_cannot_write_outside(sandbox, tmp_path):
+    patch = "--- /dev/null\n+++ b/../../escaped.txt\n@@ -0,0 +1 @@\n+x\n"
+    assert call(sandbox, "apply_patch", patch=patch)["ok"] is False
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_snapshot_and_fork_are_independent_copies(directory_backend, sandbox):
+    call(sandbox, "write_file", path="state.txt", content="v1")
+    snap = sandbox.snapshot()
+    assert snap.size_bytes == len("hello\n") + len("x = 1\ny = 2\n") + 2
+    fork = directory_backend.fork(snap.ref, ENV, labels={"tvcache.task": "t1"})
+    call(fork, "write_file", path="state.txt", content="fork")
+    call(sandbox, "write_file", path="state.txt", content="parent")
+    assert call(fork, "read_file", path="state.txt")["output"] == "fork"
+    assert call(sandbox, "read_file", path="state.txt")["output"] == "parent"
+    # The snapshot itself never changed.
+    later = directory_backend.fork(snap.ref, ENV, labels={})
+    assert call(later, "read_file", path="state.txt")["output"] == "v1"
+
+
+def test_listing_labels_and_removal(directory_backend, sandbox):
+    snap = sandbox.snapshot(labels={"tvcache.node": "3"})
+    assert [s.id for s in directory_backend.list_sandboxes({"tvcache.task": "t1"})] == [sandbox.sandbox_id]
+    assert directory_backend.list_sandboxes({"tvcache.task": "other"}) == []
+    [listed] = directory_backend.list_snapshots({"tvcache.node": "3"})
+    assert listed.id == snap.ref and listed.labels["tvcache.owner"] == "tvcache" and listed.created_at is not None
+    sandbox.stop()
+    sandbox.stop()
+    assert not sandbox.alive() and directory_backend.list_sandboxes() == []
+    with pytest.raises(SandboxGone):
+        call(sandbox, "read_file", path="README.md")
+    directory_backend.delete_snapshot(snap.ref)
+    directory_backend.delete_snapshot(snap.ref)
+    with pytest.raises(SnapshotMissing):
+        directory_backend.fork(snap.ref, ENV, labels={})
+
+
+def test_refs_cannot_name_paths(directory_backend):
+    with pytest.raises(SnapshotMissing):
+        directory_backend.fork("../sandboxes", ENV, labels={})
+    directory_backend.remove_sandbox("../../")  # ignored, never a path
+
+
+def test_unknown_tool_and_bad_args(sandbox):
+    with pytest.raises(ToolNotFound):
+        call(sandbox, "bash", command="ls")
+    with pytest.raises(InvalidToolArgs):
+        call(sandbox, "read_file")
+    with pytest.raises(InvalidToolArgs):
+        call(sandbox, "write_file", path="a.txt", content=None)
+
+
+def test_policy_and_fingerprint(directory_backend):
+    assert directory_backend.tools["read_file"].mutates_state is False
+    assert directory_backend.tools["apply_patch"].mutates_state is True
+    assert directory_backend.fingerprint_material(ENV)["tools_version"] >= 1
+    assert directory_backend.health()["ok"] is True
