@@ -43,7 +43,8 @@ def _confirmed(modeladmin, request, queryset, *, title: str, explain: str, run, 
         **modeladmin.admin_site.each_context(request), "title": f"{title}?", "explain": explain,
         "objects": list(queryset[:200]), "count": queryset.count(), "action": request.POST.get("action", ""),
         "form": form, "opts": modeladmin.model._meta, "action_checkbox_name": ACTION_CHECKBOX_NAME,
-        "selected": request.POST.getlist(ACTION_CHECKBOX_NAME), "select_across": request.POST.get("select_across") == "1",
+        "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),
+        "select_across": request.POST.get("select_across") == "1",
     })
 
 
@@ -81,7 +82,8 @@ class TaskAdmin(ReadOnlyAdmin):
     @admin.action(description="Change the budget of selected tasks…")
     def set_budget(self, request, queryset):
         return _confirmed(self, request, queryset, title="Change budget", form_class=BudgetForm,
-                          explain="Sets the budget of live snapshots and enforces it at once (evicting the least useful).",
+                          explain="Sets the budget of live snapshots and enforces it at once "
+                                  "(evicting the least useful).",
                           run=lambda user, task, data: services.admin_budget_set(
                               actor=user, task_id=task.pk, sandbox_budget=data["sandbox_budget"]))
 
@@ -110,7 +112,8 @@ class NodeAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Pin nodes (never evict their snapshots)…")
     def pin_nodes(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Pin nodes", explain="Pinned nodes' snapshots are never evicted.",
+        return _confirmed(self, request, queryset, title="Pin nodes",
+                          explain="Pinned nodes' snapshots are never evicted.",
                           run=lambda user, node, data: services.admin_node_pin(
                               actor=user, task_id=node.task_id, node_id=node.pk, pinned=True))
 

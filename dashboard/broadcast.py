@@ -31,7 +31,6 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 
 import orjson
 
@@ -235,11 +234,14 @@ def _after_commit(push) -> None:
     """Push once the surrounding transaction commits (at once outside one); a rolled-back change
     is never announced."""
     try:
-        from django.db import transaction
+        from django.db import connection, transaction
 
-        transaction.on_commit(push)
+        if connection.in_atomic_block:  # read without opening a connection (any thread may call this)
+            transaction.on_commit(push)
+            return
     except Exception:
-        push()
+        pass
+    push()
 
 
 def messages(tasks: dict[str, _TaskActivity], pools: list[dict]) -> list[tuple[str, bytes]]:

@@ -57,18 +57,23 @@ def call_label(call: dict) -> str:
 
 # --- overview ----------------------------------------------------------------------------------
 
-def pools() -> dict[str, Any]:
-    """`sandboxes.selectors.pools_overview()`, or the live snapshots alone until the sandboxes app has it."""
+def _pools_overview():
     try:
         from sandboxes.selectors import pools_overview
     except ImportError:
-        return _pools_fallback()
-    return pools_overview()
+        return None
+    return pools_overview
+
+
+def pools() -> dict[str, Any]:
+    """`sandboxes.selectors.pools_overview()`, or the live snapshots alone until the sandboxes app has it."""
+    overview = _pools_overview()
+    return overview() if overview is not None else _pools_fallback()
 
 
 def _pools_fallback() -> dict[str, Any]:
     snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE).order_by("task_id", "pk").values(
-        "task_id", "node_id", "ref", "backend", "size_bytes", "status")
+        "task_id", "node_id", "ref", "backend", "size_bytes", "status")[:1000]
     return {"engine": {"backend": "none", "ok": None, "detail": "sandbox pools are not available yet"},
             "pools": [], "snapshots": list(snapshots),
             "fork_latency_ms": {"warm_p50": None, "warm_p95": None, "cold_p50": None, "cold_p95": None}}
@@ -91,7 +96,8 @@ def overview() -> list[dict[str, Any]]:
                  .order_by("task_id", "epoch"))
     for row in per_epoch:
         epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
-    sandboxes = live_sandboxes(pools()["pools"])
+    pools_overview = _pools_overview()
+    sandboxes = live_sandboxes(pools_overview()["pools"] if pools_overview is not None else [])
     return [
         {"id": row["task"].pk, "backend": (row["task"].env or {}).get("backend", "external"),
          "budget": row["task"].sandbox_budget, "stats": row["stats"], "nodes": row["nodes"],
@@ -251,7 +257,8 @@ def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
     snapshots = list(node.snapshots.order_by("-created_at").annotate(
         open_leases=Count("leases", filter=Q(leases__released_at__isnull=True, leases__expires_at__gt=now))))
     return {
-        "node": node, "call_text": call_text(node.call), "call_json": json.dumps(node.call, indent=2, ensure_ascii=False),
+        "node": node, "call_text": call_text(node.call),
+        "call_json": json.dumps(node.call, indent=2, ensure_ascii=False),
         "result": result_parts(node.result_json), "path": path, "children": node.children.count(),
         "snapshots": snapshots, "live_snapshot": next((s for s in snapshots if s.status == Snapshot.Status.LIVE), None),
     }

@@ -14,6 +14,7 @@ from cache.errors import Conflict, InvalidInput, NotFound
 from cache.models import BackendCost, Lease, Node, Snapshot, Task
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
 from cache.tcg.snapshots import SnapshotCosts, moving_average
+from dashboard import broadcast
 
 # Before a backend has been measured: what a snapshot and a restore typically cost, in ms.
 DEFAULT_COSTS = {
@@ -79,6 +80,7 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, siz
             raise Conflict(f"Snapshot ref '{ref}' is already registered.", code="duplicate_ref")
         snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, ref=ref, owner=owner,
                                            size_bytes=size_bytes, create_ms=create_ms)
+        broadcast.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
     if create_ms is not None:
         _cost_sample(backend, snapshot_ms=create_ms)
     evicted = task_enforce_budget(task_id=task_id)
@@ -108,6 +110,7 @@ def snapshot_evict(*, snapshot: Snapshot) -> bool:
     snapshot.status = Snapshot.Status.EVICTED
     snapshot.evicted_at = timezone.now()
     snapshot.save(update_fields=["status", "evicted_at"])
+    _announce_evicted([snapshot])
     return True
 
 
@@ -134,7 +137,14 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
         chosen = set(eviction_order(candidates, over))
         evicted = [s for s in live if s.pk in chosen]
         Snapshot.objects.filter(pk__in=chosen).update(status=Snapshot.Status.EVICTED, evicted_at=now)
+        _announce_evicted(evicted)
     return evicted
+
+
+def _announce_evicted(snapshots: list[Snapshot]) -> None:
+    for snapshot in snapshots:
+        broadcast.snapshot_event(snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
+                                 snapshot_id=snapshot.pk)
 
 
 def _candidate(snapshot: Snapshot, now, children: int, leased: bool) -> SnapshotCandidate:

@@ -11,6 +11,7 @@ from django.db import connection, transaction
 from cache.errors import Conflict, InvalidInput, NotFound
 from cache.models import Node, Snapshot, Task
 from cache.tcg import TaskPolicy, env_fingerprint
+from dashboard import broadcast
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
 
@@ -102,13 +103,17 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
     fingerprint = env_fingerprint(env)
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
-        return Task.objects.create(id=task_id, env=env, env_fingerprint=fingerprint, tools=tools, sandbox_budget=sandbox_budget), True
+        task = Task.objects.create(id=task_id, env=env, env_fingerprint=fingerprint, tools=tools,
+                                   sandbox_budget=sandbox_budget)
+        broadcast.task_changed(task_id, "created")
+        return task, True
     if task.env_fingerprint != fingerprint or task.tools != tools:
         # A changed tool policy changes the state keys too (what counts as a write).
         _drop_nodes(task)
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
     task.version += 1
     task.save()
+    broadcast.task_changed(task_id, "updated")
     return task, False
 
 

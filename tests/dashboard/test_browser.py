@@ -71,6 +71,13 @@ def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
         expect(page.locator("#live-status")).to_have_class("live on")
         shot(page, "overview")
 
+        # Pools: the live snapshot images (sandbox pools come from the sandboxes app).
+        page.click("text=Pools")
+        expect(page.locator("#snapshots-table")).to_contain_text("snap-test")
+        expect(page.locator("#live-status")).to_have_class("live on")
+        shot(page, "pools")
+        page.click("header.top >> text=Tasks")
+
         # Task page; a lookup through the REST API shows up live.
         row.locator("a").first.click()
         expect(page).to_have_url(f"{server}/tasks/{toy_task}/")
@@ -120,13 +127,11 @@ def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
         assert left.isdisjoint({tree["test"], tree["patch"], tree["retest"], recorded["node_id"]})
         assert {tree["clone"], tree["make"], tree["read"], tree["ls"]} <= left
 
-        # Node detail and pools.
+        # Node detail.
         page.goto(f"{server}/tasks/{toy_task}/nodes/{tree['read']}/")
         expect(page.locator("h1")).to_contain_text("read: foo.py")
+        expect(page.locator("details summary")).to_contain_text("140 more lines")
         shot(page, "node")
-        page.goto(server + "/pools/")
-        expect(page.locator("#live-status")).to_have_class("live on")
-        shot(page, "pools")
 
         # The audit log has the eviction, by alice.
         page.click("text=Audit log")

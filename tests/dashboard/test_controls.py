@@ -96,7 +96,8 @@ def test_a_leased_snapshot_blocks_subtree_eviction(staff_client, tree, toy_task)
     Lease.objects.create(snapshot=snapshot, rollout_id="r9", expires_at=timezone.now() + timedelta(minutes=5))
     page = staff_client.get(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/")
     assert page.context["subtree"]["leased"] == 1
-    response = staff_client.post(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/", {"confirm": "yes"}, follow=True)
+    response = staff_client.post(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/", {"confirm": "yes"},
+                                 follow=True)
     assert "refused" in response.content.decode()
     assert Node.objects.filter(task_id=toy_task).count() == 7
     entry = AuditEntry.objects.get()
@@ -122,7 +123,8 @@ def test_pin_budget_and_flush(staff_client, api, tree, toy_task):
     assert Task.objects.get(pk=toy_task).sandbox_budget == 0
     live = set(Snapshot.objects.filter(task_id=toy_task, status=Snapshot.Status.LIVE).values_list("ref", flat=True))
     assert live == {"snap-patch"}
-    assert staff_client.post(f"/tasks/{toy_task}/control/budget/", {"confirm": "yes", "sandbox_budget": "-1"}).status_code == 400
+    bad = staff_client.post(f"/tasks/{toy_task}/control/budget/", {"confirm": "yes", "sandbox_budget": "-1"})
+    assert bad.status_code == 400
     assert staff_client.post(f"/tasks/{toy_task}/nodes/{tree['patch']}/unpin/", {"confirm": "yes"}).status_code == 302
     assert not Node.objects.get(pk=tree["patch"]).pinned
     assert staff_client.post(f"/tasks/{toy_task}/control/flush/", {"confirm": "yes"}).status_code == 302

@@ -184,3 +184,33 @@ def test_redis_down_never_reaches_the_caller_and_recovery_is_automatic(settings,
         await socket.disconnect()
 
     async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pool_and_snapshot_events_reach_the_pools_page(redis_layer, staff_user, task_id):
+    headers = session_headers(staff_user)
+
+    async def scenario():
+        pools = WebsocketCommunicator(application, "/ws/dashboard/pools/", headers=headers)
+        overview = WebsocketCommunicator(application, "/ws/dashboard/overview/", headers=headers)
+        assert (await pools.connect())[0] and (await overview.connect())[0]
+        await asyncio.to_thread(broadcast.pool_changed, task_id=task_id, pool="docker", state="ready")
+        await asyncio.to_thread(broadcast.snapshot_event, task_id, "created", node_id=3, ref="img:3")
+        await asyncio.to_thread(broadcast.task_changed, task_id, "flushed")
+        broadcast.flush_now()
+        events = []
+        while len(events) < 2:
+            message = await receive_json(pools)
+            assert message["type"] == "pools"
+            events += message["events"]
+        assert {"kind": "pool", "task_id": task_id, "pool": "docker", "state": "ready"} in events
+        assert any(e["kind"] == "snapshot" and e["ref"] == "img:3" for e in events)
+        while True:  # the overview refetches its table for a structural change
+            message = await receive_json(overview)
+            if task_id in message["tasks"]:
+                break
+        assert message["changed"] == [task_id] and message["tasks"][task_id]["snapshots"] == 1
+        await pools.disconnect()
+        await overview.disconnect()
+
+    async_to_sync(scenario)()

@@ -7,11 +7,14 @@ import json
 import pytest
 from django.test import Client
 
+from tests.dashboard.conftest import PASSWORD
+
 pytestmark = pytest.mark.django_db
 
 
 def page_urls(task: str, tree: dict[str, int]) -> list[str]:
-    return ["/", f"/tasks/{task}/", f"/tasks/{task}/graph/", f"/tasks/{task}/nodes/{tree['test']}/", "/pools/", "/audit/"]
+    return ["/", f"/tasks/{task}/", f"/tasks/{task}/graph/", f"/tasks/{task}/nodes/{tree['test']}/", "/pools/",
+            "/audit/"]
 
 
 def test_every_page_needs_a_login(tree, toy_task):
@@ -28,7 +31,7 @@ def test_login_page_logs_in_and_out(plain_user):
     assert page.status_code == 200 and b'name="password"' in page.content
     response = client.post("/login/", {"username": "bob", "password": "wrong"})
     assert response.status_code == 200 and b"Wrong user name or password" in response.content
-    response = client.post("/login/", {"username": "bob", "password": "correct horse battery staple", "next": "/pools/"})
+    response = client.post("/login/", {"username": "bob", "password": PASSWORD, "next": "/pools/"})
     assert response.status_code == 302 and response["Location"] == "/pools/"
     assert client.get("/").status_code == 200
     assert client.post("/logout/").status_code == 302
@@ -124,3 +127,27 @@ def test_graph_api_rejects_bad_input(user_client, tree, url, code):
     response = user_client.get(url)
     assert response.status_code == code
     assert "error" in json.loads(response.content)
+
+
+def test_pools_page_renders_the_sandboxes_apps_overview(user_client, tree, toy_task, monkeypatch):
+    """The contract with `sandboxes.selectors.pools_overview()` (the sandboxes app provides it)."""
+    import sys
+    import types
+
+    module = types.ModuleType("sandboxes.selectors")
+    module.pools_overview = lambda: {
+        "engine": {"backend": "docker", "ok": True, "detail": "Docker 27.1, 2 CPUs"},
+        "pools": [{"task_id": toy_task, "backend": "docker",
+                   "states": {"warming": 1, "ready": 3, "leased": 2, "stopping": 4}}],
+        "snapshots": [{"task_id": toy_task, "node_id": tree["test"], "ref": "tvcache-snap:abc", "backend": "docker",
+                       "size_bytes": 734_003_200, "status": "live"}],
+        "fork_latency_ms": {"warm_p50": 85.0, "warm_p95": 140.0, "cold_p50": 2300.0, "cold_p95": None},
+    }
+    monkeypatch.setitem(sys.modules, "sandboxes.selectors", module)
+    html = user_client.get("/pools/").content.decode()
+    assert "healthy" in html and "Docker 27.1" in html
+    assert "85 ms" in html and "2.3 s" in html and "700.0 MiB" in html and "tvcache-snap:abc" in html
+    row = html[html.index('id="pools-table"'):]
+    assert all(f'<td class="n">{n}</td>' in row for n in (1, 3, 2, 4))  # warming, ready, leased, stopping
+    overview = user_client.get("/")
+    assert next(t for t in overview.context["tasks"] if t["id"] == toy_task)["sandboxes"] == 6  # not the stopping ones

@@ -275,3 +275,14 @@ def test_async_executor_runs_the_same_protocol(service):
 
     assert asyncio.run(rollout()) == ({"value": "1"}, {"value": "1"}, 1)
     assert factory.made[0].executions == 2 and not factory.made[0].running
+
+
+def test_snapshot_another_rollout_registered_first_is_dropped_and_the_call_succeeds(service, client):
+    store = SnapshotStore()
+    executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 5, "created": False, "snapshot": "wanted", "evicted": []})
+    service.script("snapshot", {"error": {"code": "snapshot_exists", "message": "taken", "details": None}},
+                   status=409)
+    assert executor.execute(call("set", key="a", value="1")) is not None
+    assert len(store) == 0

@@ -130,7 +130,7 @@
     const positions = treeLayout();
     cy.layout({ name: "preset", positions: (node) => positions[node.id()], animate: false, fit: false }).run();
     if (!painted) performance.mark("tvcache-graph-layout");
-    if (!painted || (want.length <= FIT_BELOW && !focus)) fitView();
+    if (!painted || focus !== undefined) frame(focus);
     if (!painted) {
       painted = true;
       cy.one("render", () => {
@@ -139,11 +139,6 @@
         el.dataset.painted = "1";
       });
       cy.forceRender && cy.forceRender();
-    }
-    if (focus) {
-      const node = cy.getElementById(focus);
-      if (want.length <= FIT_BELOW) fitView();
-      else if (node.nonempty()) cy.animate({ center: { eles: node } }, { duration: 250 });
     }
     document.getElementById("graph-count").textContent =
       (want.length - 1) + " shown of " + document.getElementById("live-nodes").textContent + " nodes";
@@ -173,11 +168,21 @@
     return positions;
   }
 
-  // Small graphs are fitted to the canvas (never zoomed in past 1.2x); large ones keep the user's view.
-  const FIT_BELOW = 80;
+  // The whole graph when it fits at a readable zoom; else a readable zoom around the node acted on
+  // (or the root, at the left edge), and the user pans from there.
+  const READABLE = 0.6;
   function fitView() {
     cy.fit(undefined, 30);
     if (cy.zoom() > 1.2) { cy.zoom(1.2); cy.center(); }
+  }
+  function frame(focus) {
+    fitView();
+    if (cy.zoom() >= READABLE) return;
+    cy.zoom(0.9);
+    const node = cy.getElementById(focus || ROOT);
+    if (focus && node.nonempty()) { cy.center(node); return; }
+    const at = node.renderedPosition();
+    cy.panBy({ x: 40 - at.x, y: el.clientHeight / 2 - at.y });
   }
 
   async function getJSON(url) {
@@ -346,7 +351,7 @@
     showPanel(null);
   }
   async function reload() { load(await getJSON(ds.api)); }
-  async function reset() { await reload(); fitView(); }
+  async function reset() { await reload(); frame(null); }
 
   window.tvGraph = { cy, store, expand, collapse, reveal, isOpen, childCount, loadedCount, select: showPanel };
   load(JSON.parse(document.getElementById("graph-initial").textContent));

@@ -202,6 +202,11 @@ class ToolCallExecutor:
             registration = self._client.register_snapshot(
                 self.task_id, node_id, ref, frozen.backend, create_ms=create_ms
             )
+        except TVCacheError as exc:
+            self.snapshots.discard(ref)
+            if exc.code == "snapshot_exists":  # another rollout registered one for this node first
+                return
+            raise
         except BaseException:
             self.snapshots.discard(ref)
             raise
