@@ -23,7 +23,7 @@ trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 DB_POOL_SIZE=8 .venv/bin/python -m uvicorn tvcache_site.asgi:application --host 127.0.0.1 --port 8000 --workers 2 \
   --log-level warning --no-access-log & pids+=($!)
 if [ -n "${REDIS_URL:-}" ]; then
-  .venv/bin/python -m celery -A tvcache_site worker -B -Q tvcache --concurrency 2 -l warning & pids+=($!)
+  .venv/bin/python -m celery -A tvcache_site worker -B -s var/celerybeat-schedule -Q tvcache --concurrency 2 -l warning & pids+=($!)
 fi
 for _ in $(seq 1 60); do curl -sf -o /dev/null http://127.0.0.1:8000/api/schema/ && break; sleep 0.5; done
 

@@ -61,7 +61,8 @@ class Node(models.Model):
 class Snapshot(models.Model):
     class Status(models.TextChoices):
         LIVE = "live"
-        EVICTED = "evicted"
+        EVICTED = "evicted"  # no longer offered; a service-owned one still holds backend storage
+        DELETED = "deleted"  # its backend storage is gone too
 
     class Owner(models.TextChoices):
         CLIENT = "client"  # taken and kept by a trainer (client mode)

@@ -13,6 +13,7 @@ from django.utils import timezone
 from cache import selectors as cache_selectors
 from cache.errors import NotFound
 from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
+from sandboxes.selectors import pools_overview
 
 GRAPH_LEVELS = 3  # levels fetched at first paint and per expansion
 # Nodes per fetch. Layout and paint grow with the nodes drawn (on 2 busy cores, ~40 nodes paint in
@@ -57,26 +58,8 @@ def call_label(call: dict) -> str:
 
 # --- overview ----------------------------------------------------------------------------------
 
-def _pools_overview():
-    try:
-        from sandboxes.selectors import pools_overview
-    except ImportError:
-        return None
-    return pools_overview
-
-
 def pools() -> dict[str, Any]:
-    """`sandboxes.selectors.pools_overview()`, or the live snapshots alone until the sandboxes app has it."""
-    overview = _pools_overview()
-    return overview() if overview is not None else _pools_fallback()
-
-
-def _pools_fallback() -> dict[str, Any]:
-    snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE).order_by("task_id", "pk").values(
-        "task_id", "node_id", "ref", "backend", "size_bytes", "status")[:1000]
-    return {"engine": {"backend": "none", "ok": None, "detail": "sandbox pools are not available yet"},
-            "pools": [], "snapshots": list(snapshots),
-            "fork_latency_ms": {"warm_p50": None, "warm_p95": None, "cold_p50": None, "cold_p95": None}}
+    return pools_overview()
 
 
 def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
@@ -96,8 +79,7 @@ def overview() -> list[dict[str, Any]]:
                  .order_by("task_id", "epoch"))
     for row in per_epoch:
         epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
-    pools_overview = _pools_overview()
-    sandboxes = live_sandboxes(pools_overview()["pools"] if pools_overview is not None else [])
+    sandboxes = live_sandboxes(pools_overview()["pools"])
     return [
         {"id": row["task"].pk, "backend": (row["task"].env or {}).get("backend", "external"),
          "budget": row["task"].sandbox_budget, "stats": row["stats"], "nodes": row["nodes"],

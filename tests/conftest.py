@@ -3,6 +3,8 @@ where it needs them); a missing service fails the run instead of skipping."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.db import connection
 from rest_framework.test import APIClient
@@ -15,6 +17,19 @@ from cache.services import counters
 def _postgres_only(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
         assert connection.vendor == "postgresql", "tests run against PostgreSQL only"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _celery_queue_of_this_session():
+    """Tasks enqueued by tests go to a queue of their own, never to a running service's workers."""
+    from tvcache_site.celery import app
+
+    default = app.conf.task_default_queue
+    app.conf.task_default_queue = f"tvcache-test-{uuid.uuid4().hex[:8]}"
+    yield
+    with app.connection_for_write() as connection:
+        connection.default_channel.queue_delete(app.conf.task_default_queue)
+    app.conf.task_default_queue = default
 
 
 @pytest.fixture(autouse=True)

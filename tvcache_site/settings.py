@@ -125,6 +125,11 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_QUEUE", default="tvcache")
+CELERY_BEAT_SCHEDULE = {
+    "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap", "schedule": 15.0},
+    "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect", "schedule": 30.0},
+    "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": 300.0},
+}
 
 # tvcache limits and policy
 TVCACHE = {
@@ -135,6 +140,19 @@ TVCACHE = {
     # Lookup counters are written in batches this often by a thread per process; 0 = only when
     # stats are read (the tests use that: everything they count is flushed before it is read).
     "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.25),
+    # Managed sandboxes (tool-server mode): where folders live, docker limits and start limiter.
+    "SANDBOX_ROOT": env("TVCACHE_SANDBOX_ROOT", default=str(VAR_DIR / "sandboxes")),
+    "DOCKER_URL": env("TVCACHE_DOCKER_URL", default=""),  # empty: DOCKER_HOST or the local socket
+    "DOCKER_MAX_CONCURRENT_STARTS": env.int("TVCACHE_DOCKER_MAX_CONCURRENT_STARTS", default=2),
+    "DOCKER_MEMORY_MB": env.int("TVCACHE_DOCKER_MEMORY_MB", default=512),
+    "DOCKER_CPUS": env.float("TVCACHE_DOCKER_CPUS", default=1.0),
+    "DOCKER_PIDS": env.int("TVCACHE_DOCKER_PIDS", default=256),
+    # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
+    "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
+    # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
+    "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),
+    # WARMING rows older than this belong to a worker that died: the reaper fails them.
+    "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
 }
 
 LOGGING = {

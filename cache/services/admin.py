@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from django.db import connection, transaction
 
-from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound, ServiceUnavailable
+from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound
 from cache.models import Lease, Node, Snapshot, Task
 from dashboard import broadcast
 from dashboard.models import AuditEntry
@@ -174,16 +174,13 @@ def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEnt
     """Stop one sandbox through the sandboxes app."""
 
     def run() -> dict:
+        from sandboxes.services import sandbox_stop
+
         try:
-            from sandboxes.services import sandbox_stop
-        except ImportError as exc:
-            raise ServiceUnavailable(
-                "Stopping sandboxes is not available: sandboxes.services.sandbox_stop does not exist yet.",
-                code="sandbox_control_unavailable", details={"import_error": str(exc)},
-            ) from None
-        outcome = sandbox_stop(sandbox_id=sandbox_id)  # the sandboxes app announces the pool change
-        return {"sandbox_id": sandbox_id, "result": outcome if isinstance(outcome, (dict, list, str, int, bool))
-                else repr(outcome)}
+            stopped = sandbox_stop(sandbox_id=int(sandbox_id))  # the sandboxes app announces the pool change
+        except ValueError:
+            raise NotFound(f"No sandbox '{sandbox_id}'.", code="unknown_sandbox") from None
+        return {"sandbox_id": sandbox_id, "stopped": stopped}
 
     return _audited(actor=actor, action=AuditEntry.Action.SANDBOX_STOP, task_id=task_id,
                     target=f"sandbox {sandbox_id}", run=run)

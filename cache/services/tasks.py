@@ -90,6 +90,20 @@ def _validate_env(env: Any) -> dict:
     return env
 
 
+def _fingerprint_material(env: dict) -> dict:
+    """What identifies a managed environment beyond its spec (the docker image id, the sqlite
+    seed's hash): a rebuilt image is a new environment, so its tasks' old results never hit."""
+    from sandboxes.backends.base import SandboxError
+    from sandboxes.services.runtime import as_application_error, backend_named, is_managed
+
+    if not is_managed(env.get("backend", "external")):
+        return {}
+    try:
+        return backend_named(env["backend"]).fingerprint_material(env)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+
+
 @transaction.atomic
 def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any = None) -> tuple[Task, bool]:
     """Create or update a task. A changed environment changes the fingerprint and drops the
@@ -100,7 +114,7 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
         sandbox_budget = settings.TVCACHE["DEFAULT_SANDBOX_BUDGET"]
     if not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool) or sandbox_budget < 0:
         raise InvalidInput("'sandbox_budget' must be a non-negative integer.", code="invalid_payload", details={"field": "sandbox_budget"})
-    fingerprint = env_fingerprint(env)
+    fingerprint = env_fingerprint({"env": env, "material": _fingerprint_material(env)})
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
         task = Task.objects.create(id=task_id, env=env, env_fingerprint=fingerprint, tools=tools,

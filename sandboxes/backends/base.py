@@ -128,6 +128,11 @@ class SandboxBackend(ABC):
         """A new sandbox in the state of snapshot `ref`. Raises SnapshotMissing."""
 
     @abstractmethod
+    def attach(self, sandbox_id: str) -> Sandbox:
+        """The running sandbox `sandbox_id`, as started or forked by any process of this host.
+        Raises SandboxGone when it no longer exists."""
+
+    @abstractmethod
     def delete_snapshot(self, ref: str) -> None:
         """Drop a snapshot. Idempotent; sandboxes already forked from it keep running."""
 

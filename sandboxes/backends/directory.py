@@ -245,6 +245,11 @@ class DirectoryBackend(SandboxBackend):
     def remove_sandbox(self, sandbox_id: str) -> None:
         self.sandboxes.remove(sandbox_id)
 
+    def attach(self, sandbox_id: str) -> DirectorySandbox:
+        if self.sandboxes.path(sandbox_id) is None:
+            raise SandboxGone(f"directory sandbox {sandbox_id} does not exist")
+        return self._open(sandbox_id)
+
     def _open(self, sandbox_id: str) -> DirectorySandbox:
         folder = self.sandboxes.path(sandbox_id)
         assert folder is not None  # just created

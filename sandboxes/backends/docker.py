@@ -412,6 +412,22 @@ class DockerBackend(SandboxBackend):
         # The fork's own snapshots are measured against the snapshot image it runs from.
         return DockerSandbox(self, container_id, shell=image["Config"]["Labels"][SHELL_LABEL], image_size=image["Size"])
 
+    def attach(self, sandbox_id: str) -> DockerSandbox:
+        with engine_errors():
+            try:
+                container = self.api.inspect_container(sandbox_id)
+            except docker.errors.NotFound:
+                raise SandboxGone(f"container {sandbox_id} does not exist") from None
+            if not container["State"]["Running"] or (container["Config"].get("Labels") or {}).get(OWNER_LABEL) != OWNER:
+                raise SandboxGone(f"container {sandbox_id} is not a running tvcache sandbox")
+            image = self.api.inspect_image(container["Image"])
+            shell = (image["Config"].get("Labels") or {}).get(SHELL_LABEL) or self._probe_shell(sandbox_id)
+        return DockerSandbox(self, container["Id"], shell=shell, image_size=image["Size"])
+
+    def _probe_shell(self, container_id: str) -> str:
+        exec_id = self.api.exec_create(container_id, ["/bin/sh", "-c", "command -v bash || true"])["Id"]
+        return self.api.exec_start(exec_id).decode("utf-8", errors="replace").strip() or "/bin/sh"
+
     def delete_snapshot(self, ref: str) -> None:
         if not _SNAPSHOT_REF.fullmatch(ref):
             return

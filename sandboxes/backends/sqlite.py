@@ -233,6 +233,11 @@ class SqliteBackend(SandboxBackend):
             raise InvalidEnv(f"seeding the database failed: {exc}") from None
         os.replace(staging, seed)  # concurrent builders produce the same file; the last one wins
 
+    def attach(self, sandbox_id: str) -> SqliteSandbox:
+        if self.sandboxes.path(sandbox_id) is None:
+            raise SandboxGone(f"sqlite sandbox {sandbox_id} does not exist")
+        return self._open(sandbox_id)
+
     def _open(self, sandbox_id: str) -> SqliteSandbox:
         folder = self.sandboxes.path(sandbox_id)
         assert folder is not None  # just created

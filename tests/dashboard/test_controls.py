@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from datetime import timedelta
 
 import pytest
@@ -134,23 +132,19 @@ def test_pin_budget_and_flush(staff_client, api, tree, toy_task):
     assert AuditEntry.objects.get(action="budget_set").details["old"] == 4
 
 
-def test_stop_sandbox_calls_the_sandboxes_service(staff_client, monkeypatch):
-    stopped = []
-    module = types.ModuleType("sandboxes.services")
-    module.sandbox_stop = lambda *, sandbox_id: stopped.append(sandbox_id) or {"stopped": sandbox_id}
-    monkeypatch.setitem(sys.modules, "sandboxes.services", module)
-    response = staff_client.post("/pools/control/stop-sandbox/", {"confirm": "yes", "sandbox_id": "sbx-7"})
-    assert response.status_code == 302 and stopped == ["sbx-7"]
-    entry = AuditEntry.objects.get()
-    assert (entry.action, entry.target, entry.outcome) == ("sandbox_stop", "sandbox sbx-7", "ok")
+def test_stop_sandbox_stops_a_real_sandbox(staff_client, toy_task):
+    from sandboxes.models import Sandbox
+    from sandboxes.services.runtime import backend_named, labels
 
-
-def test_stop_sandbox_says_clearly_when_it_is_not_wired(staff_client, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sandboxes.services", types.ModuleType("sandboxes.services"))
-    response = staff_client.post("/pools/control/stop-sandbox/", {"confirm": "yes", "sandbox_id": "sbx-7"}, follow=True)
-    assert "sandboxes.services.sandbox_stop does not exist" in response.content.decode()
+    backend = backend_named("directory")
+    sandbox = backend.start({"backend": "directory", "files": {}}, labels=labels(toy_task))
+    row = Sandbox.objects.create(task_id=toy_task, backend="directory", pool="root", state="ready", ref=sandbox.sandbox_id)
+    response = staff_client.post("/pools/control/stop-sandbox/", {"confirm": "yes", "sandbox_id": str(row.pk)})
+    assert response.status_code == 302
+    row.refresh_from_db()
+    assert row.state == "stopped" and not sandbox.alive()
     entry = AuditEntry.objects.get()
-    assert entry.outcome == "refused" and entry.details["code"] == "sandbox_control_unavailable"
+    assert (entry.action, entry.target, entry.outcome) == ("sandbox_stop", f"sandbox {row.pk}", "ok")
 
 
 def test_django_admin_actions_confirm_then_use_the_same_services(staff_client, api, tree, toy_task):

@@ -1,0 +1,71 @@
+"""Sandbox REST API v1: tool-server mode, step announcements and pools."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from cache.api.serializers import ErrorSerializer, ToolCallSerializer
+from cache.errors import InvalidInput
+from sandboxes import selectors, services
+
+ERRORS = {code: ErrorSerializer for code in (400, 401, 404, 409, 503)}
+
+
+class CallSerializer(serializers.Serializer):
+    call = ToolCallSerializer()
+    epoch = serializers.IntegerField(required=False, default=0)
+
+
+class CallResultSerializer(serializers.Serializer):
+    result = serializers.JSONField()
+    cached = serializers.BooleanField()
+    node_id = serializers.IntegerField(allow_null=True, help_text="null when the result was not cached (a timeout)")
+    latency_ms = serializers.FloatField()
+
+
+class StepSerializer(serializers.Serializer):
+    tasks = serializers.ListField(child=serializers.SlugField(), max_length=10_000)
+    rollouts_per_task = serializers.IntegerField(min_value=1, max_value=256)
+    epoch = serializers.IntegerField(required=False, default=0)
+
+
+class RolloutCallView(APIView):
+    @extend_schema(request=CallSerializer, responses={200: CallResultSerializer, **ERRORS},
+                   summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)")
+    def post(self, request, task_id: str, rollout_id: str):
+        if not isinstance(request.data, dict) or "call" not in request.data:
+            raise InvalidInput("Missing field 'call'.", code="missing_field", details={"field": "call"})
+        epoch = request.data.get("epoch", 0)
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise InvalidInput("'epoch' must be an integer.", details={"field": "epoch"})
+        outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=request.data["call"],
+                                        epoch=epoch)
+        return Response({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
+                         "latency_ms": round(outcome.latency_ms, 3)})
+
+
+class RolloutView(APIView):
+    @extend_schema(responses={204: None, **ERRORS}, summary="End a rollout and free its sandbox")
+    def delete(self, request, task_id: str, rollout_id: str):
+        services.rollout_end(task_id=task_id, rollout_id=rollout_id)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class StepsView(APIView):
+    @extend_schema(request=StepSerializer, responses={202: dict, **ERRORS},
+                   summary="Announce a training step: warm root sandboxes and pre-fork hot snapshots")
+    def post(self, request):
+        serializer = StepSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        planned = services.step_announce(task_ids=data["tasks"], rollouts_per_task=data["rollouts_per_task"])
+        return Response({"planned": planned}, status=status.HTTP_202_ACCEPTED)
+
+
+class PoolsView(APIView):
+    @extend_schema(responses={200: dict}, summary="Sandboxes by pool and state, live snapshots, fork latency, engine health")
+    def get(self, request):
+        return Response(selectors.pools_overview())

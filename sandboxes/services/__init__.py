@@ -1,0 +1,20 @@
+"""Managed sandboxes: pools and pre-forks, tool-server mode, and reaping. Written against the
+backend interface (`sandboxes.backends.base`), never against one backend."""
+
+from .pools import pool_request, sandbox_acquire, sandbox_stop, sandbox_warm, step_announce
+from .reaper import orphans_reap, sandboxes_reap, snapshots_collect
+from .toolserver import CallOutcome, rollout_call, rollout_end
+
+__all__ = [
+    "CallOutcome",
+    "orphans_reap",
+    "pool_request",
+    "rollout_call",
+    "rollout_end",
+    "sandbox_acquire",
+    "sandbox_stop",
+    "sandbox_warm",
+    "sandboxes_reap",
+    "snapshots_collect",
+    "step_announce",
+]

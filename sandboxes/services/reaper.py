@@ -1,0 +1,87 @@
+"""Reaping: expired leases, idle rollouts' sandboxes, warm-ups of dead workers, evicted
+snapshots' storage, and orphans (sandboxes and snapshots labelled as ours that the database
+does not know). Every function is idempotent; workers run them periodically."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Q
+from django.utils import timezone
+
+from cache.models import Lease, Snapshot
+from cache.services import task_enforce_budget
+from sandboxes.backends import BACKEND_NAMES
+from sandboxes.backends.base import SandboxError
+from sandboxes.models import Sandbox
+
+from .pools import sandbox_stop, set_state
+from .runtime import backend_named, instance_selector
+
+log = logging.getLogger("tvcache.reaper")
+ORPHAN_GRACE_S = 120.0  # a sandbox this young may still be on its way into the database
+
+
+def sandboxes_reap() -> dict[str, int]:
+    now = timezone.now()
+    leases = Lease.objects.filter(released_at__isnull=True, expires_at__lte=now).update(released_at=now)
+    idle = list(Sandbox.objects.filter(state=Sandbox.State.LEASED, lease_expires_at__lte=now).values_list("pk", flat=True))
+    ended = list(Sandbox.objects.filter(state=Sandbox.State.LEASED, rollout__finished_at__isnull=False)
+                 .values_list("pk", flat=True))
+    for sandbox_id in {*idle, *ended}:
+        sandbox_stop(sandbox_id=sandbox_id)
+    stale = now - timedelta(seconds=settings.TVCACHE["WARMING_TIMEOUT_S"])
+    dead = list(Sandbox.objects.filter(state=Sandbox.State.WARMING, created_at__lte=stale))
+    for row in dead:
+        set_state(row, Sandbox.State.FAILED, error="warm-up never finished (worker died?)")
+    return {"leases": leases, "sandboxes": len({*idle, *ended}), "warmups": len(dead)}
+
+
+def snapshots_collect() -> dict[str, int]:
+    """Enforce every task's budget, then free the storage of evicted service snapshots and stop
+    the pre-forks nobody will take any more."""
+    for task_id in (Snapshot.objects.filter(status=Snapshot.Status.LIVE).values_list("task_id", flat=True).distinct()):
+        task_enforce_budget(task_id=task_id)
+    freed = 0
+    for snapshot in Snapshot.objects.filter(status=Snapshot.Status.EVICTED, owner=Snapshot.Owner.SERVICE):
+        for sandbox_id in snapshot.forks.filter(state=Sandbox.State.READY).values_list("pk", flat=True):
+            sandbox_stop(sandbox_id=sandbox_id)
+        try:
+            backend_named(snapshot.backend).delete_snapshot(snapshot.ref)
+        except SandboxError as exc:
+            log.warning("could not delete snapshot %s: %s", snapshot.ref, exc)
+            continue
+        Snapshot.objects.filter(pk=snapshot.pk).update(status=Snapshot.Status.DELETED)
+        freed += 1
+    return {"snapshots_freed": freed}
+
+
+def orphans_reap(*, grace_s: float = ORPHAN_GRACE_S) -> dict[str, int]:
+    """Remove sandboxes and snapshots labelled as ours that no live row accounts for (a worker
+    killed between creating a container and saving its id, a deleted task, ...)."""
+    cutoff = timezone.now() - timedelta(seconds=grace_s)
+    removed = {"sandboxes": 0, "snapshots": 0}
+    for name in BACKEND_NAMES:
+        backend = backend_named(name)
+        try:
+            known = set(Sandbox.objects.filter(backend=name).exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
+                        .exclude(ref="").values_list("ref", flat=True))
+            for resource in backend.list_sandboxes(instance_selector()):
+                if resource.id not in known and _old(resource, cutoff):
+                    backend.remove_sandbox(resource.id)
+                    removed["sandboxes"] += 1
+            kept = set(Snapshot.objects.filter(backend=name).filter(Q(status=Snapshot.Status.LIVE) | Q(
+                status=Snapshot.Status.EVICTED)).values_list("ref", flat=True))
+            for resource in backend.list_snapshots(instance_selector()):
+                if resource.id not in kept and _old(resource, cutoff):
+                    backend.delete_snapshot(resource.id)
+                    removed["snapshots"] += 1
+        except SandboxError as exc:  # one backend down must not stop the others' reaping
+            log.warning("reaping %s failed: %s", name, exc)
+    return removed
+
+
+def _old(resource, cutoff) -> bool:
+    return resource.created_at is None or resource.created_at <= cutoff

@@ -1,0 +1,92 @@
+"""The process's backends and sandbox handles, configured from settings."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+from django.conf import settings
+
+from cache.errors import ApplicationError, InvalidInput, ServiceUnavailable
+from sandboxes.backends import BACKEND_NAMES, DockerConfig, SandboxConfig, backend_for
+from sandboxes.backends.base import (
+    InvalidEnv,
+    InvalidToolArgs,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    ToolNotFound,
+)
+
+TASK_LABEL = "tvcache.task"
+SANDBOX_LABEL = "tvcache.sandbox"
+# Which service's database knows the sandbox: the reaper of one installation (or of the test
+# database) never touches another's sandboxes on the same engine.
+INSTANCE_LABEL = "tvcache.instance"
+
+_handles: dict[tuple[str, str], Sandbox] = {}
+_handles_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def sandbox_config() -> SandboxConfig:
+    conf = settings.TVCACHE
+    return SandboxConfig(
+        root=Path(conf["SANDBOX_ROOT"]),
+        docker=DockerConfig(base_url=conf.get("DOCKER_URL") or None, max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
+                            memory_mb=conf["DOCKER_MEMORY_MB"], cpus=conf["DOCKER_CPUS"], pids=conf["DOCKER_PIDS"]),
+    )
+
+
+def is_managed(backend_name: str) -> bool:
+    return backend_name in BACKEND_NAMES
+
+
+def backend_named(name: str) -> SandboxBackend:
+    if not is_managed(name):
+        raise InvalidInput(f"Backend '{name}' is not run by the service: its sandboxes belong to the trainer "
+                           "(client mode).", code="not_managed")
+    return backend_for(name, sandbox_config())
+
+
+def instance_selector() -> dict[str, str]:
+    return {INSTANCE_LABEL: str(settings.DATABASES["default"]["NAME"])}
+
+
+def labels(task_id: str, sandbox_id: int | None = None) -> dict[str, str]:
+    out = {TASK_LABEL: task_id, **instance_selector()}
+    if sandbox_id is not None:
+        out[SANDBOX_LABEL] = str(sandbox_id)
+    return out
+
+
+def handle(backend: SandboxBackend, ref: str) -> Sandbox:
+    """A handle on a running sandbox; cached per process (docker probes cost an exec)."""
+    key = (backend.name, ref)
+    with _handles_lock:
+        cached = _handles.get(key)
+    if cached is not None:
+        return cached
+    sandbox = backend.attach(ref)
+    with _handles_lock:
+        _handles[key] = sandbox
+    return sandbox
+
+
+def remember(backend: SandboxBackend, sandbox: Sandbox) -> Sandbox:
+    with _handles_lock:
+        _handles[(backend.name, sandbox.sandbox_id)] = sandbox
+    return sandbox
+
+
+def forget(backend_name: str, ref: str) -> None:
+    with _handles_lock:
+        _handles.pop((backend_name, ref), None)
+
+
+def as_application_error(exc: SandboxError) -> ApplicationError:
+    """Sandbox failures as API errors: the caller's fault is a 400, the machine's a 503."""
+    if isinstance(exc, (ToolNotFound, InvalidToolArgs, InvalidEnv)):
+        return InvalidInput(exc.message, code=exc.code, details=exc.details)
+    return ServiceUnavailable(exc.message, code=exc.code, details=exc.details)

@@ -1,0 +1,223 @@
+"""Tool-server mode: the service keeps each rollout's history and runs its misses.
+
+Hits need no sandbox. The first miss of a rollout materializes one: a ready pre-fork of the
+resume snapshot, else a fork on the critical path, else a ready root (or a fresh start) plus
+replay. Later misses continue in it, replaying first the state-changing calls that hit since.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from cache.errors import Conflict, NotFound
+from cache.inputs import CallContext, RecordInput, parse_call
+from cache.models import Rollout, Snapshot, Task
+from cache.services import LookupHit, lease_release, node_record, snapshot_register, tcg_lookup
+from cache.tcg import TaskPolicy, ToolCall
+from sandboxes.backends.base import Sandbox as SandboxHandle
+from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
+from sandboxes.models import Sandbox
+
+from .pools import idle_deadline, pool_request, sandbox_acquire, sandbox_stop, set_state
+from .runtime import as_application_error, backend_named, forget, handle, labels, remember
+
+log = logging.getLogger("tvcache.toolserver")
+
+APPEND_SQL = """
+UPDATE cache_rollout SET history = history || %s::jsonb
+WHERE id = %s AND jsonb_array_length(history) = %s AND finished_at IS NULL
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    result: Any
+    cached: bool
+    node_id: int | None
+    latency_ms: float
+
+
+@dataclass
+class _Run:
+    """One miss being served: the task, its backend, the rollout's sandbox."""
+
+    task: Task
+    backend: SandboxBackend
+    policy: TaskPolicy
+    rollout: Rollout
+    row: Sandbox
+    sandbox: SandboxHandle
+
+
+def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 0) -> CallOutcome:
+    started = time.perf_counter()
+    task = Task.objects.filter(pk=task_id).first()
+    if task is None:
+        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+    backend = backend_named(task.env.get("backend", "external"))
+    call = parse_call(call_json, "call")
+    try:
+        backend.tool_spec(call.tool)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+    rollout, _ = Rollout.objects.get_or_create(task=task, rollout_id=rollout_id, defaults={"epoch": epoch})
+    if rollout.finished_at is not None:
+        raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
+    history = tuple(ToolCall.from_json(item) for item in rollout.history)
+    context = CallContext(history, call, rollout_id, epoch, None)
+    answer = tcg_lookup(task_id=task_id, context=context)
+    if isinstance(answer, LookupHit):
+        result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
+    else:
+        result, node_id = _serve_miss(task, backend, rollout, context, answer)
+        cached = False
+    _append(rollout, call, len(history))
+    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000)
+
+
+def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(APPEND_SQL, [orjson.dumps([call.to_json()]).decode(), rollout.pk, length])
+        if cursor.rowcount != 1:
+            raise Conflict("Another call of this rollout ran at the same time, or the rollout ended; "
+                           "a rollout's calls must come one after the other.", code="rollout_busy")
+
+
+def _serve_miss(task, backend, rollout, context: CallContext, answer) -> tuple[Any, int | None]:
+    run = _rollout_sandbox(task, backend, rollout, context, answer)
+    try:
+        result, exec_ms = _execute(run, context.call)
+        node_id = None
+        if not (result.get("timed_out") and not settings.TVCACHE["CACHE_TIMEOUTS"]):
+            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms))
+            node_id = outcome.node_id
+            if outcome.snapshot_wanted:
+                _snapshot(run, node_id)
+    except SandboxGone as exc:
+        set_state(run.row, Sandbox.State.FAILED, rollout=None, error=exc.message)
+        forget(run.row.backend, run.row.ref)
+        raise as_application_error(exc) from None
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+    Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + 1, lease_expires_at=idle_deadline())
+    return result, node_id
+
+
+def _execute(run: _Run, call: ToolCall) -> tuple[dict, float]:
+    started = time.perf_counter()
+    result = run.sandbox.execute(call.tool, call.args)
+    return result, (time.perf_counter() - started) * 1000
+
+
+def _rollout_sandbox(task, backend, rollout, context: CallContext, answer) -> _Run:
+    """The rollout's sandbox brought up to date with its history (everything before the call)."""
+    policy = TaskPolicy.from_json(task.tools)
+    row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
+    history = context.history
+    if row is not None:
+        try:
+            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+            pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+            _replay(run, pending, history)
+            return run
+        except SandboxGone:  # died between calls: materialize a new one below
+            set_state(row, Sandbox.State.FAILED, rollout=None, error="gone between calls")
+    try:
+        run = _materialize(task, backend, policy, rollout, answer)
+        _replay(run, run_replay(answer, run), history)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+    finally:
+        if answer.lease_id:
+            lease_release(lease_id=answer.lease_id)
+    return run
+
+
+def run_replay(answer, run: _Run) -> tuple[ToolCall, ...]:
+    resume = answer.match.resume
+    if run.row.pool == Sandbox.Pool.FORK and resume is not None and run.row.snapshot_id == resume.snapshot_id:
+        return answer.match.replay
+    return answer.full_replay
+
+
+def _materialize(task, backend, policy, rollout, answer) -> _Run:
+    resume = answer.match.resume
+    snapshot = None
+    if resume is not None:
+        snapshot = Snapshot.objects.filter(pk=resume.snapshot_id, owner=Snapshot.Owner.SERVICE,
+                                           backend=backend.name).first()
+    if snapshot is not None:
+        row = sandbox_acquire(task_id=task.pk, snapshot_id=snapshot.pk, rollout_pk=rollout.pk)
+        if row is None:
+            row = _start_leased(task, backend, rollout, snapshot)
+        if row is not None:
+            if not Sandbox.objects.filter(snapshot=snapshot, state__in=[Sandbox.State.READY, Sandbox.State.WARMING]).exists():
+                pool_request(task_id=task.pk, snapshot_ids=[snapshot.pk])  # keep a fork of a hot snapshot ready
+            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+    row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
+        task, backend, rollout, None)
+    return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+
+
+def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
+    """Start (or fork) a sandbox on the critical path, leased to the rollout from the outset."""
+    row = Sandbox.objects.create(task=task, backend=backend.name, rollout=rollout, state=Sandbox.State.WARMING,
+                                 pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT, snapshot=snapshot)
+    started = time.perf_counter()
+    try:
+        if snapshot is not None:
+            sandbox = backend.fork(snapshot.ref, task.env, labels=labels(task.pk, row.pk))
+        else:
+            sandbox = backend.start(task.env, labels=labels(task.pk, row.pk))
+    except SnapshotMissing:
+        set_state(row, Sandbox.State.FAILED, error="snapshot missing")
+        return None
+    except SandboxError as exc:
+        set_state(row, Sandbox.State.FAILED, error=f"{exc.code}: {exc.message}")
+        raise
+    remember(backend, sandbox)
+    set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
+              start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
+    return row
+
+
+def _replay(run: _Run, calls, history) -> None:
+    """Re-execute state-changing calls whose results are known, to rebuild the state."""
+    for call in calls:
+        run.sandbox.execute(call.tool, call.args)
+    Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
+    run.row.applied = len(history)
+
+
+def _snapshot(run: _Run, node_id: int) -> None:
+    """Snapshot on the critical path (the state is only here now); a worker makes it a ready fork."""
+    info = run.sandbox.snapshot(labels=labels(run.task.pk))
+    try:
+        snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
+                                              backend=run.backend.name, size_bytes=info.size_bytes,
+                                              create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE)
+    except Conflict:  # another rollout's snapshot of the same node won
+        run.backend.delete_snapshot(info.ref)
+        return
+    pool_request(task_id=run.task.pk, snapshot_ids=[snapshot.pk])
+    if evicted:
+        from workers.tasks import snapshots_collect as collect_task
+
+        transaction.on_commit(collect_task.delay)
+
+
+def rollout_end(*, task_id: str, rollout_id: str) -> None:
+    rollout = Rollout.objects.filter(task_id=task_id, rollout_id=rollout_id).first()
+    if rollout is None:
+        raise NotFound(f"Task '{task_id}' has no rollout '{rollout_id}'.", code="unknown_rollout")
+    Rollout.objects.filter(pk=rollout.pk, finished_at__isnull=True).update(finished_at=timezone.now())
+    for sandbox_id in Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).values_list("pk", flat=True):
+        sandbox_stop(sandbox_id=sandbox_id)

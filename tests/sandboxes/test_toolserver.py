@@ -1,0 +1,126 @@
+"""Tool-server mode against the real Docker engine (and the folder and SQLite backends)."""
+
+from __future__ import annotations
+
+import docker
+import pytest
+
+from sandboxes.models import Sandbox
+
+from .helpers import bash, run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_stale_read_after_a_write_is_executed_again(api, docker_task):
+    task = docker_task("stale")
+    assert run(api, task, "r1", bash("echo one > f"))["cached"] is False
+    assert run(api, task, "r1", bash("cat f"))["result"]["stdout"] == "one\n"
+    assert run(api, task, "r2", bash("echo one > f"))["cached"] is True
+    assert run(api, task, "r2", bash("cat f"))["cached"] is True
+    run(api, task, "r2", bash("echo two > f"))
+    again = run(api, task, "r2", bash("cat f"))
+    assert (again["cached"], again["result"]["stdout"]) == (False, "two\n")
+
+
+def test_hits_need_no_sandbox(api, docker_task):
+    task = docker_task("nosandbox")
+    run(api, task, "r1", bash("echo hi"))
+    run(api, task, "r2", bash("echo hi"))
+    assert Sandbox.objects.filter(rollout__rollout_id="r2").count() == 0
+
+
+def test_cwd_and_exports_survive_calls_and_forks(api, docker_task):
+    task = docker_task("session")
+    setup = bash("sleep 1; mkdir -p /work && cd /work && export GREETING='hello there'")  # slow: snapshotted
+    run(api, task, "r1", setup)
+    assert run(api, task, "r1", bash('echo "$PWD $GREETING"'))["result"]["stdout"] == "/work hello there\n"
+    run(api, task, "r2", setup)  # a hit: r2 has no sandbox yet
+    forked = run(api, task, "r2", bash('echo "$GREETING in $PWD"'))
+    assert forked["result"]["stdout"] == "hello there in /work\n"
+    assert Sandbox.objects.get(rollout__rollout_id="r2", state="leased").pool == "fork"
+
+
+def test_resume_from_a_mid_path_snapshot_replays_only_the_suffix(api, docker_task):
+    task = docker_task("suffix")
+    random_id = bash("sleep 1; cat /proc/sys/kernel/random/uuid > /id")  # slow: a snapshot after it
+    append = bash("echo b >> /log")  # cheap: replayed, not snapshotted
+    run(api, task, "r1", random_id)
+    run(api, task, "r1", append)
+    original = run(api, task, "r1", bash("cat /id"))["result"]["stdout"]
+    run(api, task, "r2", random_id)
+    run(api, task, "r2", append)
+    state = run(api, task, "r2", bash("cat /id; cat /log"))
+    assert state["cached"] is False
+    # Forked from the snapshot (same random id) and `echo b` replayed exactly once on top.
+    assert state["result"]["stdout"] == original + "b\n"
+
+
+def test_two_tasks_never_see_each_others_files(api, docker_task):
+    docker_task("task-a")
+    docker_task("task-b", env={"backend": "docker", "limits": {"memory_mb": 256}})
+    run(api, "task-a", "r", bash("echo secret > /secret"))
+    other = run(api, "task-b", "r", bash("cat /secret"))
+    assert other["result"]["exit_code"] != 0 and "secret" not in other["result"]["stdout"]
+
+
+def test_sandboxes_have_no_network_and_limits(api, docker_task, busybox):
+    task = docker_task("limits")
+    run(api, task, "r", bash("true"))
+    row = Sandbox.objects.get(rollout__rollout_id="r")
+    host = busybox.api.inspect_container(row.ref)["HostConfig"]
+    assert host["NetworkMode"] == "none" and not host["Privileged"] and host["Memory"] > 0 and host["PidsLimit"] > 0
+    assert not host.get("Binds")
+
+
+def test_unknown_tool_is_a_clear_400(api, docker_task):
+    task = docker_task("unknown")
+    response = api.post(f"/api/v1/tasks/{task}/rollouts/r/calls", {"call": {"tool": "rm", "args": {}}}, format="json")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "unknown_tool"
+
+
+def test_timeout_is_flagged_and_not_cached(api, docker_task):
+    task = docker_task("timeout")
+    first = run(api, task, "r1", bash("sleep 5", timeout_s=1))
+    assert first["result"]["timed_out"] is True and first["node_id"] is None
+    assert run(api, task, "r2", bash("sleep 5", timeout_s=1))["cached"] is False
+
+
+def test_output_over_the_cap_is_truncated_with_a_flag(api, docker_task):
+    task = docker_task("flood")
+    result = run(api, task, "r", bash("head -c 200000 /dev/zero | tr '\\0' x"))["result"]
+    assert result["truncated"] is True and len(result["stdout"]) < 200_000
+
+
+def test_sandbox_dying_mid_call_is_a_clear_error_and_the_rollout_goes_on(api, docker_task, busybox):
+    task = docker_task("dies")
+    run(api, task, "r", bash("echo 1 > /state"))
+    row = Sandbox.objects.get(rollout__rollout_id="r", state="leased")
+    busybox.api.kill(row.ref)
+    response = api.post(f"/api/v1/tasks/{task}/rollouts/r/calls", {"call": bash("cat /state")}, format="json")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "sandbox_gone"
+    again = run(api, task, "r", bash("cat /state"))  # re-materialized: fresh root + replay
+    assert again["result"]["stdout"] == "1\n"
+
+
+def test_ending_a_rollout_frees_its_sandbox(api, docker_task, busybox):
+    task = docker_task("end")
+    run(api, task, "r", bash("true"))
+    ref = Sandbox.objects.get(rollout__rollout_id="r").ref
+    assert api.delete(f"/api/v1/tasks/{task}/rollouts/r").status_code == 204
+    with pytest.raises(docker.errors.NotFound):
+        busybox.api.inspect_container(ref)
+    assert run(api, task, "r", bash("true"), status=409)["error"]["code"] == "rollout_finished"
+
+
+def test_directory_and_sqlite_tasks_run_in_tool_server_mode(api):
+    api.put("/api/v1/tasks/files", {"env": {"backend": "directory", "files": {"a.txt": "A"}}}, format="json")
+    assert run(api, "files", "r", {"tool": "read_file", "args": {"path": "a.txt"}})["result"] == {"output": "A", "ok": True}
+    api.put("/api/v1/tasks/db", {"env": {"backend": "sqlite", "schema_sql": "create table t (x int);"}}, format="json")
+    run(api, "db", "r", {"tool": "execute", "args": {"sql": "insert into t values (7)"}})
+    rows = run(api, "db", "r", {"tool": "query", "args": {"sql": "select x from t"}})["result"]["rows"]
+    assert rows == [[7]]
+
+
+def test_external_tasks_are_not_served_in_tool_server_mode(api, toy_task):
+    assert run(api, toy_task, "r", {"tool": "read", "args": {}}, status=400)["error"]["code"] == "not_managed"

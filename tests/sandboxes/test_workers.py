@@ -1,0 +1,128 @@
+"""Background work with a real Celery worker on Redis and the real Docker engine: warm pools,
+pre-forks, eviction, reaping."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import docker
+import pytest
+from django.utils import timezone
+
+from cache.models import Lease, Snapshot, Task
+from sandboxes import services
+from sandboxes.backends.base import SandboxGone
+from sandboxes.models import Sandbox
+from sandboxes.services.runtime import backend_named, labels
+
+from .helpers import bash, run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not reached in time")
+
+
+def test_announced_step_warms_roots_and_the_first_miss_takes_one(api, docker_task, celery_worker):
+    task = docker_task("step")
+    response = api.post("/api/v1/steps", {"tasks": [task], "rollouts_per_task": 2, "epoch": 0}, format="json")
+    assert response.status_code == 202 and response.json()["planned"][task] == {"roots": 2, "forks": 0}
+    wait_for(lambda: Sandbox.objects.filter(task_id=task, state="ready").count() == 2)
+    run(api, task, "r1", bash("echo hi"))
+    taken = Sandbox.objects.get(rollout__rollout_id="r1")
+    assert taken.pool == "root" and taken.ready_at < timezone.now()
+    assert Sandbox.objects.filter(task_id=task, state="ready").count() == 1
+    pools = api.get("/api/v1/pools").json()
+    assert {"task_id": task, "backend": "docker", "pool": "root",
+            "states": {"warming": 0, "ready": 1, "leased": 1, "stopping": 0}} in pools["pools"]
+    assert pools["engine"]["ok"] is True
+
+
+def test_a_snapshot_becomes_a_ready_fork_in_a_worker_and_a_rollout_takes_it(api, docker_task, celery_worker):
+    task = docker_task("prefork")
+    setup = bash("sleep 1; echo built > /artifact")
+    run(api, task, "r1", setup)
+    snapshot = Snapshot.objects.get(task_id=task, status="live")
+    wait_for(lambda: Sandbox.objects.filter(snapshot=snapshot, state="ready").exists())
+    ready = Sandbox.objects.get(snapshot=snapshot, state="ready")
+    run(api, task, "r2", setup)
+    assert run(api, task, "r2", bash("cat /artifact"))["result"]["stdout"] == "built\n"
+    assert Sandbox.objects.get(rollout__rollout_id="r2").pk == ready.pk  # handed over, not forked anew
+
+
+def test_eviction_spares_a_leased_snapshot_and_never_breaks_a_running_fork(api, docker_task, busybox):
+    task = docker_task("evict")
+    setup = bash("sleep 1; echo kept > /f")
+    run(api, task, "r1", setup)
+    snapshot = Snapshot.objects.get(task_id=task, status="live")
+    lease = Lease.objects.create(snapshot=snapshot, expires_at=timezone.now() + timedelta(minutes=5))
+    Task.objects.filter(pk=task).update(sandbox_budget=0)
+    services.snapshots_collect()
+    snapshot.refresh_from_db()
+    assert snapshot.status == "live"  # leased: spared
+    run(api, task, "r2", setup)
+    run(api, task, "r2", bash("true"))  # r2 now runs in a fork of the snapshot
+    Lease.objects.filter(pk=lease.pk).update(released_at=timezone.now())
+    services.snapshots_collect()
+    snapshot.refresh_from_db()
+    assert snapshot.status == "deleted"
+    with pytest.raises(docker.errors.ImageNotFound):
+        busybox.images.get(snapshot.ref)
+    assert run(api, task, "r2", bash("cat /f"))["result"]["stdout"] == "kept\n"  # the fork runs on
+
+
+def test_an_idle_rollout_loses_its_sandbox_and_expired_leases_are_released(api, docker_task, busybox):
+    task = docker_task("idle")
+    run(api, task, "r", bash("true"))
+    row = Sandbox.objects.get(rollout__rollout_id="r")
+    Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    run(api, task, "other", bash("sleep 1; true"))
+    snapshot = Snapshot.objects.get(task_id=task)
+    Lease.objects.create(snapshot=snapshot, expires_at=timezone.now() - timedelta(seconds=1))
+    reaped = services.sandboxes_reap()
+    assert reaped["sandboxes"] >= 1 and reaped["leases"] == 1
+    row.refresh_from_db()
+    assert row.state == "stopped"
+    with pytest.raises(docker.errors.NotFound):
+        busybox.api.inspect_container(row.ref)
+
+
+def test_a_killed_workers_sandboxes_are_reaped(api, docker_task, busybox, settings):
+    task = docker_task("killed")
+    backend = backend_named("docker")
+    # A worker died after the engine made the container, before the database knew its id.
+    row = Sandbox.objects.create(task_id=task, backend="docker", pool="root")
+    orphan = backend.start(Task.objects.get(pk=task).env, labels=labels(task, row.pk))
+    Sandbox.objects.filter(pk=row.pk).update(created_at=timezone.now() - timedelta(hours=1))
+    settings.TVCACHE = {**settings.TVCACHE, "WARMING_TIMEOUT_S": 60}
+    assert services.sandboxes_reap()["warmups"] == 1
+    assert services.orphans_reap(grace_s=0)["sandboxes"] >= 1
+    with pytest.raises(SandboxGone):
+        backend.attach(orphan.sandbox_id)
+    assert Sandbox.objects.get(pk=row.pk).state == "failed"
+
+
+def test_an_unreachable_engine_fails_its_tasks_clearly_and_the_rest_keeps_serving(api, toy_task, settings):
+    from sandboxes import selectors
+    from sandboxes.services import runtime
+
+    selectors._health.clear()
+    settings.TVCACHE = {**settings.TVCACHE, "DOCKER_URL": "unix:///tmp/tvcache-no-engine.sock"}
+    runtime.sandbox_config.cache_clear()
+    try:
+        response = api.put("/api/v1/tasks/nodocker", {"env": {"backend": "docker"}}, format="json")
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
+        lookup = api.post(f"/api/v1/tasks/{toy_task}/lookup", {"history": [], "call": {"tool": "x", "args": {}}},
+                          format="json")
+        assert lookup.status_code == 200
+        assert api.get("/api/v1/pools").json()["engine"]["ok"] is False
+    finally:
+        runtime.sandbox_config.cache_clear()
+        selectors._health.clear()

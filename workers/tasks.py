@@ -1,0 +1,37 @@
+"""Celery tasks: thin wrappers that take ids, call one service and own the retry policy.
+
+All are idempotent and acknowledged late, so a task whose worker died runs again elsewhere.
+"""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from sandboxes import services
+
+RETRY = {"autoretry_for": (ConnectionError,), "retry_backoff": True, "max_retries": 5}
+
+
+@shared_task(acks_late=True, **RETRY)
+def sandbox_warm(sandbox_id: int) -> None:
+    services.sandbox_warm(sandbox_id=sandbox_id)
+
+
+@shared_task(acks_late=True, **RETRY)
+def sandbox_stop(sandbox_id: int) -> None:
+    services.sandbox_stop(sandbox_id=sandbox_id)
+
+
+@shared_task(acks_late=True)
+def sandboxes_reap() -> dict:
+    return services.sandboxes_reap()
+
+
+@shared_task(acks_late=True)
+def snapshots_collect() -> dict:
+    return services.snapshots_collect()
+
+
+@shared_task(acks_late=True)
+def orphans_reap() -> dict:
+    return services.orphans_reap()
