@@ -160,5 +160,9 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="WARNING")},
-    "loggers": {"tvcache": {"level": env("LOG_LEVEL", default="INFO")}},
+    "loggers": {
+        "tvcache": {"level": env("LOG_LEVEL", default="INFO")},
+        # 4xx answers are the API working as documented, not server trouble worth a log line.
+        "django.request": {"level": "ERROR"},
+    },
 }
