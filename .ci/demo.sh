@@ -9,13 +9,13 @@ if ! redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1; then
   log "no Redis at $REDIS_URL: background work runs in process (embedded default)"
   unset REDIS_URL
 fi
-.venv/bin/python manage.py shell -c "
+.venv/bin/python manage.py shell -v 0 -c "
 from django.contrib.auth import get_user_model
 User = get_user_model()
 if not User.objects.filter(username='admin').exists():
     User.objects.create_superuser('admin', 'admin@example.invalid', 'tvcache-demo')
 "
-.venv/bin/python manage.py shell -c "from cache.models import ApiToken; ApiToken.objects.filter(name='demo').delete()"
+.venv/bin/python manage.py shell -v 0 -c "from cache.models import ApiToken; ApiToken.objects.filter(name='demo').delete()"
 TOKEN=$(.venv/bin/python manage.py create_token demo)
 
 pids=()

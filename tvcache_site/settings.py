@@ -151,6 +151,10 @@ TVCACHE = {
     "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),
+    # Ready pre-forks kept per task (idle containers cost memory), and how long a ready sandbox
+    # nobody takes stays up.
+    "PREFORKS_PER_TASK": env.int("TVCACHE_PREFORKS_PER_TASK", default=4),
+    "POOL_IDLE_S": env.float("TVCACHE_POOL_IDLE_S", default=600.0),
     # WARMING rows older than this belong to a worker that died: the reaper fails them.
     "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
 }

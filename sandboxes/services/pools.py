@@ -49,6 +49,19 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
     return ids
 
 
+WAITING = (Sandbox.State.WARMING, Sandbox.State.READY)
+
+
+def prefork_if_room(*, task_id: str, snapshot_id: int) -> bool:
+    """One ready fork of a snapshot, unless it has one or the task has PREFORKS_PER_TASK waiting:
+    idle containers cost memory, and the hottest snapshots get theirs at the next step."""
+    waiting = Sandbox.objects.filter(task_id=task_id, pool=Sandbox.Pool.FORK, state__in=WAITING)
+    if waiting.filter(snapshot_id=snapshot_id).exists() or waiting.count() >= settings.TVCACHE["PREFORKS_PER_TASK"]:
+        return False
+    pool_request(task_id=task_id, snapshot_ids=[snapshot_id])
+    return True
+
+
 def sandbox_warm(*, sandbox_id: int) -> None:
     """Start (root) or fork (pre-fork) the sandbox of a WARMING row. Idempotent: a row that is
     not WARMING any more is left alone, and a container made by a crashed attempt is reaped."""
@@ -119,13 +132,14 @@ def step_announce(*, task_ids: list[str], rollouts_per_task: int) -> dict[str, d
     for task in Task.objects.filter(pk__in=task_ids):
         if not is_managed(task.env.get("backend", "external")):
             continue
-        waiting = Sandbox.objects.filter(task=task, pool=Sandbox.Pool.ROOT,
-                                         state__in=[Sandbox.State.WARMING, Sandbox.State.READY]).count()
-        roots = max(0, rollouts_per_task - waiting)
+        waiting = Sandbox.objects.filter(task=task, state__in=WAITING)
+        roots = max(0, rollouts_per_task - waiting.filter(pool=Sandbox.Pool.ROOT).count())
+        room = max(0, min(rollouts_per_task, settings.TVCACHE["PREFORKS_PER_TASK"])
+                   - waiting.filter(pool=Sandbox.Pool.FORK).count())
         hot = list(
             Snapshot.objects.filter(task=task, status=Snapshot.Status.LIVE, owner=Snapshot.Owner.SERVICE)
-            .annotate(waiting=Count("forks", filter=Q(forks__state__in=[Sandbox.State.WARMING, Sandbox.State.READY])))
-            .filter(waiting=0).order_by("-node__hit_count", "-node__depth").values_list("pk", flat=True)[:rollouts_per_task]
+            .annotate(waiting=Count("forks", filter=Q(forks__state__in=WAITING)))
+            .filter(waiting=0).order_by("-node__hit_count", "-node__depth").values_list("pk", flat=True)[:room]
         )
         pool_request(task_id=task.pk, roots=roots, snapshot_ids=hot)
         planned[task.pk] = {"roots": roots, "forks": len(hot)}

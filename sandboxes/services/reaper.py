@@ -30,6 +30,8 @@ def sandboxes_reap() -> dict[str, int]:
     idle = list(Sandbox.objects.filter(state=Sandbox.State.LEASED, lease_expires_at__lte=now).values_list("pk", flat=True))
     ended = list(Sandbox.objects.filter(state=Sandbox.State.LEASED, rollout__finished_at__isnull=False)
                  .values_list("pk", flat=True))
+    unused = now - timedelta(seconds=settings.TVCACHE["POOL_IDLE_S"])
+    idle += list(Sandbox.objects.filter(state=Sandbox.State.READY, ready_at__lte=unused).values_list("pk", flat=True))
     for sandbox_id in {*idle, *ended}:
         sandbox_stop(sandbox_id=sandbox_id)
     stale = now - timedelta(seconds=settings.TVCACHE["WARMING_TIMEOUT_S"])

@@ -26,7 +26,7 @@ from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
 from sandboxes.models import Sandbox
 
-from .pools import idle_deadline, pool_request, sandbox_acquire, sandbox_stop, set_state
+from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_stop, set_state
 from .runtime import as_application_error, backend_named, forget, handle, labels, remember
 
 log = logging.getLogger("tvcache.toolserver")
@@ -159,8 +159,7 @@ def _materialize(task, backend, policy, rollout, answer) -> _Run:
         if row is None:
             row = _start_leased(task, backend, rollout, snapshot)
         if row is not None:
-            if not Sandbox.objects.filter(snapshot=snapshot, state__in=[Sandbox.State.READY, Sandbox.State.WARMING]).exists():
-                pool_request(task_id=task.pk, snapshot_ids=[snapshot.pk])  # keep a fork of a hot snapshot ready
+            prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
             return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
         task, backend, rollout, None)
@@ -207,7 +206,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
     except Conflict:  # another rollout's snapshot of the same node won
         run.backend.delete_snapshot(info.ref)
         return
-    pool_request(task_id=run.task.pk, snapshot_ids=[snapshot.pk])
+    prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
     if evicted:
         from workers.tasks import snapshots_collect as collect_task
 

@@ -126,3 +126,17 @@ def test_an_unreachable_engine_fails_its_tasks_clearly_and_the_rest_keeps_servin
     finally:
         runtime.sandbox_config.cache_clear()
         selectors._health.clear()
+
+
+def test_pre_forks_are_capped_per_task_and_unused_ready_sandboxes_are_stopped(api, docker_task, settings):
+    settings.TVCACHE = {**settings.TVCACHE, "PREFORKS_PER_TASK": 1}
+    task = docker_task("capped")
+    run(api, task, "r", bash("sleep 1; echo a > /a"))
+    run(api, task, "r", bash("sleep 1; echo b > /b"))
+    assert Snapshot.objects.filter(task_id=task, status="live").count() == 2
+    assert Sandbox.objects.filter(task_id=task, pool="fork", rollout=None).count() == 1
+    waiting = Sandbox.objects.get(task_id=task, pool="fork", rollout=None)
+    services.sandbox_warm(sandbox_id=waiting.pk)  # what the worker does (idempotent if it did already)
+    Sandbox.objects.filter(pk=waiting.pk).update(ready_at=timezone.now() - timedelta(hours=1))
+    services.sandboxes_reap()
+    assert Sandbox.objects.get(pk=waiting.pk).state == "stopped"
