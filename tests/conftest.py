@@ -40,6 +40,8 @@ def _counters_flushed_on_read():
 
     settings.TVCACHE["COUNTER_FLUSH_S"] = 0
     counters._buffer.take()
+    yield
+    counters._buffer.take()  # never flushed later into another database (the process's exit flush)
 
 
 @pytest.fixture

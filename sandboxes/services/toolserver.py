@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,46 +70,76 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
     except SandboxError as exc:
         raise as_application_error(exc) from None
     rollout, _ = Rollout.objects.get_or_create(task=task, rollout_id=rollout_id, defaults={"epoch": epoch})
-    if rollout.finished_at is not None:
-        raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
-    history = tuple(ToolCall.from_json(item) for item in rollout.history)
-    context = CallContext(history, call, rollout_id, epoch, None)
-    answer = tcg_lookup(task_id=task_id, context=context)
-    if isinstance(answer, LookupHit):
-        result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
-    else:
-        result, node_id = _serve_miss(task, backend, rollout, context, answer)
-        cached = False
-    _append(rollout, call, len(history))
+    with _exclusive(rollout):
+        rollout.refresh_from_db(fields=["history", "finished_at"])
+        if rollout.finished_at is not None:
+            raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
+        history = tuple(ToolCall.from_json(item) for item in rollout.history)
+        context = CallContext(history, call, rollout_id, epoch, None)
+        answer = tcg_lookup(task_id=task_id, context=context)
+        if isinstance(answer, LookupHit):
+            result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
+        else:
+            result, node_id = _serve_miss(task, backend, rollout, context, answer)
+            cached = False
+        _append(rollout, call, len(history))
     return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000)
+
+
+@contextmanager
+def _exclusive(rollout: Rollout):
+    """One call of a rollout at a time: a second one would run in the same sandbox and leave it
+    ahead of the history. It is refused (409), never queued, since the client broke the order."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [rollout.pk])
+        if not cursor.fetchone()[0]:
+            raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
+                           code="rollout_busy")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout.pk])
 
 
 def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute(APPEND_SQL, [orjson.dumps([call.to_json()]).decode(), rollout.pk, length])
         if cursor.rowcount != 1:
-            raise Conflict("Another call of this rollout ran at the same time, or the rollout ended; "
-                           "a rollout's calls must come one after the other.", code="rollout_busy")
+            raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
 def _serve_miss(task, backend, rollout, context: CallContext, answer) -> tuple[Any, int | None]:
     run = _rollout_sandbox(task, backend, rollout, context, answer)
     try:
         result, exec_ms = _execute(run, context.call)
+    except SandboxGone as exc:
+        _retire(run, exc.message)
+        raise as_application_error(exc) from None
+    except SandboxError as exc:  # refused before it ran (bad arguments): the sandbox is as it was
+        raise as_application_error(exc) from None
+    try:
         node_id = None
         if not (result.get("timed_out") and not settings.TVCACHE["CACHE_TIMEOUTS"]):
             outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms))
             node_id = outcome.node_id
             if outcome.snapshot_wanted:
                 _snapshot(run, node_id)
-    except SandboxGone as exc:
-        set_state(run.row, Sandbox.State.FAILED, rollout=None, error=exc.message)
-        forget(run.row.backend, run.row.ref)
-        raise as_application_error(exc) from None
-    except SandboxError as exc:
-        raise as_application_error(exc) from None
-    Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + 1, lease_expires_at=idle_deadline())
+        Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + 1, lease_expires_at=idle_deadline())
+    except BaseException:
+        _retire(run, "failed after its call ran: its state is ahead of the rollout's history")
+        raise
     return result, node_id
+
+
+def _retire(run: _Run, reason: str) -> None:
+    """Take the sandbox away from the rollout; its next call materializes a new one."""
+    set_state(run.row, Sandbox.State.FAILED, rollout=None, error=reason)
+    forget(run.row.backend, run.row.ref)
+    try:
+        run.backend.remove_sandbox(run.row.ref)
+    except SandboxError:  # the orphan reaper removes it later
+        pass
 
 
 def _execute(run: _Run, call: ToolCall) -> tuple[dict, float]:
@@ -197,8 +228,13 @@ def _replay(run: _Run, calls, history) -> None:
 
 
 def _snapshot(run: _Run, node_id: int) -> None:
-    """Snapshot on the critical path (the state is only here now); a worker makes it a ready fork."""
-    info = run.sandbox.snapshot(labels=labels(run.task.pk))
+    """Snapshot on the critical path (the state is only here now); a worker makes it a ready fork.
+    A failed snapshot costs only the reuse it would have given: the call still succeeds."""
+    try:
+        info = run.sandbox.snapshot(labels=labels(run.task.pk))
+    except SandboxError as exc:
+        log.warning("snapshot of sandbox %s failed: %s", run.row.ref, exc)
+        return
     try:
         snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
                                               backend=run.backend.name, size_bytes=info.size_bytes,

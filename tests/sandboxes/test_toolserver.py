@@ -124,3 +124,27 @@ def test_directory_and_sqlite_tasks_run_in_tool_server_mode(api):
 
 def test_external_tasks_are_not_served_in_tool_server_mode(api, toy_task):
     assert run(api, toy_task, "r", {"tool": "read", "args": {}}, status=400)["error"]["code"] == "not_managed"
+
+
+def test_a_second_call_of_a_busy_rollout_is_refused_and_the_history_stays_exact(api, docker_task):
+    import threading
+
+    from django.db import connection
+
+    task = docker_task("busy")
+    outcome = {}
+
+    def slow():
+        try:
+            outcome["slow"] = run(api, task, "r", bash("sleep 4; echo 1 >> /f"))
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=slow)
+    worker.start()
+    while not Sandbox.objects.filter(rollout__rollout_id="r", state="leased").exists():
+        assert worker.is_alive()
+        threading.Event().wait(0.1)
+    assert run(api, task, "r", bash("echo 2 >> /f"), status=409)["error"]["code"] == "rollout_busy"
+    worker.join()
+    assert run(api, task, "r", bash("cat /f"))["result"]["stdout"] == "1\n"
