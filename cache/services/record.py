@@ -99,7 +99,9 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
         if created:
             broadcast.node_created(task.task_id, node_id)
         wanted = False
-        if last.mutates and task.sandbox_budget > 0:
+        # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
+        # same call (or replaying it) would each pay for one, and all but one be thrown away.
+        if created and last.mutates and task.sandbox_budget > 0:
             cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id, [step.state_key for step in writes]])
             nearest_cum, has_own = cursor.fetchone()
             wanted = not has_own and snapshot_wanted(

@@ -56,6 +56,7 @@ class _Run:
     rollout: Rollout
     row: Sandbox
     sandbox: SandboxHandle
+    restore_ms: float | None = None  # set when it was forked from a snapshot on the critical path
 
 
 def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 0) -> CallOutcome:
@@ -110,7 +111,13 @@ def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
 
 
 def _serve_miss(task, backend, rollout, context: CallContext, answer) -> tuple[Any, int | None]:
-    run = _rollout_sandbox(task, backend, rollout, context, answer)
+    restore_ms = None
+    try:
+        run = _rollout_sandbox(task, backend, rollout, context, answer)
+        restore_ms = run.restore_ms
+    finally:  # the lookup's lease, used or not (a rollout with a sandbox of its own does not fork)
+        if answer.lease_id:
+            lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
     try:
         result, exec_ms = _execute(run, context.call)
     except SandboxGone as exc:
@@ -166,9 +173,6 @@ def _rollout_sandbox(task, backend, rollout, context: CallContext, answer) -> _R
         _replay(run, run_replay(answer, run), history)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    finally:
-        if answer.lease_id:
-            lease_release(lease_id=answer.lease_id)
     return run
 
 
@@ -186,12 +190,13 @@ def _materialize(task, backend, policy, rollout, answer) -> _Run:
         snapshot = Snapshot.objects.filter(pk=resume.snapshot_id, owner=Snapshot.Owner.SERVICE,
                                            backend=backend.name).first()
     if snapshot is not None:
-        row = sandbox_acquire(task_id=task.pk, snapshot_id=snapshot.pk, rollout_pk=rollout.pk)
+        row, restore_ms = sandbox_acquire(task_id=task.pk, snapshot_id=snapshot.pk, rollout_pk=rollout.pk), None
         if row is None:
             row = _start_leased(task, backend, rollout, snapshot)
+            restore_ms = row.start_ms if row is not None else None
         if row is not None:
             prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
-            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), restore_ms)
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
         task, backend, rollout, None)
     return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))

@@ -148,3 +148,16 @@ def test_a_second_call_of_a_busy_rollout_is_refused_and_the_history_stays_exact(
     assert run(api, task, "r", bash("echo 2 >> /f"), status=409)["error"]["code"] == "rollout_busy"
     worker.join()
     assert run(api, task, "r", bash("cat /f"))["result"]["stdout"] == "1\n"
+
+
+def test_every_lease_a_miss_takes_is_released(api, docker_task):
+    from cache.models import Lease
+
+    task = docker_task("leases")
+    setup = bash("sleep 1; echo s > /s")
+    run(api, task, "r1", setup)
+    run(api, task, "r2", setup)
+    for command in ("echo 1", "echo 2", "echo 3"):  # misses below a snapshot: each lookup leases it
+        run(api, task, "r2", bash(command))
+    assert Lease.objects.count() >= 1
+    assert not Lease.objects.filter(released_at__isnull=True).exists()
