@@ -1,6 +1,14 @@
+"""WSGI entry point. Lookup and record POSTs are answered before Django's handler and middleware
+(cache/api/lean.py, HotPathApplication); everything else is plain Django."""
+
 import os
 
 from django.core.wsgi import get_wsgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tvcache_site.settings")
-application = get_wsgi_application()
+django_application = get_wsgi_application()
+
+from cache.api.lean import HotPathApplication  # noqa: E402  (needs the apps loaded)
+from cache.api.views import LookupView, RecordView  # noqa: E402
+
+application = HotPathApplication(django_application, {"lookup": LookupView, "record": RecordView})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import orjson
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -14,7 +14,7 @@ from cache.errors import InvalidInput
 from cache.inputs import parse_call_context, parse_record
 
 from . import serializers as s
-from .lean import LeanPostView, json_response
+from .lean import LeanPostView
 
 ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413)}
 
@@ -64,33 +64,34 @@ class TaskStatsView(APIView):
         return Response(selectors.task_stats(task_id=task_id))
 
 
+@extend_schema_view(post=extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
+                                        summary="Longest-prefix lookup of a call after a history"))
 class LookupView(LeanPostView):
-    @extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
-                   summary="Longest-prefix lookup of a call after a history")
-    def post(self, request, task_id: str):
-        context = parse_call_context(self.payload)
-        answer = services.tcg_lookup(task_id=task_id, context=context)
+    @staticmethod
+    def answer(*, task_id: str, payload) -> bytes:
+        answer = services.tcg_lookup(task_id=task_id, context=parse_call_context(payload))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
-            return json_response(b'{"hit":true,"node_id":%d,"result":%s}' % (answer.node_id, answer.result_json.encode()))
+            return b'{"hit":true,"node_id":%d,"result":%s}' % (answer.node_id, answer.result_json.encode())
         match = answer.match
         resume = None
         if match.resume is not None:
             resume = {"node_id": match.resume.node_id, "snapshot_id": match.resume.snapshot_id,
                       "snapshot_ref": match.resume.snapshot_ref, "lease_id": answer.lease_id,
-                      "replay": [call.to_json() for call in match.replay]}
-        return json_response(orjson.dumps({"hit": False, "matched": match.matched, "resume": resume,
-                                   "replay": [call.to_json() for call in answer.full_replay]}))
+                      "replay": match.replay}
+        # orjson writes a ToolCall dataclass as {"tool", "args"}, field order: what to_json() gives.
+        return orjson.dumps({"hit": False, "matched": match.matched, "resume": resume, "replay": answer.full_replay})
 
 
+@extend_schema_view(post=extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
+                                        summary="Record a call's result (idempotent)"))
 class RecordView(LeanPostView):
-    @extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
-                   summary="Record a call's result (idempotent)")
-    def post(self, request, task_id: str):
-        outcome = services.node_record(task_id=task_id, record=parse_record(self.payload))
-        return json_response(orjson.dumps({"node_id": outcome.node_id, "created": outcome.created,
-                                   "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
-                                   "evicted": outcome.evicted}))
+    @staticmethod
+    def answer(*, task_id: str, payload) -> bytes:
+        outcome = services.node_record(task_id=task_id, record=parse_record(payload))
+        return orjson.dumps({"node_id": outcome.node_id, "created": outcome.created,
+                             "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
+                             "evicted": outcome.evicted})
 
 
 class SnapshotRegisterView(APIView):

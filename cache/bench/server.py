@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,11 +20,15 @@ SERVERS = {
     "gunicorn": lambda port, workers: [sys.executable, "-m", "gunicorn", "tvcache_site.wsgi:application",
                                        "-b", f"127.0.0.1:{port}", "-w", str(workers), "--keep-alive", "75",
                                        "--log-level", "warning", "--worker-class", "sync"],
-    # WSGI, uWSGI's C HTTP parser with keep-alive: the fastest option measured here.
+    # WSGI, uWSGI's C HTTP parser: the fastest option measured here. A sync worker serves one
+    # connection at a time, so it closes each after its response (as gunicorn's sync workers do);
+    # uWSGI's http-socket does that without saying so, and clients then lose a round trip (or the
+    # request) on the dead connection: the header tells them. (--http-keepalive only applies to
+    # uWSGI's separate HTTP router process, which cost more CPU per request than it saved here.)
     "uwsgi": lambda port, workers: [str(Path(sys.executable).with_name("uwsgi")), "--http-socket", f"127.0.0.1:{port}",
                                     "--module", "tvcache_site.wsgi:application", "--processes", str(workers),
-                                    "--master", "--disable-logging", "--http-keepalive", "--enable-threads",
-                                    "--lazy-apps", "--thunder-lock", "--die-on-term"],
+                                    "--master", "--disable-logging", "--add-header", "Connection: close",
+                                    "--enable-threads", "--lazy-apps", "--thunder-lock", "--die-on-term"],
     # ASGI (HTTP + websockets), the application the run command serves.
     "uvicorn": lambda port, workers: [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application",
                                       "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
@@ -36,6 +41,39 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    url: str
+    pid: int
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) used so far by the server and its live child processes."""
+        return sum(_cpu_s(pid) for pid in _tree(self.pid))
+
+
+def _tree(root: int) -> list[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -54,7 +92,7 @@ def running_server(kind: str, workers: int, env: dict[str, str] | None = None):
                 if time.monotonic() > deadline or process.poll() is not None:
                     raise RuntimeError(f"{kind} did not start on {url}")
                 time.sleep(0.2)
-        yield url
+        yield RunningServer(url, process.pid)
     finally:
         process.terminate()
         try:

@@ -16,7 +16,9 @@ import time
 from collections import defaultdict
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
+
+from .prepared import prepared_cursor
 
 log = logging.getLogger("tvcache.counters")
 
@@ -32,6 +34,8 @@ ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
     oracle_hits = cache_toolstat.oracle_hits + EXCLUDED.oracle_hits,
     saved_ms = cache_toolstat.saved_ms + EXCLUDED.saved_ms
 """
+
+FLUSH_LOCK_KEY = 0x7476_6361_6368_6531  # "tvcache1": the advisory lock that serializes counter flushes
 
 NODES_SQL = """
 UPDATE cache_node SET hit_count = cache_node.hit_count + t.hits, last_hit_at = now()
@@ -97,8 +101,11 @@ def counters_flush() -> dict:
         stats, nodes, rollouts = _buffer.take()
         if not (stats or nodes or rollouts):
             return {}
-        with transaction.atomic(), connection.cursor() as cursor:
+        with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
             cursor.execute("SET LOCAL synchronous_commit = off")
+            # One flush at a time across processes: each locks many node, stat and rollout rows, in
+            # whatever order its batch has, and two of them at once deadlocked under load.
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
             if stats:
                 keys, values = list(stats), list(stats.values())
                 cursor.execute(STATS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],

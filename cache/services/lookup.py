@@ -17,6 +17,7 @@ from cache.inputs import CallContext
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
 from .counters import counters_add
+from .prepared import prepared_cursor
 from .tasks import TaskHandle, task_handle
 
 # One indexed read: the task's current version (a cached handle may be outdated) and the node
@@ -90,7 +91,7 @@ def _exact_read(task: TaskHandle, context: CallContext) -> tuple[StateChain, tup
     task.check_fingerprint(context.env_fingerprint)
     chain = task_chain(task, context)
     last = chain.steps[-1]
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(HIT_SQL, [last.anchor, last.digest, task.task_id])
         return chain, cursor.fetchone()
 
@@ -103,7 +104,7 @@ def existing_writes(task_id: str, chain: StateChain) -> dict[str, NodeRef]:
     keys = [step.state_key for step in chain.writes]
     if not keys:
         return {}
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(LPM_SQL, [task_id, keys])
         rows = cursor.fetchall()
     return {

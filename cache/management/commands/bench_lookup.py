@@ -7,7 +7,9 @@ hit and miss lookups at each rate. Writes artifacts/bench/lookup.json and lookup
 from __future__ import annotations
 
 import json
+import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -80,36 +82,50 @@ class Command(BaseCommand):
         parser.add_argument("--duration", type=float, default=10.0)
         parser.add_argument("--server", choices=sorted(SERVERS), default="uwsgi")
         parser.add_argument("--workers", type=int, default=3)
+        parser.add_argument("--loadgen-processes", type=int, default=1)
         parser.add_argument("--nodes", type=int, default=8192)
         parser.add_argument("--seed", type=int, default=7)
         parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "artifacts" / "bench"))
 
-    def handle(self, *args, rates, duration, server, workers, nodes, seed, out, **options):
+    def handle(self, *args, rates, duration, server, workers, loadgen_processes, nodes, seed, out, **options):
         self.stdout.write(f"loading {nodes} nodes ...")
         paths = build_graph(nodes, 32, seed)
         ApiToken.objects.filter(name="bench-lookup").delete()
         token = token_create(name="bench-lookup")
         rows = []
-        with tempfile.TemporaryDirectory() as tmp, running_server(server, workers) as url:
+        self.loadgen_processes = loadgen_processes
+        with tempfile.TemporaryDirectory() as tmp, running_server(server, workers) as running:
             bodies = Path(tmp) / "requests.json"
             bodies.write_text(json.dumps(lookup_requests(paths, 4096, seed)))
-            self._drive(url, bodies, token, 256, 3.0, Path(tmp) / "warmup.json")  # warm connections and caches
+            self._drive(running, bodies, token, 256, 3.0, Path(tmp) / "warmup.json")  # warm connections and caches
             for rate in [float(r) for r in rates.split(",")]:
-                result = self._drive(url, bodies, token, rate, duration, Path(tmp) / f"{rate}.json")
+                result = self._drive(running, bodies, token, rate, duration, Path(tmp) / f"{rate}.json")
                 rows.append(self._summarize(rate, result))
                 self.stdout.write(json.dumps(rows[-1]))
-        self._write(Path(out), rows, server=server, workers=workers, nodes=nodes, duration=duration)
+        self._write(Path(out), rows, server=server, workers=workers, nodes=nodes, duration=duration,
+                    loadgen_processes=loadgen_processes, cores=os.cpu_count())
 
-    def _drive(self, url, bodies, token, rate, duration, out) -> dict:
-        subprocess.run([sys.executable, "-m", "cache.bench.loadgen", "--url", url, "--rate", str(rate),
+    def _drive(self, running, bodies, token, rate, duration, out) -> dict:
+        """One open-loop run; also what it cost: the load generator's and the server's CPU seconds
+        (they share the machine with PostgreSQL) and the machine's load before it started."""
+        load_before = os.getloadavg()[0]
+        server_before, loadgen_before = running.cpu_s(), _children_cpu_s()
+        subprocess.run([sys.executable, "-m", "cache.bench.loadgen", "--url", running.url, "--rate", str(rate),
                         "--duration", str(duration), "--requests", str(bodies), "--token", token,
-                        "--out", str(out)], check=True)
-        return json.loads(out.read_text())
+                        "--processes", str(self.loadgen_processes), "--out", str(out)], check=True)
+        result = json.loads(out.read_text())
+        result["cpu_s"] = {"server": running.cpu_s() - server_before, "loadgen": _children_cpu_s() - loadgen_before}
+        result["load_avg_before"] = load_before
+        return result
 
     @staticmethod
     def _summarize(rate: float, result: dict) -> dict:
-        row = {"offered_rps": rate, "achieved_rps": round(len(result["results"]) / result["elapsed_s"], 1),
-               "errors": sum(1 for _, status, _ in result["results"] if status != 200)}
+        done = len(result["results"])
+        row = {"offered_rps": rate, "achieved_rps": round(done / result["elapsed_s"], 1),
+               "errors": sum(1 for _, status, _ in result["results"] if status != 200),
+               "cpu_ms_per_request": {name: round(1000 * seconds / max(done, 1), 3)
+                                      for name, seconds in result["cpu_s"].items()},
+               "load_avg_before": round(result["load_avg_before"], 2)}
         for kind in ("hit", "miss"):
             latencies = [ms for k, status, ms in result["results"] if k == kind]
             row[kind] = {f"p{q}": round(percentile(latencies, q), 2) for q in (50, 95, 99)}
@@ -118,11 +134,18 @@ class Command(BaseCommand):
     def _write(self, out: Path, rows: list[dict], **meta) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "lookup.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        lines = ["| offered req/s | achieved req/s | hit P50 / P95 / P99 ms | miss P50 / P95 / P99 ms | errors |",
-                 "|---:|---:|---|---|---:|"]
+        lines = ["| offered req/s | achieved req/s | hit P50 / P95 / P99 ms | miss P50 / P95 / P99 ms | errors "
+                 "| CPU ms/req server / loadgen | load avg before |",
+                 "|---:|---:|---|---|---:|---|---:|"]
         for r in rows:
-            hit, miss = r["hit"], r["miss"]
+            hit, miss, cpu = r["hit"], r["miss"], r["cpu_ms_per_request"]
             lines.append(f"| {r['offered_rps']:.0f} | {r['achieved_rps']:.0f} | {hit['p50']} / {hit['p95']} / {hit['p99']} "
-                         f"| {miss['p50']} / {miss['p95']} / {miss['p99']} | {r['errors']} |")
+                         f"| {miss['p50']} / {miss['p95']} / {miss['p99']} | {r['errors']} "
+                         f"| {cpu['server']} / {cpu['loadgen']} | {r['load_avg_before']} |")
         (out / "lookup.md").write_text("\n".join(lines) + "\n")
         self.stdout.write("\n".join(lines))
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
