@@ -190,15 +190,36 @@ class _Output:
         return self.streams[stream].decode("utf-8", errors="replace")
 
 
+def _read_ahead(sock: Any) -> bytes:
+    """The stream's first bytes that the HTTP client already buffered while it read the response
+    headers. docker-py hands out the raw socket under that buffer: a short call's whole output
+    can sit in it, and reading only the socket would lose it (seen under load: `echo` printing
+    nothing). Read without blocking, so an empty buffer costs nothing."""
+    response = getattr(sock, "_response", None)
+    buffered = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
+    raw_socket = getattr(sock, "_sock", None)
+    if buffered is None or raw_socket is None or not hasattr(buffered, "read1"):
+        return b""
+    timeout = raw_socket.gettimeout()
+    raw_socket.setblocking(False)
+    try:
+        return buffered.read1(65536) or b""
+    except BlockingIOError:
+        return b""
+    finally:
+        raw_socket.settimeout(timeout)
+
+
 class _ExecStream:
     """Reads docker's multiplexed exec stream: frames of 8-byte header (stream, 0, 0, 0, size) + data."""
 
     def __init__(self, sock: Any):
         self._sock = sock
         self._recv = getattr(sock, "recv", None) or sock.read
-        self._buffer = bytearray()
+        self._buffer = bytearray(_read_ahead(sock))
 
     def pump(self, output: _Output, deadline: float, flood_bytes: int) -> _Stop:
+        self._drain(output)  # frames read ahead with the response headers
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
