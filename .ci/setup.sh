@@ -37,6 +37,8 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]" -e ./tvclient 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import bfcl_eval" 2>/dev/null \
+  || .venv/bin/pip install -q --disable-pip-version-check --no-deps "bfcl-eval>=2025.1" 2>&1 | grep -v "^WARNING: Location" || true
 
 # PostgreSQL: create the database if it is missing.
 db_name=$(.venv/bin/python -c "import os,urllib.parse as u; print(u.urlparse(os.environ['DATABASE_URL']).path.lstrip('/'))")

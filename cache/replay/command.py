@@ -1,0 +1,105 @@
+"""What the replay_* management commands share: options, the service, the report and plots."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from .harness import Arm, Replay, ReplayConfig, TimedClient, Workload
+from .report import build_report, headline, write_report
+
+DEFAULT_OUT = Path(settings.BASE_DIR) / "artifacts" / "replay"
+
+
+class ReplayCommand(BaseCommand):
+    workload_name = ""
+    default_arms = "nocache,client,server"
+    default_tasks = 3
+    default_rollouts = 8
+    default_epochs = 3
+    default_concurrency = 4
+
+    def add_arguments(self, parser):
+        parser.add_argument("--url", help="a running tvcache; default: start one (uvicorn + a Celery worker)")
+        parser.add_argument("--token", help="API token for --url; default: create one")
+        parser.add_argument("--tasks", type=int, default=self.default_tasks)
+        parser.add_argument("--rollouts", type=int, default=self.default_rollouts, help="rollouts per task and epoch")
+        parser.add_argument("--epochs", type=int, default=self.default_epochs)
+        parser.add_argument("--seed", type=int, default=1)
+        parser.add_argument("--arms", default=self.default_arms,
+                            help="comma-separated: nocache (always run), client, server; -b<N> sets a snapshot "
+                                 "budget of N per task, e.g. server-b8")
+        parser.add_argument("--concurrency", type=int, default=self.default_concurrency,
+                            help="rollouts in flight at once")
+        parser.add_argument("--warm-wait-s", type=float, default=5.0,
+                            help="tool-server mode: wait up to this long after announcing a step")
+        parser.add_argument("--out", default=str(DEFAULT_OUT))
+        parser.add_argument("--no-plots", action="store_true")
+        parser.add_argument("--tag", default="", help="added to task ids and output names")
+
+    def make_workload(self, options: dict[str, Any]) -> Workload:
+        raise NotImplementedError
+
+    def workload_config(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def handle(self, *args, **options):
+        arms = [Arm.parse(a.strip()) for a in options["arms"].split(",") if a.strip()]
+        if not any(a.mode == "nocache" for a in arms):
+            arms.insert(0, Arm("nocache", "nocache"))
+        arms.sort(key=lambda a: a.mode != "nocache")  # the fresh executions first, every epoch
+        started_at = dt.datetime.now(dt.timezone.utc)
+        stamp = started_at.strftime("%Y%m%dt%H%M%S") + (f"-{options['tag']}" if options["tag"] else "")
+        out_dir = Path(options["out"])
+        workload = self.make_workload(options)
+        config = {key: options[key] for key in ("tasks", "rollouts", "epochs", "seed", "concurrency", "warm_wait_s")}
+        config.update(arms=[a.name for a in arms], **self.workload_config(options))
+        try:
+            with self._service(options, out_dir) as (url, token, started_here):
+                with TimedClient(url, token, timeout=600) as client:
+                    replay = Replay(workload, client, ReplayConfig(
+                        epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
+                        run_tag=stamp.replace("t", ""), warm_wait_s=options["warm_wait_s"]))
+                    began = time.perf_counter()
+                    replay.run()
+                    report = build_report(replay, workload=self.workload_name, config=config, started_at=started_at,
+                                          seconds=time.perf_counter() - began,
+                                          server={"url": url, "started_here": started_here})
+        finally:
+            workload.close()
+        path = write_report(report, out_dir, stamp)
+        if not options["no_plots"]:
+            from .plots import write_plots
+
+            report["plots"] = write_plots(report, out_dir, stamp)
+            path.write_text(json.dumps(report, indent=1, default=str))
+        self.stdout.write(headline(report))
+        self.stdout.write(json.dumps(report["targets"], indent=1))
+        self.stdout.write(f"report: {path}")
+        for plot in report["plots"]:
+            self.stdout.write(f"plot: {plot}")
+        return None
+
+    @contextlib.contextmanager
+    def _service(self, options, out_dir: Path):
+        if options["url"]:
+            if not options["token"]:
+                raise CommandError("--url needs --token")
+            yield options["url"], options["token"], False
+            return
+        from cache.api.auth import token_create
+
+        from .service import service_running
+
+        log_dir = out_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        token = token_create(name=f"replay-{self.workload_name}-{time.time_ns()}")
+        with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, log_dir=log_dir) as url:
+            yield url, token, True

@@ -1,0 +1,205 @@
+"""The replay's JSON report: per epoch and arm, per arm, per tool; the targets; a headline table."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from .harness import Arm, EpochRun, Replay, mean, percentile
+
+HIT_VS_ORACLE_POINTS = 0.5  # target: |hit rate - oracle hit rate| below this many points (no budget)
+MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at least this much
+MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to the tool's own time
+
+
+def _latency(values: list[float]) -> dict[str, float]:
+    return {"p50": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3),
+            "p99": round(percentile(values, 99), 3), "mean": round(mean(values), 3), "n": len(values)}
+
+
+def _quantiles(values: list[float], points: int = 101) -> list[float]:
+    """Latency quantiles 0..100 % for the CDF plot (the raw samples are not kept)."""
+    if not values:
+        return []
+    ordered = sorted(values)
+    return [round(ordered[min(len(ordered) - 1, int(i * (len(ordered) - 1) / (points - 1)))], 3) for i in range(points)]
+
+
+def _miss_overheads(run: EpochRun) -> list[float]:
+    """Client mode: a miss's latency minus the time spent in sandboxes (start, fork, replay, the call)."""
+    return [s.latency_ms - s.env_ms for s in run.calls if s.cached is False and s.env_ms is not None]
+
+
+def _miss_lookups(run: EpochRun) -> list[float]:
+    return [s.lookup_ms for s in run.calls if s.cached is False and s.lookup_ms is not None]
+
+
+def epoch_metrics(run: EpochRun) -> dict[str, Any]:
+    latencies = [s.latency_ms for s in run.calls]
+    hits = sum(1 for s in run.calls if s.cached)
+    rollout_s = [r.seconds for r in run.rollouts]
+    out: dict[str, Any] = {
+        "calls": len(run.calls),
+        "hits": hits,
+        "hit_rate": hits / len(run.calls) if run.calls else 0.0,
+        "latency_ms": _latency(latencies),
+        "hit_latency_ms": _latency([s.latency_ms for s in run.calls if s.cached]),
+        "miss_latency_ms": _latency([s.latency_ms for s in run.calls if s.cached is False]),
+        "tool_time_s": round(sum(latencies) / 1000, 3),
+        "rollout_s": {"mean": round(mean(rollout_s), 3), "max": round(max(rollout_s, default=0.0), 3)},
+        "step_s": round(run.step_s, 3),
+        "slowest_rollout_s": round(max(rollout_s, default=0.0), 3),
+        "warm_wait_s": round(run.warm_wait_s, 3),
+        "sandboxes": {key: round(value, 1) for key, value in run.sandboxes.items()},
+        "exact": run.exact,
+    }
+    overheads = _miss_overheads(run)
+    if overheads:
+        out["miss_overhead_ms"] = _latency(overheads)
+        out["miss_lookup_ms"] = _latency(_miss_lookups(run))
+    if run.service:
+        out["service"] = run.service
+        out["oracle_hit_rate"] = run.service["oracle_hit_rate"]
+        out["service_hit_rate"] = run.service["hit_rate"]
+    return out
+
+
+def arm_summary(runs: list[EpochRun]) -> dict[str, Any]:
+    calls = [s for run in runs for s in run.calls]
+    latencies = [s.latency_ms for s in calls]
+    service = [run.service for run in runs if run.service]
+    service_calls = sum(s.get("calls", 0) for s in service)
+    out = {
+        "calls": len(calls),
+        "hits": sum(1 for s in calls if s.cached),
+        "hit_rate": sum(1 for s in calls if s.cached) / len(calls) if calls else 0.0,
+        "latency_ms": _latency(latencies),
+        "latency_quantiles_ms": _quantiles(latencies),
+        "tool_time_s": round(sum(latencies) / 1000, 3),
+        "step_s_total": round(sum(run.step_s for run in runs), 3),
+        "exact": {key: sum(run.exact.get(key, 0) for run in runs)
+                  for key in ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches")},
+    }
+    overheads = [o for run in runs for o in _miss_overheads(run)]
+    if overheads:
+        out["miss_overhead_ms"] = _latency(overheads)
+        out["miss_lookup_ms"] = _latency([o for run in runs for o in _miss_lookups(run)])
+    if service:
+        out["service_hit_rate"] = sum(s.get("hits", 0) for s in service) / service_calls if service_calls else 0.0
+        out["oracle_hit_rate"] = sum(s.get("oracle_hits", 0) for s in service) / service_calls if service_calls else 0.0
+        out["snapshots_live_end"] = service[-1].get("snapshots_live", 0)
+        out["snapshot_bytes_live_end"] = service[-1].get("snapshot_bytes_live", 0)
+    return out
+
+
+def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cached = {name: a for name, a in arms.items() if Arm.parse(name).mode != "nocache"}
+    out["zero_mismatched_hits"] = {
+        "met": all(a["exact"]["hits_mismatches"] == 0 for a in cached.values()),
+        "hits_checked": sum(a["exact"]["hits_checked"] for a in cached.values()),
+        "mismatches": sum(a["exact"]["hits_mismatches"] for a in cached.values()),
+    }
+    unbudgeted = {name: a for name, a in cached.items() if Arm.parse(name).budget is None}
+    gaps = {name: round(100 * (a.get("oracle_hit_rate", 0) - a.get("service_hit_rate", 0)), 3)
+            for name, a in unbudgeted.items()}
+    out["hit_rate_equals_oracle"] = {"met": all(abs(g) < HIT_VS_ORACLE_POINTS for g in gaps.values()),
+                                     "gap_points": gaps}
+    losses = {}
+    for name, a in cached.items():
+        arm = Arm.parse(name)
+        if arm.budget is not None and arm.mode in arms:
+            base = arms[arm.mode]
+            losses[name] = {"hit_rate_loss_points": round(100 * (base["hit_rate"] - a["hit_rate"]), 3),
+                            "tool_time_s": a["tool_time_s"], "tool_time_s_no_budget": base["tool_time_s"],
+                            "p50_ms": a["latency_ms"]["p50"], "p50_ms_no_budget": base["latency_ms"]["p50"]}
+    if losses:
+        out["budget_loss"] = losses
+    if "nocache" in arms:
+        base = arms["nocache"]["latency_ms"]
+        speedups = {name: {"p50_x": round(base["p50"] / a["latency_ms"]["p50"], 2) if a["latency_ms"]["p50"] else None,
+                           "p95_x": round(base["p95"] / a["latency_ms"]["p95"], 2) if a["latency_ms"]["p95"] else None,
+                           "step_x": round(arms["nocache"]["step_s_total"] / a["step_s_total"], 2)
+                           if a["step_s_total"] else None}
+                    for name, a in cached.items()}
+        entry: dict[str, Any] = {"speedup_vs_nocache": speedups}
+        if workload == "terminal":
+            entry["met"] = any((s["p50_x"] or 0) >= MEDIAN_SPEEDUP for s in speedups.values())
+            entry["target_x"] = MEDIAN_SPEEDUP
+        out["median_latency_reduction"] = entry
+    lookups = {name: a["miss_lookup_ms"]["p95"] for name, a in cached.items() if "miss_lookup_ms" in a}
+    if lookups:
+        # The target is on the lookup a miss pays before its tool runs; the whole overhead (lookup,
+        # record, snapshot registration, lease release) is reported next to it.
+        out["miss_lookup_p95_ms"] = {
+            "met": all(v < MISS_OVERHEAD_P95_MS for v in lookups.values()), "lookup_p95_ms": lookups,
+            "whole_overhead_p95_ms": {name: a["miss_overhead_ms"]["p95"] for name, a in cached.items()
+                                      if "miss_overhead_ms" in a},
+            "target_ms": MISS_OVERHEAD_P95_MS}
+    return out
+
+
+def build_report(replay: Replay, *, workload: str, config: dict[str, Any], started_at: dt.datetime,
+                 seconds: float, server: dict[str, Any]) -> dict[str, Any]:
+    by_arm: dict[str, list[EpochRun]] = {}
+    for run in replay.runs:
+        by_arm.setdefault(run.arm, []).append(run)
+    epochs = []
+    for epoch in range(replay.config.epochs):
+        epochs.append({"epoch": epoch, "arms": {run.arm: epoch_metrics(run) for run in replay.runs
+                                                if run.epoch == epoch}})
+    arms = {name: arm_summary(runs) for name, runs in by_arm.items()}
+    return {
+        "workload": workload,
+        "started_at": started_at.isoformat(),
+        "seconds": round(seconds, 1),
+        "config": config,
+        "workload_info": replay.workload.describe(),
+        "server": server,
+        "tasks": [task.name for task in replay.tasks],
+        "arms": [{"name": a.name, "mode": a.mode, "budget": a.budget} for a in replay.config.arms],
+        "epochs": epochs,
+        "summary": arms,
+        "per_tool": replay.per_tool,
+        "mismatch_examples": replay.mismatch_examples,
+        "targets": targets(workload, arms),
+        "plots": [],
+    }
+
+
+def write_report(report: dict[str, Any], out_dir: Path, stamp: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{report['workload']}-{stamp}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    return path
+
+
+def headline(report: dict[str, Any]) -> str:
+    """A markdown table: one row per epoch and arm."""
+    lines = ["| epoch | arm | hit rate | oracle | p50 ms | p95 ms | step s | slowest rollout s | sandboxes | "
+             "snapshots live (bytes) | hits checked / mismatched |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for epoch in report["epochs"]:
+        for name, m in epoch["arms"].items():
+            service = m.get("service", {})
+            oracle = f"{100 * m['oracle_hit_rate']:.1f} %" if "oracle_hit_rate" in m else "-"
+            hit = f"{100 * m['service_hit_rate']:.1f} %" if "service_hit_rate" in m else "-"
+            # Client mode registers no snapshot sizes: its bytes are those the harness's envs froze.
+            size = service.get("snapshot_bytes_live") or m["sandboxes"].get("snapshot_bytes", 0)
+            snaps = f"{service.get('snapshots_live', 0)} ({_bytes(size)})" if service else "-"
+            started = int(m["sandboxes"].get("starts", 0) + m["sandboxes"].get("resume_forks", 0))
+            exact = f"{m['exact'].get('hits_checked', 0)} / {m['exact'].get('hits_mismatches', 0)}" if service else "-"
+            lines.append(f"| {epoch['epoch']} | {name} | {hit} | {oracle} | {m['latency_ms']['p50']:.1f} | "
+                         f"{m['latency_ms']['p95']:.1f} | {m['step_s']:.1f} | {m['slowest_rollout_s']:.1f} | "
+                         f"{started} | {snaps} | {exact} |")
+    return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
