@@ -48,7 +48,7 @@ def build_task(n_nodes: int, seed: int = 0) -> dict:
     builds, patches and test runs, each state with a read-only call or two hanging off it."""
     rng = random.Random(seed)
     Task.objects.filter(pk=TASK_ID).delete()
-    task_put(task_id=TASK_ID, env={"backend": "docker", "image": "tvcache/bench"},
+    task_put(task_id=TASK_ID, env={"backend": "external", "bench": "dashboard"},
              tools={name: {"mutates_state": mutates} for name, mutates in TOOLS.items()}, sandbox_budget=64)
     task = Task.objects.get(pk=TASK_ID)
     created = 0
