@@ -6,27 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 from django.conf import settings
 from django.core.management import call_command
+
+from cache.bench.server import answers, free_port, stop, wait_until
 
 CHROMIUM_PATH = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def collect_static() -> None:
@@ -56,26 +49,10 @@ def uvicorn_server(*, db: dict, redis_url: str, log_path: Path | None = None) ->
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {process.returncode} (log: {log_path})")
-            try:
-                if httpx.get(base + "/login/", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not answer within {START_TIMEOUT_S} s (log: {log_path})")
-            time.sleep(0.1)
+        wait_until(lambda: answers(base, "/login/"), START_TIMEOUT_S, f"uvicorn (log: {log_path})", [process])
         yield base
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop([process], timeout_s=10)
         if log_path:
             log.close()
 

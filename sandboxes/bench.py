@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from cache.bench.server import answers, free_port, stop, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_LABEL = "tvcache.bench"  # on everything the backend-level measurements create
@@ -310,12 +311,6 @@ def epoch_figures(runs: list[RolloutRun]) -> dict[str, Any]:
 # --- the service as deployed -------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class Deployment:
     url: str
@@ -345,34 +340,13 @@ def deployed_service(*, queue: str, uvicorn_workers: int, log_dir: Path) -> Iter
                  "--without-gossip", "--without-mingle", "-n", f"{queue}@%h"],
                 cwd=ROOT, env=env, stdout=celery_out, stderr=subprocess.STDOUT))
             url = f"http://127.0.0.1:{port}"
-            _wait_until(lambda: _answers(url), 60, f"uvicorn on {url}", processes)
-            _wait_until(lambda: b" ready." in celery_log.read_bytes(), 60, "the celery worker", processes)
+            wait_until(lambda: answers(url), 60, f"uvicorn on {url}", processes)
+            wait_until(lambda: b" ready." in celery_log.read_bytes(), 60, "the celery worker", processes)
             yield Deployment(url, queue, uvicorn_workers, celery_log)
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            stop(processes, timeout_s=30)
 
 
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/api/schema/", timeout=2)
-        return True
-    except httpx.TransportError:
-        return False
-
-
-def _wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, processes=()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
-            raise RuntimeError(f"{what} did not come up")
-        time.sleep(0.2)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float) -> float | None:

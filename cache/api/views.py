@@ -120,7 +120,7 @@ class LeaseView(APIView):
 
 class GraphView(APIView):
     @extend_schema(parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
-                   summary="Nodes and edges of the task's tool call graph (optionally a subtree)")
+                   responses={200: dict, **ERRORS}, summary="Nodes and edges of the task's tool call graph (optionally a subtree)")
     def get(self, request, task_id: str):
         try:
             root = int(request.query_params["root"]) if "root" in request.query_params else None

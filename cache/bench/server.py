@@ -1,4 +1,6 @@
-"""Start and stop the service as deployed, for benchmarks: production settings, several workers."""
+"""Start and stop the service as deployed (benchmarks, the replay and browser tests): production
+settings, several workers, a free loopback port. The one place that knows how to bring a server
+up and down in a subprocess."""
 
 from __future__ import annotations
 
@@ -43,6 +45,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def answers(url: str, path: str = "/api/schema/") -> bool:
+    """The server at `url` answers HTTP (any status)."""
+    try:
+        httpx.get(url + path, timeout=2)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+def wait_until(predicate, timeout_s: float, what: str, processes=()) -> None:
+    """Poll `predicate` until it holds; fail when a process exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+            raise RuntimeError(f"{what} did not come up")
+        time.sleep(0.2)
+
+
+def stop(processes, timeout_s: float = 15) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @dataclass(frozen=True)
 class RunningServer:
     url: str
@@ -83,19 +114,7 @@ def running_server(kind: str, workers: int, env: dict[str, str] | None = None):
     process = subprocess.Popen(SERVERS[kind](port, workers), cwd=ROOT, env=environment)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"{url}/api/schema/", timeout=2)
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"{kind} did not start on {url}")
-                time.sleep(0.2)
+        wait_until(lambda: answers(url), 30, f"{kind} on {url}", [process])
         yield RunningServer(url, process.pid)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop([process], timeout_s=10)

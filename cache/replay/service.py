@@ -7,15 +7,14 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 from django.conf import settings
 
-from dashboard.browser import database_url, free_port
+from cache.bench.server import answers, free_port, stop, wait_until
+from dashboard.browser import database_url
 
 START_TIMEOUT_S = 30.0
 
@@ -44,36 +43,14 @@ def service_running(*, db: dict, redis_url: str, log_dir: Path | None = None, wo
             logs.append(log)
             processes.append(subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, stdout=log, stderr=subprocess.STDOUT))
         base = f"http://127.0.0.1:{port}"
-        _wait_until_up(base, processes[0])
+        wait_until(lambda: answers(base), START_TIMEOUT_S, "the service", processes[:1])
         yield base
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(processes)
         for log in logs:
             if log is not subprocess.DEVNULL:
                 log.close()
         _drain_queue(redis_url, queue)
-
-
-def _wait_until_up(base: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"uvicorn exited with {process.returncode}")
-        try:
-            if httpx.get(base + "/api/schema/", timeout=2.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the service did not answer within {START_TIMEOUT_S} s")
-        time.sleep(0.2)
 
 
 def _drain_queue(redis_url: str, queue: str) -> None:
