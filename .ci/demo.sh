@@ -20,7 +20,7 @@ TOKEN=$(.venv/bin/python manage.py create_token demo)
 
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-DB_POOL_SIZE=8 .venv/bin/python -m uvicorn tvcache_site.asgi:application --host 127.0.0.1 --port 8000 --workers 2 \
+DB_POOL_SIZE=16 .venv/bin/python -m uvicorn tvcache_site.asgi:application --host 127.0.0.1 --port 8000 --workers 2 \
   --log-level warning --no-access-log & pids+=($!)
 if [ -n "${REDIS_URL:-}" ]; then
   .venv/bin/python -m celery -A tvcache_site worker -B -s var/celerybeat-schedule -Q tvcache --concurrency 2 -l warning & pids+=($!)

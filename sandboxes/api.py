@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+import orjson
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from cache.api.lean import LeanPostView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
 from cache.errors import InvalidInput
 from sandboxes import selectors, services
@@ -32,19 +34,23 @@ class StepSerializer(serializers.Serializer):
     epoch = serializers.IntegerField(required=False, default=0)
 
 
-class RolloutCallView(APIView):
-    @extend_schema(request=CallSerializer, responses={200: CallResultSerializer, **ERRORS},
-                   summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)")
-    def post(self, request, task_id: str, rollout_id: str):
-        if not isinstance(request.data, dict) or "call" not in request.data:
+@extend_schema_view(post=extend_schema(
+    request=CallSerializer, responses={200: CallResultSerializer, **ERRORS},
+    summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)"))
+class RolloutCallView(LeanPostView):
+    route = "/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls"
+    long_running = True  # a miss executes the tool
+
+    @staticmethod
+    def answer(*, task_id: str, rollout_id: str, payload) -> bytes:
+        if not isinstance(payload, dict) or "call" not in payload:
             raise InvalidInput("Missing field 'call'.", code="missing_field", details={"field": "call"})
-        epoch = request.data.get("epoch", 0)
+        epoch = payload.get("epoch", 0)
         if not isinstance(epoch, int) or isinstance(epoch, bool):
             raise InvalidInput("'epoch' must be an integer.", details={"field": "epoch"})
-        outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=request.data["call"],
-                                        epoch=epoch)
-        return Response({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
-                         "latency_ms": round(outcome.latency_ms, 3)})
+        outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=payload["call"], epoch=epoch)
+        return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
+                             "latency_ms": round(outcome.latency_ms, 3)})
 
 
 class RolloutView(APIView):

@@ -323,7 +323,7 @@ class Deployment:
 def deployed_service(*, queue: str, uvicorn_workers: int, log_dir: Path) -> Iterator[Deployment]:
     """uvicorn serving the ASGI app and a Celery worker on `queue`, configured like production."""
     port = free_port()
-    env = {**os.environ, "DB_POOL_SIZE": "8", "DEBUG": "0", "REDIS_URL": "redis://127.0.0.1:6379/0",
+    env = {**os.environ, "DB_POOL_SIZE": "16", "DEBUG": "0", "REDIS_URL": "redis://127.0.0.1:6379/0",
            "CELERY_QUEUE": queue}
     log_dir.mkdir(parents=True, exist_ok=True)
     celery_log = log_dir / f"{queue}.celery.log"

@@ -1,8 +1,8 @@
 """Settings, all from the environment (django-environ).
 
-Without DATABASE_URL / REDIS_URL the service falls back to embedded defaults (a SQLite file,
-in-process background work, an in-memory channel layer) and says so at start. Tests and
-production set both and run against PostgreSQL and Redis.
+PostgreSQL is always the store (DATABASE_URL, default the local server). Without REDIS_URL the
+service falls back to embedded defaults (in-process background work, an in-memory channel
+layer) and the run command says so at start. Tests and production set both.
 """
 
 from pathlib import Path
@@ -140,6 +140,13 @@ TVCACHE = {
     # Lookup counters are written in batches this often by a thread per process; 0 = only when
     # stats are read (the tests use that: everything they count is flushed before it is read).
     "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.25),
+    # Threads per ASGI process that answer lookups and records. One: more threads per process
+    # fight over the GIL (bench_lookup: 2 processes x 4 threads saturated at 585 lookups/s; 3 x 1
+    # served 1,024/s at P95 7 ms); run more processes instead.
+    "HOT_PATH_THREADS": env.int("TVCACHE_HOT_PATH_THREADS", default=1),
+    # Threads per ASGI process for tool-server calls: the calls of this many rollouts run at once
+    # (each holds a database connection while it runs: keep DB_POOL_SIZE above it).
+    "TOOLSERVER_THREADS": env.int("TVCACHE_TOOLSERVER_THREADS", default=12),
     # Managed sandboxes (tool-server mode): where folders live, docker limits and start limiter.
     "SANDBOX_ROOT": env("TVCACHE_SANDBOX_ROOT", default=str(VAR_DIR / "sandboxes")),
     "DOCKER_URL": env("TVCACHE_DOCKER_URL", default=""),  # empty: DOCKER_HOST or the local socket
@@ -149,6 +156,9 @@ TVCACHE = {
     "DOCKER_PIDS": env.int("TVCACHE_DOCKER_PIDS", default=256),
     # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
     "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
+    # Tool-server mode: a rollout that misses on a call another rollout is executing in the same
+    # state waits for that result at most this long, then executes it too.
+    "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),
     # Ready pre-forks kept per task (idle containers cost memory), and how long a ready sandbox

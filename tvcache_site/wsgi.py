@@ -1,4 +1,4 @@
-"""WSGI entry point. Lookup and record POSTs are answered before Django's handler and middleware
+"""WSGI entry point. Lookup, record and tool-server call POSTs are answered before Django's handler and middleware
 (cache/api/lean.py, HotPathApplication); everything else is plain Django."""
 
 import os
@@ -10,5 +10,6 @@ django_application = get_wsgi_application()
 
 from cache.api.lean import HotPathApplication  # noqa: E402  (needs the apps loaded)
 from cache.api.views import LookupView, RecordView  # noqa: E402
+from sandboxes.api import RolloutCallView  # noqa: E402
 
-application = HotPathApplication(django_application, {"lookup": LookupView, "record": RecordView})
+application = HotPathApplication(django_application, [LookupView, RecordView, RolloutCallView])

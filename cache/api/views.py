@@ -67,6 +67,8 @@ class TaskStatsView(APIView):
 @extend_schema_view(post=extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
                                         summary="Longest-prefix lookup of a call after a history"))
 class LookupView(LeanPostView):
+    route = "/api/v1/tasks/{task_id}/lookup"
+
     @staticmethod
     def answer(*, task_id: str, payload) -> bytes:
         answer = services.tcg_lookup(task_id=task_id, context=parse_call_context(payload))
@@ -86,6 +88,8 @@ class LookupView(LeanPostView):
 @extend_schema_view(post=extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
                                         summary="Record a call's result (idempotent)"))
 class RecordView(LeanPostView):
+    route = "/api/v1/tasks/{task_id}/record"
+
     @staticmethod
     def answer(*, task_id: str, payload) -> bytes:
         outcome = services.node_record(task_id=task_id, record=parse_record(payload))

@@ -18,10 +18,6 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 SERVERS = {
-    # WSGI, sync workers: the lookup path is synchronous Django + PostgreSQL.
-    "gunicorn": lambda port, workers: [sys.executable, "-m", "gunicorn", "tvcache_site.wsgi:application",
-                                       "-b", f"127.0.0.1:{port}", "-w", str(workers), "--keep-alive", "75",
-                                       "--log-level", "warning", "--worker-class", "sync"],
     # WSGI, uWSGI's C HTTP parser: the fastest option measured here. A sync worker serves one
     # connection at a time, so it closes each after its response (as gunicorn's sync workers do);
     # uWSGI's http-socket does that without saying so, and clients then lose a round trip (or the
@@ -31,7 +27,7 @@ SERVERS = {
                                     "--module", "tvcache_site.wsgi:application", "--processes", str(workers),
                                     "--master", "--disable-logging", "--add-header", "Connection: close",
                                     "--enable-threads", "--lazy-apps", "--thunder-lock", "--die-on-term"],
-    # ASGI (HTTP + websockets), the application the run command serves.
+    # ASGI (HTTP + websockets), the application the run command serves: the deployment.
     "uvicorn": lambda port, workers: [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application",
                                       "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
                                       "--log-level", "warning", "--no-access-log", "--http", "httptools",
@@ -110,7 +106,7 @@ def _cpu_s(pid: int) -> float:
 @contextmanager
 def running_server(kind: str, workers: int, env: dict[str, str] | None = None):
     port = free_port()
-    environment = {**os.environ, "DEBUG": "0", **(env or {})}
+    environment = {**os.environ, "DEBUG": "0", "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16"), **(env or {})}
     process = subprocess.Popen(SERVERS[kind](port, workers), cwd=ROOT, env=environment)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from tvclient import SnapshotStore, TVCacheClient, ToolCallExecutor, ToolExecutionEnvironment
 
+from cache.tcg import TaskPolicy, ToolCall, state_chain
 from sandboxes.models import Sandbox
 
 log = logging.getLogger("tvcache.replay")
@@ -36,6 +37,7 @@ log = logging.getLogger("tvcache.replay")
 Call = dict[str, Any]
 NO_BUDGET = 100_000  # live snapshots per task: in effect unlimited
 MODES = ("nocache", "client", "server")
+STATS_SETTLE_S = 0.6  # over twice the service's default counter flush interval (0.25 s)
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,15 @@ class MeteredEnvironment(ToolExecutionEnvironment):
 # Measurements
 
 
+def call_keys(task: ReplayTask, calls: list[Call]) -> list[tuple[str, str] | None]:
+    """Each call's (anchor state key, call digest) as the service keys it, None where the tool
+    is not cacheable: the harness's own oracle is computed from these (report.py)."""
+    policy = TaskPolicy.from_json(task.tools)
+    root = hashlib.sha256(task.name.encode()).hexdigest()  # any fingerprint: keys are compared within a task
+    chain = state_chain(root, [ToolCall.from_json(call) for call in calls], policy)
+    return [(step.anchor, step.digest) if policy.for_tool(step.call.tool).cacheable else None for step in chain.steps]
+
+
 @dataclass
 class CallSample:
     task: str
@@ -183,6 +194,8 @@ class CallSample:
     result_digest: str
     lookup_ms: float | None = None  # client mode: the lookup request
     result: Any = None  # kept only until compared
+    started: float = 0.0  # perf_counter at the call's start
+    key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
 
 
 @dataclass
@@ -318,6 +331,8 @@ class Replay:
             task, index, calls = job
             started = time.perf_counter()
             samples = self._rollout(arm, task, epoch, index, calls)
+            for sample, key in zip(samples, call_keys(task, calls)):
+                sample.key = key
             seconds = time.perf_counter() - started
             with lock:
                 run.calls.extend(samples)
@@ -354,10 +369,24 @@ class Replay:
         """Sandboxes the service started or forked for the arm's tasks (rows that got running)."""
         return Sandbox.objects.filter(task_id__in=self.arm_task_ids(arm), ready_at__isnull=False).count()
 
+    def _settled_stats(self, arm: Arm) -> dict[str, dict[str, Any]]:
+        """The arm's task stats once they stop moving. Each server process buffers its lookup
+        counters for TVCACHE_COUNTER_FLUSH_S (a stats read flushes only the answering process's
+        buffer), so two reads STATS_SETTLE_S apart that agree hold every counter of the epoch."""
+        pause = STATS_SETTLE_S
+        stats = {task_id: self.client.stats(task_id) for task_id in self.arm_task_ids(arm)}
+        for _ in range(20):
+            time.sleep(pause)
+            again = {task_id: self.client.stats(task_id) for task_id in stats}
+            if [s["per_epoch"] for s in again.values()] == [s["per_epoch"] for s in stats.values()]:
+                return again
+            stats = again
+        log.warning("service stats still moving after %.1f s", 20 * pause)
+        return stats
+
     def _service_epoch(self, arm: Arm, epoch: int) -> dict[str, Any]:
         out: Counter[str] = Counter()
-        for task_id in self.arm_task_ids(arm):
-            stats = self.client.stats(task_id)
+        for stats in self._settled_stats(arm).values():
             row = next((r for r in stats["per_epoch"] if r["epoch"] == epoch), {})
             for key in ("calls", "hits", "oracle_hits", "executed_ms", "saved_ms"):
                 out[key] += row.get(key, 0) or 0
@@ -382,7 +411,7 @@ class Replay:
 
     def _sample(self, task, epoch, index, position, call, latency_ms, cached, env_ms, result) -> CallSample:
         return CallSample(task.name, epoch, index, position, call["tool"], latency_ms, cached, env_ms, digest(result),
-                          result=result)
+                          result=result, started=time.perf_counter() - latency_ms / 1000)
 
     def _rollout_nocache(self, arm, task, epoch, index, calls) -> list[CallSample]:
         samples = []

@@ -13,10 +13,11 @@ from typing import Iterator
 
 from django.conf import settings
 
-from cache.bench.server import answers, free_port, stop, wait_until
+from cache.bench.server import SERVERS, answers, free_port, stop, wait_until
 from dashboard.browser import database_url
 
 START_TIMEOUT_S = 30.0
+UVICORN_WORKERS = 2  # as the run command serves
 
 
 @contextlib.contextmanager
@@ -27,10 +28,9 @@ def service_running(*, db: dict, redis_url: str, log_dir: Path | None = None, wo
            "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
            # A psycopg pool per process, as the run command serves: ASGI runs each request in a new
            # thread, and per-thread persistent connections would pile up.
-           "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "8")}
+           "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16")}
     port = free_port()
-    commands = {"uvicorn": [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application", "--host", "127.0.0.1",
-                            "--port", str(port), "--log-level", "warning", "--no-access-log"]}
+    commands = {"uvicorn": SERVERS["uvicorn"](port, UVICORN_WORKERS)}
     if worker and redis_url:
         commands["celery"] = [sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-Q", queue,
                               "--pool", "threads", "--concurrency", "2", "-l", "warning", "--without-heartbeat",

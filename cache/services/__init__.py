@@ -1,6 +1,6 @@
 """Writes to the tool call graphs. Plain functions named <entity>_<action>."""
 
-from .lookup import LookupHit, LookupMiss, tcg_lookup
+from .lookup import LookupHit, LookupMiss, lookup_count, tcg_lookup
 from .record import RecordOutcome, node_record
 from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
@@ -11,6 +11,7 @@ __all__ = [
     "RecordOutcome",
     "TaskHandle",
     "lease_release",
+    "lookup_count",
     "node_record",
     "snapshot_evict",
     "snapshot_register",

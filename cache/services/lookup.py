@@ -49,6 +49,7 @@ RETURNING id
 class LookupHit:
     node_id: int
     result_json: str
+    exec_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +57,14 @@ class LookupMiss:
     match: Match
     lease_id: str | None
     full_replay: tuple  # every state-changing call of the history, for a fresh sandbox
+    anchor_key: str  # where the call's node will hang: (task, anchor_key, call_digest) is its key
+    call_digest: str
+    seen: bool  # the node exists (a call of a tool that is not cacheable)
 
 
-def tcg_lookup(*, task_id: str, context: CallContext) -> LookupHit | LookupMiss:
+def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> LookupHit | LookupMiss:
+    """Hit or miss. With count=False the caller counts the lookup itself (`lookup_count`), once
+    it knows how the call was served (tool-server mode may wait for a concurrent identical miss)."""
     # The task handle comes from this process's cache; the statement checks its version, and a
     # stale handle (the task changed) is re-read and the statement run again with the new keys.
     task = task_handle(task_id=task_id, cached=True)
@@ -69,14 +75,12 @@ def tcg_lookup(*, task_id: str, context: CallContext) -> LookupHit | LookupMiss:
     if row is None:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
     _, node_id, result_json, exec_ms = row
-    call = context.call
-    hit = node_id is not None and task.policy.for_tool(call.tool).cacheable
-    counters_add(task_id=task.task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
-                 node_id=node_id, hit=hit, seen=node_id is not None, saved_ms=exec_ms or 0.0)
-    broadcast.lookup(task.task_id, hit, oracle=node_id is not None, epoch=context.epoch, tool=call.tool,
-                     node_id=node_id, saved_ms=exec_ms or 0.0)
+    hit = node_id is not None and task.policy.for_tool(context.call.tool).cacheable
+    if count:
+        lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=hit, seen=node_id is not None,
+                     saved_ms=exec_ms or 0.0)
     if hit:
-        return LookupHit(node_id=node_id, result_json=result_json)
+        return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, existing_writes(task.task_id, history))
     lease_id = None
@@ -84,7 +88,20 @@ def tcg_lookup(*, task_id: str, context: CallContext) -> LookupHit | LookupMiss:
         lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
         if lease_id is None:  # evicted between the match and the lease: start fresh
             match = Match(match.matched, match.node, None, tuple(step.call for step in history.writes))
-    return LookupMiss(match=match, lease_id=lease_id, full_replay=tuple(step.call for step in history.writes))
+    last = chain.steps[-1]
+    return LookupMiss(match=match, lease_id=lease_id, full_replay=tuple(step.call for step in history.writes),
+                      anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None)
+
+
+def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit: bool, seen: bool,
+                 saved_ms: float) -> None:
+    """Count a lookup: calls, hits, the oracle's hits (`seen`: the call was executed before in
+    this state) and the time a hit saved."""
+    call = context.call
+    counters_add(task_id=task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
+                 node_id=node_id, hit=hit, seen=seen, saved_ms=saved_ms)
+    broadcast.lookup(task_id, hit, oracle=seen, epoch=context.epoch, tool=call.tool, node_id=node_id,
+                     saved_ms=saved_ms)
 
 
 def _exact_read(task: TaskHandle, context: CallContext) -> tuple[StateChain, tuple | None]:

@@ -3,10 +3,15 @@
 Hits need no sandbox. The first miss of a rollout materializes one: a ready pre-fork of the
 resume snapshot, else a fork on the critical path, else a ready root (or a fresh start) plus
 replay. Later misses continue in it, replaying first the state-changing calls that hit since.
+
+Rollouts of a task run in parallel and start alike, so they often miss on the same call in the
+same state at the same moment. Only one of them executes it (single flight): the others wait for
+its result and are answered from the cache, and their sandboxes catch up on their next miss.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from contextlib import contextmanager
@@ -21,7 +26,8 @@ from django.utils import timezone
 from cache.errors import Conflict, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
 from cache.models import Rollout, Snapshot, Task
-from cache.services import LookupHit, lease_release, node_record, snapshot_register, tcg_lookup
+from cache.services import (LookupHit, LookupMiss, TaskHandle, lease_release, lookup_count, node_record, snapshot_register,
+                            task_handle, tcg_lookup)
 from cache.tcg import TaskPolicy, ToolCall
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
@@ -31,6 +37,18 @@ from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_stop
 from .runtime import as_application_error, backend_named, forget, handle, labels, remember
 
 log = logging.getLogger("tvcache.toolserver")
+
+# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row).
+CLAIM_SQL = """
+SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL
+FROM cache_rollout WHERE task_id = %s AND rollout_id = %s
+"""
+
+CREATE_SQL = """
+INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
+SELECT id, %s, %s, 0, 0, '[]'::jsonb, now() FROM cache_task WHERE id = %s
+ON CONFLICT (task_id, rollout_id) DO NOTHING
+"""
 
 APPEND_SQL = """
 UPDATE cache_rollout SET history = history || %s::jsonb
@@ -60,47 +78,116 @@ class _Run:
 
 
 def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 0) -> CallOutcome:
+    """Four statements for a hit (claim and read the rollout, the lookup, the history append,
+    the release); the task's row and a sandbox only for a miss."""
     started = time.perf_counter()
-    task = Task.objects.filter(pk=task_id).first()
-    if task is None:
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
-    backend = backend_named(task.env.get("backend", "external"))
+    handle = task_handle(task_id=task_id, cached=True)  # outdated at worst: the lookup checks its version
     call = parse_call(call_json, "call")
     try:
-        backend.tool_spec(call.tool)
+        backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    rollout, _ = Rollout.objects.get_or_create(task=task, rollout_id=rollout_id, defaults={"epoch": epoch})
-    with _exclusive(rollout):
-        rollout.refresh_from_db(fields=["history", "finished_at"])
-        if rollout.finished_at is not None:
-            raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
-        history = tuple(ToolCall.from_json(item) for item in rollout.history)
-        context = CallContext(history, call, rollout_id, epoch, None)
-        answer = tcg_lookup(task_id=task_id, context=context)
-        if isinstance(answer, LookupHit):
-            result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
-        else:
-            result, node_id = _serve_miss(task, backend, rollout, context, answer)
-            cached = False
-        _append(rollout, call, len(history))
-    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000)
-
-
-@contextmanager
-def _exclusive(rollout: Rollout):
-    """One call of a rollout at a time: a second one would run in the same sandbox and leave it
-    ahead of the history. It is refused (409), never queued, since the client broke the order."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [rollout.pk])
-        if not cursor.fetchone()[0]:
-            raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
-                           code="rollout_busy")
+    rollout, history = _rollout_claimed(task_id, rollout_id, epoch)
     try:
-        yield
+        context = CallContext(history, call, rollout_id, epoch, None)
+        answer = tcg_lookup(task_id=task_id, context=context, count=False)
+        with _single_flight(handle, context, answer) as flight:
+            answer = flight.answer
+            if isinstance(answer, LookupHit):
+                lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
+                             saved_ms=answer.exec_ms)
+                result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
+            else:
+                lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
+                             saved_ms=0.0)
+                task = Task.objects.filter(pk=task_id).first()
+                if task is None:  # deleted since the lookup
+                    raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+                backend = backend_named(task.env.get("backend", "external"))
+                result, node_id = _serve_miss(task, backend, rollout, context, answer, recorded=flight.release)
+                cached = False
+        _append(rollout, call, len(history))
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout.pk])
+    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000)
+
+
+def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...]]:
+    """The rollout (created on its first call) with its history, claimed by this call: one call of
+    a rollout at a time, since a second one would run in the same sandbox and leave it ahead of
+    the history. It is refused (409), never queued: the client broke the order."""
+    with connection.cursor() as cursor:
+        cursor.execute(CLAIM_SQL, [task_id, rollout_id])
+        row = cursor.fetchone()
+        if row is None:
+            cursor.execute(CREATE_SQL, [rollout_id, epoch, task_id])
+            cursor.execute(CLAIM_SQL, [task_id, rollout_id])
+            row = cursor.fetchone()
+    if row is None:  # the task was deleted
+        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+    pk, claimed, history, finished = row
+    if not claimed:
+        raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
+                       code="rollout_busy")
+    if finished:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [pk])
+        raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
+    rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
+    return rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history))
+
+
+class _Flight:
+    """A miss's claim on executing (task, state, call): held by one rollout at a time."""
+
+    def __init__(self, key: int | None, answer):
+        self.key, self.answer, self.waited = key, answer, False
+
+    def try_lead(self) -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", [self.key])
+            return cursor.fetchone()[0]
+
+    def release(self) -> None:
+        """Called once the result is recorded: the waiting rollouts find it."""
+        if self.key is not None:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [self.key])
+            self.key = None
+
+
+@contextmanager
+def _single_flight(task: TaskHandle, context: CallContext, answer):
+    """Lead the execution of a miss, or wait while another rollout executes the same call in the
+    same state and take its result. A leader that fails or times out records nothing: the next
+    waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
+    flight = _Flight(None, answer)
+    if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable:
+        digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
+        flight.key = int.from_bytes(digest[:8], "big", signed=True)
+        deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
+        while not flight.try_lead():
+            flight.waited = True
+            if time.monotonic() > deadline:  # a leader stuck this long: execute alongside it
+                flight.key = None
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        if flight.waited and flight.key is not None:  # the leader is done: its result, if it recorded one
+            _drop_lease(flight.answer)
+            flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False)
+            if isinstance(flight.answer, LookupHit):
+                flight.release()
+    try:
+        yield flight
+    finally:
+        flight.release()
+
+
+def _drop_lease(answer) -> None:
+    if isinstance(answer, LookupMiss) and answer.lease_id:
+        lease_release(lease_id=answer.lease_id)
 
 
 def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
@@ -110,7 +197,7 @@ def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
             raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
-def _serve_miss(task, backend, rollout, context: CallContext, answer) -> tuple[Any, int | None]:
+def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) -> tuple[Any, int | None]:
     restore_ms = None
     try:
         run = _rollout_sandbox(task, backend, rollout, context, answer)
@@ -126,12 +213,13 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer) -> tuple[A
     except SandboxError as exc:  # refused before it ran (bad arguments): the sandbox is as it was
         raise as_application_error(exc) from None
     try:
-        node_id = None
+        node_id, snapshot_wanted = None, False
         if not (result.get("timed_out") and not settings.TVCACHE["CACHE_TIMEOUTS"]):
             outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms))
-            node_id = outcome.node_id
-            if outcome.snapshot_wanted:
-                _snapshot(run, node_id)
+            node_id, snapshot_wanted = outcome.node_id, outcome.snapshot_wanted
+        recorded()  # rollouts waiting for this call take its result now, not after the snapshot
+        if snapshot_wanted:
+            _snapshot(run, node_id)
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + 1, lease_expires_at=idle_deadline())
     except BaseException:
         _retire(run, "failed after its call ran: its state is ahead of the rollout's history")

@@ -161,3 +161,36 @@ def test_every_lease_a_miss_takes_is_released(api, docker_task):
         run(api, task, "r2", bash(command))
     assert Lease.objects.count() >= 1
     assert not Lease.objects.filter(released_at__isnull=True).exists()
+
+
+def test_rollouts_missing_on_the_same_call_at_once_execute_it_once(api, token, docker_task):
+    import threading
+
+    from django.db import connection
+    from rest_framework.test import APIClient
+
+    task = docker_task("flight")
+    draw = bash("sleep 2; cat /proc/sys/kernel/random/uuid")  # a different answer each time it runs
+    outcomes = {}
+
+    def call(rollout: str) -> None:
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+        try:
+            outcomes[rollout] = run(client, task, rollout, draw)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=call, args=(f"r{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(o["cached"] for o in outcomes.values()) == [False, True, True]
+    assert len({o["result"]["stdout"] for o in outcomes.values()}) == 1
+    assert len({o["node_id"] for o in outcomes.values()}) == 1
+    stats = api.get(f"/api/v1/tasks/{task}/stats").json()
+    assert (stats["calls"], stats["hits"], stats["oracle_hits"], stats["executions"]) == (3, 2, 2, 1)
+    # A rollout that waited has no sandbox yet; its next miss gets one in the same state.
+    waited = next(r for r, o in outcomes.items() if o["cached"])
+    assert run(api, task, waited, bash("echo ok > /f; cat /f"))["result"]["stdout"] == "ok\n"
