@@ -1,6 +1,9 @@
 """Every kind of bad input answers a 4xx with its own stable code and writes nothing."""
 
+import io
+
 import pytest
+from django.core.management import call_command
 from django.test import override_settings
 from rest_framework.test import APIClient
 
@@ -128,3 +131,13 @@ def test_unknown_route_is_json_404(api):
 
 def test_wrong_method(api, toy_task):
     assert error(api.get("/api/v1/tasks/toy/lookup"), 405) == "method_not_allowed"
+
+
+def test_create_token_prints_a_key_that_authenticates(toy_task):
+    out = io.StringIO()
+    call_command("create_token", "trainer-1", stdout=out)
+    key = out.getvalue().strip()
+    assert key.startswith("tvc_")  # never "-": a command line would take "--token -x..." for an option
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {key}")
+    assert client.get("/api/v1/tasks/toy").status_code == 200
