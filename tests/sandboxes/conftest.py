@@ -7,6 +7,7 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from sandboxes.images import build_busybox_image
+from sandboxes.services.runtime import backend_named, labels
 from tvcache_site.celery import app as celery_app
 
 
@@ -29,10 +30,22 @@ def celery_worker(transactional_db, settings):
 
 @pytest.fixture
 def docker_task(api, busybox):
+    """Docker tasks of one test; whatever the test leaves on the engine for them (a rollout it did
+    not end, a snapshot) is removed afterwards: the test database that knew them is gone."""
+    made = []
+
     def make(task_id: str, **extra) -> str:
         body = {"env": {"backend": "docker"}, "tools": {}, "sandbox_budget": 8, **extra}
         response = api.put(f"/api/v1/tasks/{task_id}", body, format="json")
         assert response.status_code in (200, 201), response.content
+        made.append(task_id)
         return task_id
 
-    return make
+    yield make
+    backend = backend_named("docker")
+    for task_id in made:
+        selector = labels(task_id)
+        for sandbox in backend.list_sandboxes(selector):
+            backend.remove_sandbox(sandbox.id)
+        for snapshot in backend.list_snapshots(selector):
+            backend.delete_snapshot(snapshot.id)
