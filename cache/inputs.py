@@ -83,6 +83,9 @@ class RecordInput:
     context: CallContext
     result: Any
     exec_ms: float
+    # Whether the call changed the sandbox, as the executor observed it; None: not observed. Only
+    # False matters: the call then counts as read-only, whatever its tool declares.
+    mutated: bool | None = None
 
 
 def parse_record(data: Any) -> RecordInput:
@@ -91,4 +94,5 @@ def parse_record(data: Any) -> RecordInput:
     exec_ms = _required(data, "exec_ms")
     if not isinstance(exec_ms, (int, float)) or isinstance(exec_ms, bool) or exec_ms < 0:
         raise InvalidInput("'exec_ms' must be a non-negative number.", code="invalid_payload", details={"field": "exec_ms"})
-    return RecordInput(context=context, result=result, exec_ms=float(exec_ms))
+    mutated = _optional(data, "mutated", bool, None)
+    return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated)

@@ -26,6 +26,8 @@ class CallResultSerializer(serializers.Serializer):
     cached = serializers.BooleanField()
     node_id = serializers.IntegerField(allow_null=True, help_text="null when the result was not cached (a timeout)")
     latency_ms = serializers.FloatField()
+    mutates = serializers.BooleanField(help_text="The call changed the rollout's state. False for a read-only tool, "
+                                                 "and for a call the sandbox observed to change nothing.")
 
 
 class StepSerializer(serializers.Serializer):
@@ -50,7 +52,7 @@ class RolloutCallView(LeanPostView):
             raise InvalidInput("'epoch' must be an integer.", details={"field": "epoch"})
         outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=payload["call"], epoch=epoch)
         return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
-                             "latency_ms": round(outcome.latency_ms, 3)})
+                             "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates})
 
 
 class RolloutView(APIView):

@@ -154,6 +154,9 @@ TVCACHE = {
     "DOCKER_MEMORY_MB": env.int("TVCACHE_DOCKER_MEMORY_MB", default=512),
     "DOCKER_CPUS": env.float("TVCACHE_DOCKER_CPUS", default=1.0),
     "DOCKER_PIDS": env.int("TVCACHE_DOCKER_PIDS", default=256),
+    # A bash call that changed nothing in its container (read from the container's layer on the
+    # host) counts as read-only in tool-server mode. Off: every bash call changes state.
+    "DOCKER_OBSERVE_WRITES": env.bool("TVCACHE_DOCKER_OBSERVE_WRITES", default=True),
     # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
     "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
     # Tool-server mode: a rollout that misses on a call another rollout is executing in the same

@@ -49,6 +49,9 @@ class LookupResponseSerializer(serializers.Serializer):
     hit = serializers.BooleanField()
     node_id = serializers.IntegerField(required=False, help_text="Hits only.")
     result = serializers.JSONField(required=False, help_text="Hits only.")
+    mutates = serializers.BooleanField(required=False, help_text=(
+        "Hits only. False: the call left the state as it was (a read-only tool, or a call observed to change "
+        "nothing); a client may then leave it out of the history it sends."))
     matched = serializers.IntegerField(required=False, help_text="Misses: leading history calls whose state is stored.")
     resume = ResumeSerializer(required=False, allow_null=True, help_text="Misses: where to fork from; null = fresh sandbox.")
     replay = ToolCallSerializer(many=True, required=False, help_text="Misses: every state-changing call of the history.")
@@ -57,11 +60,15 @@ class LookupResponseSerializer(serializers.Serializer):
 class RecordSerializer(LookupSerializer):
     result = serializers.JSONField()
     exec_ms = serializers.FloatField(min_value=0)
+    mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(
+        "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
+        "whatever its tool declares; omit it when unsure."))
 
 
 class RecordResponseSerializer(serializers.Serializer):
     node_id = serializers.IntegerField()
     created = serializers.BooleanField()
+    mutates = serializers.BooleanField(help_text="The node's: false if the call is recorded as read-only.")
     snapshot = serializers.ChoiceField(choices=["wanted", "skipped"])
     evicted = serializers.ListField(child=serializers.CharField())
 

@@ -74,7 +74,8 @@ class LookupView(LeanPostView):
         answer = services.tcg_lookup(task_id=task_id, context=parse_call_context(payload))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
-            return b'{"hit":true,"node_id":%d,"result":%s}' % (answer.node_id, answer.result_json.encode())
+            return b'{"hit":true,"node_id":%d,"mutates":%s,"result":%s}' % (
+                answer.node_id, b"true" if answer.mutates else b"false", answer.result_json.encode())
         match = answer.match
         resume = None
         if match.resume is not None:
@@ -93,7 +94,7 @@ class RecordView(LeanPostView):
     @staticmethod
     def answer(*, task_id: str, payload) -> bytes:
         outcome = services.node_record(task_id=task_id, record=parse_record(payload))
-        return orjson.dumps({"node_id": outcome.node_id, "created": outcome.created,
+        return orjson.dumps({"node_id": outcome.node_id, "created": outcome.created, "mutates": outcome.mutates,
                              "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
                              "evicted": outcome.evicted})
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from tvclient import SnapshotStore, TVCacheClient, ToolCallExecutor, ToolExecutionEnvironment
 
-from cache.tcg import TaskPolicy, ToolCall, state_chain
+from cache.tcg import TaskPolicy, ToolCall, call_digest, next_state_key, root_state_key
 from sandboxes.models import Sandbox
 
 log = logging.getLogger("tvcache.replay")
@@ -172,13 +172,21 @@ class MeteredEnvironment(ToolExecutionEnvironment):
 # Measurements
 
 
-def call_keys(task: ReplayTask, calls: list[Call]) -> list[tuple[str, str] | None]:
+def call_keys(task: ReplayTask, samples: list[CallSample], calls: list[Call]) -> list[tuple[str, str] | None]:
     """Each call's (anchor state key, call digest) as the service keys it, None where the tool
-    is not cacheable: the harness's own oracle is computed from these (report.py)."""
+    is not cacheable: the harness's own oracle is computed from these (report.py). A call the
+    service answered as read-only (`sample.mutates` False) leaves the state key as it was."""
     policy = TaskPolicy.from_json(task.tools)
-    root = hashlib.sha256(task.name.encode()).hexdigest()  # any fingerprint: keys are compared within a task
-    chain = state_chain(root, [ToolCall.from_json(call) for call in calls], policy)
-    return [(step.anchor, step.digest) if policy.for_tool(step.call.tool).cacheable else None for step in chain.steps]
+    state = root_state_key(hashlib.sha256(task.name.encode()).hexdigest())  # keys are compared within a task
+    keys = []
+    for sample, call in zip(samples, calls):
+        tool_call = ToolCall.from_json(call)
+        digest = call_digest(tool_call)
+        tool = policy.for_tool(tool_call.tool)
+        keys.append((state, digest) if tool.cacheable else None)
+        if tool.mutates_state and sample.mutates is not False:
+            state = next_state_key(state, digest)
+    return keys
 
 
 @dataclass
@@ -196,6 +204,7 @@ class CallSample:
     result: Any = None  # kept only until compared
     started: float = 0.0  # perf_counter at the call's start
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
+    mutates: bool | None = None  # tool-server mode: whether the service says the call changed the state
 
 
 @dataclass
@@ -331,7 +340,7 @@ class Replay:
             task, index, calls = job
             started = time.perf_counter()
             samples = self._rollout(arm, task, epoch, index, calls)
-            for sample, key in zip(samples, call_keys(task, calls)):
+            for sample, key in zip(samples, call_keys(task, samples, calls)):
                 sample.key = key
             seconds = time.perf_counter() - started
             with lock:
@@ -462,8 +471,9 @@ class Replay:
                 if not answer.cached and penalty_s:
                     time.sleep(penalty_s)
                 latency = (time.perf_counter() - started) * 1000
-                samples.append(self._sample(task, epoch, index, position, call, latency, answer.cached, None,
-                                            answer.result))
+                sample = self._sample(task, epoch, index, position, call, latency, answer.cached, None, answer.result)
+                sample.mutates = answer.mutates
+                samples.append(sample)
         finally:
             self.client.end_rollout(task_id, rollout_id)
         return samples

@@ -5,7 +5,9 @@ then a repair loop: inspection commands, one of several fixes (some wrong, so th
 rebuild, rerun the tests. A seeded policy per task keeps the usual setup most of the time and
 branches later. Outputs are deterministic: no timestamps or timings are printed (the Python test
 runner is our own), git commits use fixed author and committer dates, and the slow "dependency
-download" steps are sleeps (sandboxes have no network). Every `bash` call mutates state.
+download" steps are sleeps that write a marker (sandboxes have no network). Every `bash` call is
+declared state-changing; in tool-server mode the service observes which ones changed nothing
+(inspections, a rerun of the tests) and keys later calls without them.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ TASKS = [
         setup=("mkdir -p /srv/calc && cd /srv/calc && pwd",
                heredoc("calc.c", CALC_C), heredoc("calc.h", CALC_H), heredoc("main.c", MAIN_C),
                heredoc("Makefile", MAKEFILE),
-               "sleep 2 && echo 'fetched 3 dependencies'",
+               "sleep 2 && mkdir -p vendor && echo 'fetched 3 dependencies' | tee vendor/MANIFEST",
                "make 2>&1", "./calc_test; echo exit=$?"),
         alternatives={6: "make CFLAGS='-O0 -g -Wall' 2>&1"},
         inspections=("grep -n 'return' calc.c", "ls", "cat calc.h", "make -n 2>&1 | head -5", "wc -l *.c"),
@@ -210,7 +212,7 @@ TASKS = [
         name="py-tests",
         setup=("mkdir -p /srv/app && cd /srv/app && pwd",
                heredoc("stats.py", STATS_PY), heredoc("test_stats.py", TESTS_PY), heredoc("run_tests.py", RUNNER_PY),
-               "sleep 2 && echo 'installed 4 requirements'",
+               "sleep 2 && mkdir -p deps && echo 'installed 4 requirements' | tee deps/INSTALLED",
                # Hash-checked bytecode: with the default (source mtime, whole seconds, and size), a
                # same-size edit within a second of compiling ran the stale .pyc, so the test run's
                # output depended on timing, not on the state (the replay's audit of misses caught it).
@@ -256,9 +258,9 @@ TASKS = [
                heredoc("check.py", "import configparser, sys\nc = configparser.ConfigParser(); c.read('conf/app.ini')\n"
                        "ok = c['server'].getint('workers') >= 4 and c['db'].getint('pool') >= 10\n"
                        "print('config ok' if ok else 'config bad'); sys.exit(0 if ok else 1)"),
-               "sleep 2 && echo 'provisioned database'",
+               "sleep 2 && mkdir -p data && echo 'provisioned database' | tee data/READY",
                "python3 check.py; echo exit=$?"),
-        alternatives={3: "sleep 2 && echo 'provisioned database (retry)'"},
+        alternatives={3: "sleep 2 && mkdir -p data && echo 'provisioned database (retry)' | tee data/READY"},
         inspections=("cat conf/app.ini", "grep -n '=' conf/app.ini", "ls conf"),
         fixes=(Fix("sed -i 's/workers = 2/workers = 4/' conf/app.ini && echo edited", False),
                Fix("sed -i 's/workers = 2/workers = 4/; s/pool = 5/pool = 10/' conf/app.ini && echo edited", True),

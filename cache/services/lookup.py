@@ -23,7 +23,7 @@ from .tasks import TaskHandle, task_handle
 # One indexed read: the task's current version (a cached handle may be outdated) and the node
 # under (anchor, digest). Counters go to the in-process buffer (counters.py), not to this query.
 HIT_SQL = """
-SELECT t.version, n.id, n.result_json, n.exec_ms
+SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates
 FROM cache_task t
 LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %s AND n.call_digest = %s
 WHERE t.id = %s
@@ -50,6 +50,7 @@ class LookupHit:
     node_id: int
     result_json: str
     exec_ms: float
+    mutates: bool  # False: the call left the state as it was (declared or observed read-only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +75,13 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> Loo
         chain, row = _exact_read(task, context)
     if row is None:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    _, node_id, result_json, exec_ms = row
+    _, node_id, result_json, exec_ms, mutates = row
     hit = node_id is not None and task.policy.for_tool(context.call.tool).cacheable
     if count:
         lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=hit, seen=node_id is not None,
                      saved_ms=exec_ms or 0.0)
     if hit:
-        return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms)
+        return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms, mutates=mutates)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, existing_writes(task.task_id, history))
     lease_id = None

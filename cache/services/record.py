@@ -39,10 +39,11 @@ WITH parent AS (
     ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
         executions = cache_toolstat.executions + 1, executed_ms = cache_toolstat.executed_ms + EXCLUDED.executed_ms
 )
-SELECT id, cum_exec_ms, true FROM ins
+SELECT id, cum_exec_ms, true, %(mutates)s FROM ins
 """
 
-EXISTING_SQL = "SELECT id, cum_exec_ms, false FROM cache_node WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"
+EXISTING_SQL = """SELECT id, cum_exec_ms, false, mutates FROM cache_node
+WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"""
 
 # Replay cost since the nearest live snapshot on the path (the new node's own snapshot included).
 NEAREST_SNAPSHOT_SQL = """
@@ -56,6 +57,7 @@ WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(%s)
 class RecordOutcome:
     node_id: int
     created: bool
+    mutates: bool  # the node's: False if the call was recorded as read-only (maybe by another rollout)
     snapshot_wanted: bool
     evicted: list[str]
 
@@ -71,21 +73,24 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
                               details={"limit": limit, "size": len(result_json)})
     chain = task_chain(task, context)
     last = chain.steps[-1]
-    writes = chain.writes
+    writes = chain.writes[:-1] if last.mutates else chain.writes  # the history's
+    # A call of a state-changing tool that was observed to change nothing is stored read-only:
+    # the state after it is the state before it, and later calls hang where they would without it.
+    mutates = last.mutates and record.mutated is not False
     params = {
         "task": task.task_id,
         "parent_key": last.anchor,
         "anchor": last.anchor,
         "digest": last.digest,
-        "state_key": last.state_key,
-        "depth": len(writes) if last.mutates else len(writes) + 1,
+        "state_key": last.state_key if mutates else last.anchor,
+        "depth": len(writes) + 1,
         "tool": last.call.tool,
         "call": canonical_call(last.call).decode(),
-        "mutates": last.mutates,
+        "mutates": mutates,
         "result": result_json,
         "result_bytes": len(result_json),
         "exec_ms": record.exec_ms,
-        "own_cost": record.exec_ms if last.mutates else 0.0,
+        "own_cost": record.exec_ms if mutates else 0.0,
         "rollout": context.rollout_id,
         "epoch": context.epoch,
     }
@@ -95,17 +100,18 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
         if row is None:
             cursor.execute(EXISTING_SQL, [task.task_id, last.anchor, last.digest])
             row = cursor.fetchone()
-        node_id, cum_exec_ms, created = row
+        node_id, cum_exec_ms, created, node_mutates = row
         if created:
             broadcast.node_created(task.task_id, node_id)
         wanted = False
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.
-        if created and last.mutates and task.sandbox_budget > 0:
-            cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id, [step.state_key for step in writes]])
+        if created and mutates and task.sandbox_budget > 0:
+            cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id,
+                                                  [step.state_key for step in (*writes, last)]])
             nearest_cum, has_own = cursor.fetchone()
             wanted = not has_own and snapshot_wanted(
                 mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend)
             )
-    return RecordOutcome(node_id=node_id, created=created, snapshot_wanted=wanted,
+    return RecordOutcome(node_id=node_id, created=created, mutates=node_mutates, snapshot_wanted=wanted,
                          evicted=recently_evicted_refs(task_id=task.task_id))

@@ -18,6 +18,7 @@ from .policy import TaskPolicy
 class Hit:
     node_id: int
     result: Any
+    mutates: bool
 
 
 @dataclass
@@ -26,6 +27,7 @@ class _Node:
     state_key: str
     depth: int
     result: Any
+    mutates: bool
     snapshot_id: int | None = None
 
 
@@ -47,7 +49,7 @@ class ToolCallGraph:
         last = chain.steps[-1]
         node = self._nodes.get((last.anchor, last.digest))
         if node is not None and self.policy.for_tool(call.tool).cacheable:
-            return Hit(node.node_id, node.result)
+            return Hit(node.node_id, node.result, node.mutates)
         history_chain = StateChain(root=chain.root, steps=chain.steps[:-1])
         found = {
             step.state_key: self._ref(self._by_state[step.state_key])
@@ -60,15 +62,18 @@ class ToolCallGraph:
         last = self.chain(history, call).steps[-1]
         return (last.anchor, last.digest) in self._nodes
 
-    def record(self, history: Sequence[ToolCall], call: ToolCall, result: Any) -> int:
+    def record(self, history: Sequence[ToolCall], call: ToolCall, result: Any, *, mutated: bool | None = None) -> int:
+        """`mutated=False`: the call was observed to change nothing, so it is stored read-only
+        whatever its tool declares (the state after it is the state before it)."""
         chain = self.chain(history, call)
         last = chain.steps[-1]
         key = (last.anchor, last.digest)
         if key not in self._nodes:
-            depth = len(chain.writes) if last.mutates else len(chain.writes) + 1
-            node = _Node(len(self._nodes) + 1, last.state_key, depth, result)
+            mutates = last.mutates and mutated is not False
+            depth = len(chain.writes) + (0 if last.mutates else 1)
+            node = _Node(len(self._nodes) + 1, last.state_key if mutates else last.anchor, depth, result, mutates)
             self._nodes[key] = node
-            if last.mutates:
+            if mutates:
                 self._by_state[last.state_key] = node
         return self._nodes[key].node_id
 

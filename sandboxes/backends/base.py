@@ -96,6 +96,11 @@ class Sandbox(ABC):
         in a way the agent should see (a missing file, bad SQL, a non-zero exit) returns a result.
         """
 
+    def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
+        """`execute`, and whether the call changed the sandbox's state where the backend can
+        tell: False only when nothing changed. None: not observed, the tool's declaration holds."""
+        return self.execute(tool, args), None
+
     @abstractmethod
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         """Freeze the current state into an immutable snapshot; the sandbox keeps running."""

@@ -23,6 +23,8 @@ class DockerConfig:
     api_timeout_s: float = 60.0
     # Engine connections kept per process: one per concurrent call or start, past that they churn.
     api_pool_size: int = 32
+    # Tell read-only bash calls from their container's layer on the host (overlay.py).
+    observe_writes: bool = True
 
 
 @dataclass(frozen=True)

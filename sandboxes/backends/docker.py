@@ -50,9 +50,10 @@ from .base import (
     require_str,
 )
 from .config import DockerConfig
+from .overlay import LayerState, LayerWatch
 
 # Bump when the bash tool's behaviour changes: it is part of the env fingerprint.
-TOOLS_VERSION = 1
+TOOLS_VERSION = 2
 SHELL_LABEL = "tvcache.shell"
 KIND_LABEL = "tvcache.kind"
 SNAPSHOT_REPOSITORY = "tvcache/snapshot"
@@ -66,22 +67,27 @@ _CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", 
 _MAX_COMMAND_BYTES = 128 * 1024 - 1
 _KILL_GRACE_S = 5.0
 _DEATH_SETTLE_S = 0.25
+_UNSET = object()
 _ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 STATE_DIR = "/.tvcache"
 # Run once in a fresh sandbox: seed the session state from the image's environment and working
 # directory, and say whether bash exists (the busybox image only has ash).
-_INIT_SCRIPT = f"""mkdir -p {STATE_DIR} && export -p > {STATE_DIR}/env.sh && pwd > {STATE_DIR}/cwd && {{ command -v bash || true; }}"""
+# The variables are exported in the calls' shell's own syntax, so a first call changes nothing.
+_INIT_SCRIPT = f"""mkdir -p {STATE_DIR} && pwd > {STATE_DIR}/cwd && if __tvc_bash=$(command -v bash); then
+"$__tvc_bash" -c 'unset OLDPWD; export -p' > {STATE_DIR}/env.sh && echo "$__tvc_bash"; else export -p > {STATE_DIR}/env.sh; fi"""
 # Run per call as `env -i SHELL -c _CALL_SCRIPT SHELL COMMAND`. The pid file lets a timeout kill
 # the call's whole process group (docker starts each exec as a session and group leader).
 _CALL_SCRIPT = f"""echo $$ > {STATE_DIR}/pid
 . {STATE_DIR}/env.sh
 IFS= read -r __tvc_cwd < {STATE_DIR}/cwd
+if [ "${{OLDPWD+set}}" ]; then __tvc_old=$OLDPWD; else unset __tvc_old; fi
 cd "$__tvc_cwd" 2>/dev/null || cd /
+if [ "${{__tvc_old+set}}" ]; then OLDPWD=$__tvc_old; else unset OLDPWD; fi
 trap '__tvc_rc=$?; export -p > {STATE_DIR}/env.sh; pwd > {STATE_DIR}/cwd; exit $__tvc_rc' EXIT
 __tvc_cmd=$1
 set --
-eval "unset __tvc_cwd __tvc_cmd
+eval "unset __tvc_cwd __tvc_cmd __tvc_old
 $__tvc_cmd"
 """
 _KILL_SCRIPT = f"read -r p < {STATE_DIR}/pid && kill -9 -$p"
@@ -259,7 +265,9 @@ class DockerSandbox(Sandbox):
         self._shell = shell
         self._image_size = image_size  # snapshots report only what the sandbox added to its image
         # One shell session: calls run one at a time, and a snapshot never lands mid-call.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._watch: LayerWatch | None | object = _UNSET
+        self._layer: LayerState | None = None  # the layer as the last observed call left it
         self._stopped = False
 
     def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -270,6 +278,26 @@ class DockerSandbox(Sandbox):
             raise InvalidToolArgs(f"command must be at most {_MAX_COMMAND_BYTES} bytes without NUL characters")
         with self._lock, engine_errors():
             return self._run(command, timeout_s)
+
+    def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
+        """Observed from the container's layer on the host (overlay.py), when it is in reach."""
+        with self._lock:
+            watch = self._layer_watch()
+            if watch is None:
+                return self.execute(tool, args), None
+            before = self._layer or watch.state()
+            self._layer = None  # unknown until the call is over
+            watch.settle(before)
+            result = self.execute(tool, args)  # re-entrant lock: the same thread
+            self._layer = watch.state()
+            return result, self._layer.digest != before.digest
+
+    def _layer_watch(self) -> LayerWatch | None:
+        if self._watch is _UNSET:
+            with engine_errors():
+                container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
+            self._watch = LayerWatch.of(container) if self._backend.config.observe_writes else None
+        return self._watch
 
     def _timeout(self, args: Mapping[str, Any]) -> float:
         config = self._backend.config

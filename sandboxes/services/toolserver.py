@@ -4,6 +4,10 @@ Hits need no sandbox. The first miss of a rollout materializes one: a ready pre-
 resume snapshot, else a fork on the critical path, else a ready root (or a fresh start) plus
 replay. Later misses continue in it, replaying first the state-changing calls that hit since.
 
+The rollout's history holds the calls that changed its state: a hit on a read-only node, or a
+miss that the sandbox observed to change nothing (a `cat` in a docker sandbox), is left out, so
+the rollout's later calls match those of rollouts that did not make it.
+
 Rollouts of a task run in parallel and start alike, so they often miss on the same call in the
 same state at the same moment. Only one of them executes it (single flight): the others wait for
 its result and are answered from the cache, and their sandboxes catch up on their next miss.
@@ -62,6 +66,7 @@ class CallOutcome:
     cached: bool
     node_id: int | None
     latency_ms: float
+    mutates: bool  # the call changed the rollout's state (it is part of the history now)
 
 
 @dataclass
@@ -97,6 +102,7 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
                 lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
                              saved_ms=answer.exec_ms)
                 result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
+                mutates = answer.mutates
             else:
                 lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
                              saved_ms=0.0)
@@ -104,13 +110,15 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
                 if task is None:  # deleted since the lookup
                     raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
                 backend = backend_named(task.env.get("backend", "external"))
-                result, node_id = _serve_miss(task, backend, rollout, context, answer, recorded=flight.release)
+                result, node_id, mutates = _serve_miss(task, backend, rollout, context, answer,
+                                                       recorded=flight.release)
                 cached = False
-        _append(rollout, call, len(history))
+        if mutates:
+            _append(rollout, call, len(history))
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout.pk])
-    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000)
+    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates)
 
 
 def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...]]:
@@ -197,7 +205,8 @@ def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
             raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
-def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) -> tuple[Any, int | None]:
+def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) -> tuple[Any, int | None, bool]:
+    """The call executed in the rollout's sandbox: its result, node and whether it changed the state."""
     restore_ms = None
     try:
         run = _rollout_sandbox(task, backend, rollout, context, answer)
@@ -206,7 +215,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) 
         if answer.lease_id:
             lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
     try:
-        result, exec_ms = _execute(run, context.call)
+        result, exec_ms, observed = _execute(run, context.call)
     except SandboxGone as exc:
         _retire(run, exc.message)
         raise as_application_error(exc) from None
@@ -214,17 +223,19 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) 
         raise as_application_error(exc) from None
     try:
         node_id, snapshot_wanted = None, False
+        mutates = run.policy.for_tool(context.call.tool).mutates_state and observed is not False
         if not (result.get("timed_out") and not settings.TVCACHE["CACHE_TIMEOUTS"]):
-            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms))
+            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed))
             node_id, snapshot_wanted = outcome.node_id, outcome.snapshot_wanted
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
         if snapshot_wanted:
             _snapshot(run, node_id)
-        Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + 1, lease_expires_at=idle_deadline())
+        Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + int(mutates),
+                                                     lease_expires_at=idle_deadline())
     except BaseException:
         _retire(run, "failed after its call ran: its state is ahead of the rollout's history")
         raise
-    return result, node_id
+    return result, node_id, mutates
 
 
 def _retire(run: _Run, reason: str) -> None:
@@ -237,10 +248,10 @@ def _retire(run: _Run, reason: str) -> None:
         pass
 
 
-def _execute(run: _Run, call: ToolCall) -> tuple[dict, float]:
+def _execute(run: _Run, call: ToolCall) -> tuple[dict, float, bool | None]:
     started = time.perf_counter()
-    result = run.sandbox.execute(call.tool, call.args)
-    return result, (time.perf_counter() - started) * 1000
+    result, observed = run.sandbox.execute_observed(call.tool, call.args)
+    return result, (time.perf_counter() - started) * 1000, observed
 
 
 def _rollout_sandbox(task, backend, rollout, context: CallContext, answer) -> _Run:

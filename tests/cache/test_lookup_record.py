@@ -12,7 +12,7 @@ def test_miss_then_record_then_hit(api, toy_task):
     node = record(api, toy_task, [], W1, {"ok": True}, exec_ms=100)
     assert node["created"] is True
     again = lookup(api, toy_task, [], W1)
-    assert again == {"hit": True, "node_id": node["node_id"], "result": {"ok": True}}
+    assert again == {"hit": True, "node_id": node["node_id"], "mutates": True, "result": {"ok": True}}
 
 
 def test_stale_read_is_a_miss_after_a_write(api, toy_task):
@@ -33,6 +33,28 @@ def test_read_only_calls_hit_in_any_order_between_the_same_writes(api, toy_task)
     record(api, toy_task, [W1, ra], rb, {"output": "b"})
     assert lookup(api, toy_task, [W1], rb)["hit"] is True
     assert lookup(api, toy_task, [W1, rb], ra)["hit"] is True
+
+
+def test_a_call_observed_to_change_nothing_is_recorded_read_only(api, toy_task):
+    inspect = call("write", path="f", content="")  # a state-changing tool, observed to change nothing
+    node = api.post(f"/api/v1/tasks/{toy_task}/record", {"history": [W1], "call": inspect, "result": {"ok": True},
+                                                        "exec_ms": 5, "mutated": False}, format="json").json()
+    assert node["mutates"] is False
+    assert lookup(api, toy_task, [W1], inspect) == {"hit": True, "node_id": node["node_id"], "mutates": False,
+                                                    "result": {"ok": True}}
+    record(api, toy_task, [W1], W2, {"ok": True})
+    # Later calls match without it in the history; a history that keeps it is keyed as if it
+    # changed the state (safe: a miss; a client told `mutates: false` drops it).
+    assert lookup(api, toy_task, [W1], W2)["hit"] is True
+    assert lookup(api, toy_task, [W1, inspect], W2)["hit"] is False
+
+
+def test_mutated_must_be_a_boolean(api, toy_task):
+    response = api.post(f"/api/v1/tasks/{toy_task}/record", {"history": [], "call": W1, "result": {}, "exec_ms": 1,
+                                                             "mutated": "no"}, format="json")
+    assert response.status_code == 400
+    assert response.json()["error"] == {"code": "invalid_payload", "message": "'mutated' must be a bool.",
+                                        "details": {"field": "mutated"}}
 
 
 def test_record_is_idempotent(api, toy_task):

@@ -23,6 +23,30 @@ def test_stale_read_after_a_write_is_executed_again(api, docker_task):
     assert (again["cached"], again["result"]["stdout"]) == (False, "two\n")
 
 
+def test_calls_that_change_nothing_leave_the_history_and_later_calls_match_without_them(api, docker_task):
+    task = docker_task("observed")
+    setup, append = bash("mkdir -p /w && echo a > /w/f"), bash("echo b >> /w/f")
+    assert run(api, task, "r1", setup)["mutates"] is True
+    assert run(api, task, "r1", bash("ls /w"))["mutates"] is False  # observed: nothing changed
+    assert run(api, task, "r1", append)["mutates"] is True
+    assert run(api, task, "r1", bash("cat /w/f"))["result"]["stdout"] == "a\nb\n"
+    # r2 skips the inspection: its append and read are r1's, from the cache.
+    run(api, task, "r2", setup)
+    assert run(api, task, "r2", append)["cached"] is True
+    assert run(api, task, "r2", bash("cat /w/f"))["cached"] is True
+    # r3 inspects differently before the append: executed (in a sandbox at r1's setup), read-only.
+    run(api, task, "r3", setup)
+    read = run(api, task, "r3", bash("cat /w/f"))
+    assert (read["cached"], read["mutates"], read["result"]["stdout"]) == (False, False, "a\n")
+    assert run(api, task, "r3", append)["cached"] is True
+    # r3's sandbox is behind by the cached append; its next miss sees the state its history says.
+    fresh = run(api, task, "r3", bash("wc -l < /w/f"))
+    assert (fresh["cached"], fresh["result"]["stdout"]) == (False, "2\n")
+    # A rewrite with the same content is a write: the read after it is not r1's.
+    run(api, task, "r2", bash("echo a > /w/f"))
+    assert run(api, task, "r2", bash("cat /w/f"))["result"]["stdout"] == "a\n"
+
+
 def test_hits_need_no_sandbox(api, docker_task):
     task = docker_task("nosandbox")
     run(api, task, "r1", bash("echo hi"))

@@ -83,7 +83,7 @@ def test_an_idle_rollout_loses_its_sandbox_and_expired_leases_are_released(api, 
     run(api, task, "r", bash("true"))
     row = Sandbox.objects.get(rollout__rollout_id="r")
     Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
-    run(api, task, "other", bash("sleep 1; true"))
+    run(api, task, "other", bash("sleep 1; touch /built"))
     snapshot = Snapshot.objects.get(task_id=task)
     Lease.objects.create(snapshot=snapshot, expires_at=timezone.now() - timedelta(seconds=1))
     reaped = services.sandboxes_reap()

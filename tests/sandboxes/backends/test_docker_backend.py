@@ -84,6 +84,36 @@ def test_fork_and_parent_are_independent(docker_backend, sandbox, test_labels):
     assert bash(second, "cat /root/f; ls /root")["stdout"] == "base\nf\n"
 
 
+def observed(sandbox: DockerSandbox, command: str) -> bool | None:
+    return sandbox.execute_observed("bash", {"command": command})[1]
+
+
+def test_calls_that_change_nothing_are_observed_read_only(sandbox):
+    assert observed(sandbox, "ls /") is False  # the first call too: the session files are as the start left them
+    assert observed(sandbox, "mkdir -p /w && cd /w && echo a > f") is True
+    changes = ["echo a > f",  # the same content again: a write all the same
+               "touch -d 2020-01-01 f", "chmod 600 f", "ln f g", "rm g", "mkdir d", "rmdir d", "rm /bin/arch",
+               "echo 10.0.0.1 x >> /etc/hosts",  # bind-mounted from the host, outside the layer
+               "cd /", "cd /w", "export A=1", "export A=2", "unset A"]
+    for command in changes:
+        assert observed(sandbox, command) is True, command
+    for command in ["cat f", "ls -la /w", "pwd", 'echo "$A"', "A=3", "touch /dev/shm/x; rm /dev/shm/x"]:
+        assert observed(sandbox, command) is False, command
+
+
+def test_a_forks_first_call_is_observed_like_any_other(docker_backend, sandbox, test_labels):
+    bash(sandbox, "mkdir -p /w && cd /w && echo a > f && export B=1")
+    fork = docker_backend.fork(sandbox.snapshot().ref, ENV, labels=test_labels)
+    assert observed(fork, 'cat f; echo "$B"') is False
+    assert observed(fork, "echo b >> f") is True
+
+
+def test_nothing_is_observed_when_switched_off(test_labels, busybox_image):
+    sandbox = make_docker_backend(observe_writes=False).start(ENV, labels=test_labels)
+    assert sandbox.execute_observed("bash", {"command": "true"}) == (
+        {"stdout": "", "stderr": "", "exit_code": 0, "timed_out": False, "truncated": False}, None)
+
+
 def test_snapshot_does_not_disturb_the_running_sandbox(sandbox):
     pid = bash(sandbox, "sleep 300 > /dev/null 2>&1 & echo $!")["stdout"].strip()
     info = sandbox.snapshot()

@@ -105,9 +105,10 @@ class TVCacheClient:
         *,
         rollout_id: str | None = None,
         epoch: int | None = None,
+        mutated: bool | None = None,
     ) -> RecordResult:
         return self._send(
-            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch)
+            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated)
         )
 
     def register_snapshot(
@@ -214,9 +215,10 @@ class AsyncTVCacheClient:
         *,
         rollout_id: str | None = None,
         epoch: int | None = None,
+        mutated: bool | None = None,
     ) -> RecordResult:
         return await self._send(
-            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch)
+            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated)
         )
 
     async def register_snapshot(

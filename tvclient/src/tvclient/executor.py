@@ -92,6 +92,8 @@ class ToolCallExecutor:
 
     @property
     def history(self) -> tuple[Call, ...]:
+        """The history the executor sends: the rollout's calls, less the hits that the service
+        says left the state as it was."""
         return tuple(self._history)
 
     @property
@@ -105,7 +107,7 @@ class ToolCallExecutor:
             self.task_id, self._history, call, rollout_id=self.rollout_id, epoch=self.epoch
         )
         if lookup.hit:
-            self._note_hit(call)
+            self._note_hit(call, lookup.mutates)
             return cast(ToolResult, lookup.result)  # a hit always carries its result
         self.misses += 1
         result = self._resolve_miss(call, lookup)
@@ -123,8 +125,10 @@ class ToolCallExecutor:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _note_hit(self, call: Call) -> None:
+    def _note_hit(self, call: Call, mutates: bool) -> None:
         self.hits += 1
+        if not mutates:  # the state is as it was: later calls are looked up without this one
+            return
         if self._env is not None and self._env.mutates_state(call):
             self._pending.append(len(self._history))
         self._history.append(call)

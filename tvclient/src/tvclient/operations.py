@@ -109,6 +109,7 @@ def record(
     exec_ms: float,
     rollout_id: str | None,
     epoch: int | None,
+    mutated: bool | None = None,
 ) -> Operation[RecordResult]:
     body = _without_none(
         history=history,
@@ -117,6 +118,7 @@ def record(
         exec_ms=exec_ms,
         rollout_id=rollout_id,
         epoch=epoch,
+        mutated=mutated,
     )
     return Operation("POST", f"{_task_path(task_id)}/record", _parse_with(RecordResult), body=body)
 

@@ -47,11 +47,14 @@ class LookupResult:
     matched: int = 0
     resume: Resume | None = None
     replay: tuple[Call, ...] = ()  # every state-changing call of the history, for a fresh sandbox
+    # Hits: False when the call left the state as it was; it need not join the history sent.
+    mutates: bool = True
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LookupResult:
         if data["hit"]:
-            return cls(hit=True, node_id=data["node_id"], result=data["result"])
+            return cls(hit=True, node_id=data["node_id"], result=data["result"],
+                       mutates=bool(data.get("mutates", True)))
         resume = data.get("resume")
         return cls(
             hit=False,
@@ -68,6 +71,7 @@ class RecordResult:
     created: bool
     snapshot: str  # "wanted" | "skipped"
     evicted: tuple[str, ...]  # refs of client-owned snapshots to stop now
+    mutates: bool = True  # the node's: False if the call is recorded as read-only
 
     @property
     def snapshot_wanted(self) -> bool:
@@ -80,6 +84,7 @@ class RecordResult:
             created=bool(data.get("created", False)),
             snapshot=data["snapshot"],
             evicted=tuple(data.get("evicted", ())),
+            mutates=bool(data.get("mutates", True)),
         )
 
 
@@ -106,6 +111,7 @@ class CallResult:
     cached: bool
     node_id: int
     latency_ms: float
+    mutates: bool = True  # the call changed the rollout's state (False: read-only, declared or observed)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallResult:
@@ -114,4 +120,5 @@ class CallResult:
             cached=data["cached"],
             node_id=data["node_id"],
             latency_ms=data["latency_ms"],
+            mutates=bool(data.get("mutates", True)),
         )
