@@ -152,6 +152,10 @@ class MeteredEnvironment(ToolExecutionEnvironment):
         self._ran = True
         return self._timed(self.inner.execute, call)
 
+    def execute_observed(self, call: Call) -> tuple[dict[str, Any], bool | None]:
+        self._ran = True
+        return self._timed(self.inner.execute_observed, call)
+
     def fork(self) -> MeteredEnvironment:
         twin = self._timed(self.inner.fork)
         if self._ran:  # the executor freezing a snapshot of a rollout's env
@@ -204,7 +208,7 @@ class CallSample:
     result: Any = None  # kept only until compared
     started: float = 0.0  # perf_counter at the call's start
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
-    mutates: bool | None = None  # tool-server mode: whether the service says the call changed the state
+    mutates: bool | None = None  # whether the call changed the state, as the service or executor tells
 
 
 @dataclass
@@ -449,13 +453,14 @@ class Replay:
                               epoch=epoch, snapshots=self._snapshots[arm.name]) as executor:
             for position, call in enumerate(calls):
                 _meter.env_ms = _meter.lookup_ms = 0.0
-                hits = executor.hits
+                hits, keyed = executor.hits, len(executor.history)
                 started = time.perf_counter()
                 result = executor.execute(call)
                 latency = (time.perf_counter() - started) * 1000
                 sample = self._sample(task, epoch, index, position, call, latency, executor.hits > hits,
                                       _meter.env_ms, result)
                 sample.lookup_ms = _meter.lookup_ms
+                sample.mutates = len(executor.history) > keyed  # left out of the history: read-only
                 samples.append(sample)
             _meter.env_ms = 0.0
         return samples

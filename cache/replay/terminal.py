@@ -85,8 +85,11 @@ class DockerEnvironment(ToolExecutionEnvironment):
             self._sandbox = self._docker.fork(self._image.ref, self._env, labels=LABELS)
         return self._sandbox
 
-    def execute(self, call: Call) -> dict[str, Any]:
+    def execute(self, call: Call) -> dict[str, Any]:  # the no-cache arm: nothing observed
         return self._running().execute(call["tool"], call["args"])
+
+    def execute_observed(self, call: Call) -> tuple[dict[str, Any], bool | None]:
+        return self._running().execute_observed(call["tool"], call["args"])
 
     def fork(self) -> DockerEnvironment:
         if self._sandbox is None and self._image is not None:

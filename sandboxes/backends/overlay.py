@@ -20,6 +20,8 @@ observed and the declaration stands.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import time
@@ -27,8 +29,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Coarse file times advance once per kernel tick: at most 10 ms (HZ=100).
-_TICK_NS = 10_000_000
+_CLOCK_REALTIME_COARSE = 5  # Linux's clock id
+
+
+def _coarse_tick_ns() -> int:
+    """How often the clock that stamps file times advances (one kernel tick); 10 ms (HZ=100, the
+    longest) if it cannot be read."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        res = (ctypes.c_long * 2)()
+        if libc.clock_getres(_CLOCK_REALTIME_COARSE, res) == 0 and 0 < res[1] <= 10_000_000 and res[0] == 0:
+            return int(res[1])
+    except (OSError, AttributeError, TypeError):
+        pass
+    return 10_000_000
+
+
+_TICK_NS = _coarse_tick_ns()
 _SESSION_DIR = ".tvcache"  # the shell session's state (docker.STATE_DIR), compared by content
 _SESSION_FILES = ("env.sh", "cwd")
 

@@ -44,6 +44,27 @@ def test_in_memory_environment_hits_and_matches_fresh_execution(client):
     store.close()
 
 
+def test_a_write_that_changed_nothing_is_keyed_as_read_only(client):
+    client.put_task("kv-observed", env={"backend": "external", "kv": 2}, tools={"get": {"mutates_state": False}},
+                    sandbox_budget=4)
+    set_a, append = {"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "append", "args": {"key": "a", "value": "2"}}
+    get = {"tool": "get", "args": {"key": "a"}}
+    store = SnapshotStore()
+    # r1 sets `a` twice: the environment sees that the second set changed nothing.
+    first, ex1 = run(client, "kv-observed", InMemoryEnvironment, [set_a, set_a, append, get], rollout_id="r1", epoch=0,
+                     snapshots=store)
+    assert ex1.history == (set_a, append)  # what changed the state
+    # r2 sets it once: its append and get are r1's.
+    second, ex2 = run(client, "kv-observed", InMemoryEnvironment, [set_a, append, get], rollout_id="r2", epoch=0,
+                      snapshots=store)
+    assert (second[-1], ex2.hits) == (first[-1], 3) and first[-1] == {"value": "12"}
+    # r3 repeats r1's: the repeated set is a hit that the service marks read-only.
+    third, ex3 = run(client, "kv-observed", InMemoryEnvironment, [set_a, set_a, get], rollout_id="r3", epoch=0,
+                     snapshots=store)
+    assert (third[-1], ex3.hits, ex3.history) == ({"value": "1"}, 2, (set_a,))
+    store.close()
+
+
 class SlowFolder(FolderEnvironment):
     """Writes take 80 ms, so a two-write setup costs more than a snapshot plus a restore."""
 

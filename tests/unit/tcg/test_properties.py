@@ -21,11 +21,16 @@ calls = st.one_of(
 rollouts = st.lists(st.lists(calls, min_size=1, max_size=8), min_size=1, max_size=10)
 
 
-def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_every: int) -> tuple[int, int]:
-    """Drive rollouts through the graph like a client would; return (cache hits, oracle hits)."""
+def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_every: int,
+                 observe: bool = False) -> tuple[int, int]:
+    """Drive rollouts through the graph like a client would; return (cache hits, oracle hits).
+    With `observe`, a miss reports whether the call changed the state, and the history a rollout
+    sends keeps only the calls that did (a write of the value already there changes nothing).
+    Every answer is checked against a fresh execution of everything the rollout issued."""
     snapshots: dict[int, ToyEnvironment] = {}
     hits = oracle_hits = 0
     for rollout in batch:
+        issued: list[ToolCall] = []
         history: list[ToolCall] = []
         env: ToyEnvironment | None = None
         pending: list[ToolCall] = []
@@ -34,8 +39,9 @@ def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_eve
             answer = graph.lookup(history, call)
             if isinstance(answer, Hit):
                 hits += 1
-                assert answer.result == fresh_result(history, call)
-                if env is not None and POLICY.for_tool(call.tool).mutates_state:
+                assert answer.result == fresh_result(issued, call)
+                changed = answer.mutates
+                if env is not None and changed:
                     pending.append(call)
             else:
                 if env is None:
@@ -44,13 +50,18 @@ def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_eve
                 for replayed in pending:
                     env.execute(replayed)
                 pending = []
+                before = dict(env.state)
                 result = env.execute(call)
-                assert result == fresh_result(history, call)
-                node_id = graph.record(history, call, result)
-                if POLICY.for_tool(call.tool).mutates_state and node_id % snapshot_every == 0:
+                assert result == fresh_result(issued, call)
+                observed = env.state != before if observe else None
+                node_id = graph.record(history, call, result, mutated=observed)
+                changed = POLICY.for_tool(call.tool).mutates_state and observed is not False
+                if changed and node_id % snapshot_every == 0:
                     snapshots[node_id] = env.fork()
                     graph.add_snapshot(node_id, node_id)
-            history.append(call)
+            issued.append(call)
+            if changed or not observe:
+                history.append(call)
     return hits, oracle_hits
 
 
@@ -59,6 +70,14 @@ def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_eve
 def test_every_hit_equals_fresh_execution_and_hits_equal_oracle(batch, snapshot_every):
     graph = ToolCallGraph(env_fingerprint({"toy": 1}), POLICY)
     hits, oracle_hits = run_rollouts(graph, batch, snapshot_every)
+    assert hits == oracle_hits
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=rollouts, snapshot_every=st.integers(min_value=1, max_value=4))
+def test_calls_observed_to_change_nothing_keep_hits_exact(batch, snapshot_every):
+    graph = ToolCallGraph(env_fingerprint({"toy": 1}), POLICY)
+    hits, oracle_hits = run_rollouts(graph, batch, snapshot_every, observe=True)
     assert hits == oracle_hits
 
 

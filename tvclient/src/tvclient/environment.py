@@ -26,6 +26,16 @@ class ToolExecutionEnvironment(ABC):
     def execute(self, call: Call) -> ToolResult:
         """Run one call and return its JSON-serialisable result."""
 
+    def execute_observed(self, call: Call) -> tuple[ToolResult, bool | None]:
+        """`execute`, and whether the call changed the sandbox where the environment can tell.
+
+        Override it when the sandbox can see its own changes (a filesystem diff, a database's
+        change counter): False records the call as read-only, so that later calls of any
+        rollout match without it. None (the default) leaves it to `mutates_state`. Answer False
+        only when nothing at all changed.
+        """
+        return self.execute(call), None
+
     @abstractmethod
     def fork(self) -> ToolExecutionEnvironment:
         """A new, started, independent environment in this one's current state."""

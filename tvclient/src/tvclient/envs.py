@@ -47,6 +47,11 @@ class InMemoryEnvironment(ToolExecutionEnvironment):
         self.executions += 1
         return tools[call["tool"]](**call["args"])
 
+    def execute_observed(self, call: Call) -> tuple[ToolResult, bool | None]:
+        before = dict(self.data)
+        result = self.execute(call)
+        return result, self.data != before
+
     def fork(self) -> InMemoryEnvironment:
         twin = InMemoryEnvironment(self.data)
         twin.start()

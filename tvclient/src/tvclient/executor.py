@@ -110,8 +110,9 @@ class ToolCallExecutor:
             self._note_hit(call, lookup.mutates)
             return cast(ToolResult, lookup.result)  # a hit always carries its result
         self.misses += 1
-        result = self._resolve_miss(call, lookup)
-        self._history.append(call)
+        result, changed = self._resolve_miss(call, lookup)
+        if changed is not False:  # observed to change nothing: the state is as it was
+            self._history.append(call)
         return result
 
     def close(self) -> None:
@@ -133,7 +134,7 @@ class ToolCallExecutor:
             self._pending.append(len(self._history))
         self._history.append(call)
 
-    def _resolve_miss(self, call: Call, lookup: LookupResult) -> ToolResult:
+    def _resolve_miss(self, call: Call, lookup: LookupResult) -> tuple[ToolResult, bool | None]:
         restore_ms: float | None = None
         try:
             if self._env is None:
@@ -143,9 +144,9 @@ class ToolCallExecutor:
             for position in replay:
                 self._run(position, self._history[position])
                 self.replayed += 1
-            result = self._run(len(self._history), call)
+            outcome = self._run(len(self._history), call)
             self.executed += 1
-            return result
+            return outcome
         except BaseException:
             # After a failure the environment's state no longer follows the history; the
             # next miss rebuilds it.
@@ -173,11 +174,12 @@ class ToolCallExecutor:
         self._env = snapshot.fork()
         return _elapsed_ms(started), positions[len(positions) - len(resume.replay) :]
 
-    def _run(self, position: int, call: Call) -> ToolResult:
-        """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
+    def _run(self, position: int, call: Call) -> tuple[ToolResult, bool | None]:
+        """Execute `call` (which follows history[:position]) in the rollout's env and record it.
+        Returns the result and whether the env saw the call change anything (None: unknown)."""
         assert self._env is not None
         started = time.perf_counter()
-        result = self._env.execute(call)
+        result, mutated = self._env.execute_observed(call)
         exec_ms = _elapsed_ms(started)
         recorded = self._client.record(
             self.task_id,
@@ -187,11 +189,12 @@ class ToolCallExecutor:
             exec_ms,
             rollout_id=self.rollout_id,
             epoch=self.epoch,
+            mutated=mutated,
         )
         if recorded.snapshot_wanted:
             self._snapshot(recorded.node_id)
         self._discard(recorded.evicted)
-        return result
+        return result, mutated
 
     def _snapshot(self, node_id: int) -> None:
         assert self._env is not None
