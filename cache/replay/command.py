@@ -66,7 +66,8 @@ class ReplayCommand(BaseCommand):
                 with TimedClient(url, token, timeout=600) as client:
                     replay = Replay(workload, client, ReplayConfig(
                         epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
-                        run_tag=stamp.replace("t", ""), warm_wait_s=options["warm_wait_s"]))
+                        run_tag=stamp.replace("t", ""), warm_wait_s=options["warm_wait_s"],
+                        release_sandboxes=started_here))
                     began = time.perf_counter()
                     replay.run()
                     report = build_report(replay, workload=self.workload_name, config=config, started_at=started_at,

@@ -31,6 +31,7 @@ from tvclient import SnapshotStore, TVCacheClient, ToolCallExecutor, ToolExecuti
 
 from cache.tcg import TaskPolicy, ToolCall, call_digest, next_state_key, root_state_key
 from sandboxes.models import Sandbox
+from sandboxes.services import tasks_release
 
 log = logging.getLogger("tvcache.replay")
 
@@ -277,6 +278,9 @@ class ReplayConfig:
     run_tag: str
     warm_wait_s: float = 5.0
     keep_examples: int = 5
+    # Stop the tool-server arms' sandboxes and free their snapshots at the end: set when the
+    # service was started for the run and goes with it.
+    release_sandboxes: bool = False
 
 
 class Replay:
@@ -315,6 +319,9 @@ class Replay:
         finally:
             for store in self._snapshots.values():
                 store.close()
+            if self.config.release_sandboxes:
+                tasks_release(task_ids=[task_id for arm in self.config.arms if arm.mode == "server"
+                                        for task_id in self.arm_task_ids(arm)])
         return self.runs
 
     # -- setup ----------------------------------------------------------------------------------

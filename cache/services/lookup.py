@@ -1,5 +1,6 @@
-"""Lookup: one indexed read for a hit, one more for the longest-prefix match on a miss,
-whatever the history length. Counters are batched (counters.py).
+"""Lookup: one statement, whatever the history length: the indexed read of the node for a hit,
+and on a miss, in the same round trip, the longest-prefix match over the history's state keys.
+Counters are batched (counters.py).
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ from .counters import counters_add
 from .prepared import prepared_cursor
 from .tasks import TaskHandle, task_handle
 
-# One indexed read: the task's current version (a cached handle may be outdated) and the node
-# under (anchor, digest). Counters go to the in-process buffer (counters.py), not to this query.
-HIT_SQL = """
-SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates
+# The task's current version (a cached handle may be outdated), the node under (anchor, digest)
+# and, only when that is no hit (CASE evaluates the subquery lazily), the history's state-changing
+# nodes that exist, each with its live snapshot if it has one: [[id, state_key, depth, cum_exec_ms,
+# snapshot_id, ref], ...]. Counters go to the in-process buffer (counters.py), not to this query.
+READ_SQL = """
+SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates,
+       CASE WHEN n.id IS NULL OR NOT %(cacheable)s THEN (
+           SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, s.id, s.ref))
+           FROM cache_node w LEFT JOIN cache_snapshot s ON s.node_id = w.id AND s.status = 'live'
+           WHERE w.task_id = t.id AND w.mutates AND w.state_key = ANY(%(keys)s::varchar[])) END
 FROM cache_task t
-LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %s AND n.call_digest = %s
-WHERE t.id = %s
-"""
-
-# The chain's state-changing nodes that exist, each with its live snapshot if it has one.
-LPM_SQL = """
-SELECT n.id, n.state_key, n.depth, n.cum_exec_ms, s.id, s.ref
-FROM cache_node n LEFT JOIN cache_snapshot s ON s.node_id = n.id AND s.status = 'live'
-WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(%s)
+LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
+WHERE t.id = %(task)s
 """
 
 # A lease is only granted on a snapshot that is still live (FOR SHARE orders it against eviction).
@@ -75,7 +75,7 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> Loo
         chain, row = _exact_read(task, context)
     if row is None:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    _, node_id, result_json, exec_ms, mutates = row
+    _, node_id, result_json, exec_ms, mutates, writes = row
     hit = node_id is not None and task.policy.for_tool(context.call.tool).cacheable
     if count:
         lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=hit, seen=node_id is not None,
@@ -83,7 +83,7 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> Loo
     if hit:
         return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms, mutates=mutates)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
-    match = longest_prefix_match(history, existing_writes(task.task_id, history))
+    match = longest_prefix_match(history, _node_refs(writes or ()))
     lease_id = None
     if match.resume is not None:
         lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
@@ -109,8 +109,11 @@ def _exact_read(task: TaskHandle, context: CallContext) -> tuple[StateChain, tup
     task.check_fingerprint(context.env_fingerprint)
     chain = task_chain(task, context)
     last = chain.steps[-1]
+    params = {"task": task.task_id, "anchor": last.anchor, "digest": last.digest,
+              "cacheable": task.policy.for_tool(context.call.tool).cacheable,
+              "keys": [step.state_key for step in chain.steps[:-1] if step.mutates]}
     with prepared_cursor() as cursor:
-        cursor.execute(HIT_SQL, [last.anchor, last.digest, task.task_id])
+        cursor.execute(READ_SQL, params)
         return chain, cursor.fetchone()
 
 
@@ -118,13 +121,7 @@ def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
     return state_chain(task.fingerprint, [*context.history, context.call], task.policy)
 
 
-def existing_writes(task_id: str, chain: StateChain) -> dict[str, NodeRef]:
-    keys = [step.state_key for step in chain.writes]
-    if not keys:
-        return {}
-    with prepared_cursor() as cursor:
-        cursor.execute(LPM_SQL, [task_id, keys])
-        rows = cursor.fetchall()
+def _node_refs(rows) -> dict[str, NodeRef]:
     return {
         state_key: NodeRef(node_id=node_id, state_key=state_key, depth=depth, cum_exec_ms=cum,
                            snapshot_id=snapshot_id, snapshot_ref=ref)

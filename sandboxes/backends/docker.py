@@ -265,32 +265,46 @@ class DockerSandbox(Sandbox):
         self._shell = shell
         self._image_size = image_size  # snapshots report only what the sandbox added to its image
         # One shell session: calls run one at a time, and a snapshot never lands mid-call.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._watch: LayerWatch | None | object = _UNSET
         self._layer: LayerState | None = None  # the layer as the last observed call left it
         self._stopped = False
 
     def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        command, timeout_s = self._parse(tool, args)
+        with self._lock, engine_errors():
+            self._layer = None  # not observed: the next observed call lists the layer before it runs
+            return self._run(command, timeout_s)
+
+    def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
+        """Observed from the container's layer on the host (overlay.py), when it is in reach."""
+        command, timeout_s = self._parse(tool, args)
+        with self._lock:
+            watch = self._layer_watch()
+            try:
+                before = None if watch is None else self._layer or watch.state()
+            except OSError:  # the layer went away (the container is being removed): not observed
+                before = None
+            self._layer = None  # unknown until the call is over
+            if before is not None:
+                watch.settle(before)
+            with engine_errors():
+                result = self._run(command, timeout_s)
+            if before is None:
+                return result, None
+            try:
+                self._layer = watch.state()
+            except OSError:
+                return result, None
+            return result, self._layer.digest != before.digest
+
+    def _parse(self, tool: str, args: Mapping[str, Any]) -> tuple[str, float]:
         self._backend.tool_spec(tool)
         command = require_str(args, "command")
         timeout_s = self._timeout(args)
         if "\x00" in command or len(command.encode("utf-8")) > _MAX_COMMAND_BYTES:
             raise InvalidToolArgs(f"command must be at most {_MAX_COMMAND_BYTES} bytes without NUL characters")
-        with self._lock, engine_errors():
-            return self._run(command, timeout_s)
-
-    def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
-        """Observed from the container's layer on the host (overlay.py), when it is in reach."""
-        with self._lock:
-            watch = self._layer_watch()
-            if watch is None:
-                return self.execute(tool, args), None
-            before = self._layer or watch.state()
-            self._layer = None  # unknown until the call is over
-            watch.settle(before)
-            result = self.execute(tool, args)  # re-entrant lock: the same thread
-            self._layer = watch.state()
-            return result, self._layer.digest != before.digest
+        return command, timeout_s
 
     def _layer_watch(self) -> LayerWatch | None:
         if self._watch is _UNSET:

@@ -2,7 +2,7 @@
 backend interface (`sandboxes.backends.base`), never against one backend."""
 
 from .pools import pool_request, sandbox_acquire, sandbox_stop, sandbox_warm, step_announce
-from .reaper import orphans_reap, sandboxes_reap, snapshots_collect
+from .reaper import orphans_reap, sandboxes_reap, snapshots_collect, tasks_release
 from .toolserver import CallOutcome, rollout_call, rollout_end
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "sandboxes_reap",
     "snapshots_collect",
     "step_announce",
+    "tasks_release",
 ]

@@ -60,6 +60,16 @@ def snapshots_collect() -> dict[str, int]:
     return {"snapshots_freed": freed}
 
 
+def tasks_release(*, task_ids: list[str]) -> dict[str, int]:
+    """Stop the tasks' sandboxes and free their service snapshots' storage; their results stay
+    cached. For a server that stops with its tasks: nothing would reap what its pools keep ready."""
+    stopped = sum(sandbox_stop(sandbox_id=pk) for pk in Sandbox.objects.filter(task_id__in=task_ids)
+                  .exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED]).values_list("pk", flat=True))
+    Snapshot.objects.filter(task_id__in=task_ids, owner=Snapshot.Owner.SERVICE, status=Snapshot.Status.LIVE).update(
+        status=Snapshot.Status.EVICTED, evicted_at=timezone.now())
+    return {"sandboxes": stopped, **snapshots_collect()}
+
+
 def orphans_reap(*, grace_s: float = ORPHAN_GRACE_S) -> dict[str, int]:
     """Remove sandboxes and snapshots labelled as ours that no live row accounts for (a worker
     killed between creating a container and saving its id, a deleted task, ...)."""

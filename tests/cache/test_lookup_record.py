@@ -137,7 +137,7 @@ def test_graph_export_has_parent_edges(api, toy_task):
 def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, django_assert_num_queries, depth):
     history = [call("write", path="f", content=str(i)) for i in range(depth)]
     record(api, toy_task, [], call("warm", up=1), {})  # token verified and backend costs cached
-    with django_assert_num_queries(2):  # hit-or-count (task handle cached, version checked), longest-prefix match
+    with django_assert_num_queries(1):  # one statement: the node, else the longest-prefix match (task handle cached)
         assert lookup(api, toy_task, history, R)["hit"] is False
     with django_assert_num_queries(3):  # task, insert-or-get, evicted refs (no snapshot test for a read)
         record(api, toy_task, history, R, {"output": "x"})

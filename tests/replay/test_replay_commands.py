@@ -12,7 +12,9 @@ from django.conf import settings
 from django.core.management import call_command
 
 from cache.api.auth import token_create
+from cache.models import Task
 from cache.replay.service import service_running
+from sandboxes.services import tasks_release
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -24,6 +26,8 @@ EPOCH_FIELDS = {"calls", "hits", "hit_rate", "latency_ms", "step_s", "slowest_ro
 def service(tmp_path):
     with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, log_dir=tmp_path) as url:
         yield url, token_create(name="replay")
+        # The command got --url, so it leaves the service's sandboxes to the service: stop them here.
+        tasks_release(task_ids=list(Task.objects.values_list("pk", flat=True)))
 
 
 def replay(command: str, service, tmp_path, **options) -> dict:
