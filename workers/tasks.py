@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from cache.services import tables_analyze as analyze
 from sandboxes import services
 
 RETRY = {"autoretry_for": (ConnectionError,), "retry_backoff": True, "max_retries": 5}
@@ -35,3 +36,8 @@ def snapshots_collect() -> dict:
 @shared_task(acks_late=True)
 def orphans_reap() -> dict:
     return services.orphans_reap()
+
+
+@shared_task(acks_late=True)
+def tables_analyze() -> list[str]:
+    return analyze()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -34,7 +35,9 @@ def service_running(*, db: dict, redis_url: str, log_dir: Path | None = None, wo
     if worker and redis_url:
         commands["celery"] = [sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-Q", queue,
                               "--pool", "threads", "--concurrency", "2", "-l", "warning", "--without-heartbeat",
-                              "--without-gossip", "--without-mingle"]
+                              "--without-gossip", "--without-mingle",
+                              # The periodic tasks too (reaping, eviction, table statistics), as deployed.
+                              "-B", "-s", str((log_dir or Path(tempfile.mkdtemp(prefix="tvcache-beat-"))) / "celerybeat-schedule")]
     processes: list[subprocess.Popen] = []
     logs = []
     try:

@@ -24,13 +24,17 @@ from .tasks import TaskHandle, task_handle
 # The task's current version (a cached handle may be outdated), the node under (anchor, digest)
 # and, only when that is no hit (CASE evaluates the subquery lazily), the history's state-changing
 # nodes that exist, each with its live snapshot if it has one: [[id, state_key, depth, cum_exec_ms,
-# snapshot_id, ref], ...]. Counters go to the in-process buffer (counters.py), not to this query.
+# [snapshot_id, ref] or null], ...]. The snapshot is a subquery per node, so that it is an index
+# probe whatever the table statistics say: with none (autovacuum off, a new table) a join scanned
+# every live snapshot per node, 2.4 ms instead of 0.04 ms for 12 nodes and 361 snapshots.
+# Counters go to the in-process buffer (counters.py), not to this query.
 READ_SQL = """
 SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates,
        CASE WHEN n.id IS NULL OR NOT %(cacheable)s THEN (
-           SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, s.id, s.ref))
-           FROM cache_node w LEFT JOIN cache_snapshot s ON s.node_id = w.id AND s.status = 'live'
-           WHERE w.task_id = t.id AND w.mutates AND w.state_key = ANY(%(keys)s::varchar[])) END
+           SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
+               SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
+           FROM cache_node w
+           WHERE w.task_id = t.id AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))) END
 FROM cache_task t
 LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
 WHERE t.id = %(task)s
@@ -111,7 +115,8 @@ def _exact_read(task: TaskHandle, context: CallContext) -> tuple[StateChain, tup
     last = chain.steps[-1]
     params = {"task": task.task_id, "anchor": last.anchor, "digest": last.digest,
               "cacheable": task.policy.for_tool(context.call.tool).cacheable,
-              "keys": [step.state_key for step in chain.steps[:-1] if step.mutates]}
+              # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
+              "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)}
     with prepared_cursor() as cursor:
         cursor.execute(READ_SQL, params)
         return chain, cursor.fetchone()
@@ -124,8 +129,8 @@ def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
 def _node_refs(rows) -> dict[str, NodeRef]:
     return {
         state_key: NodeRef(node_id=node_id, state_key=state_key, depth=depth, cum_exec_ms=cum,
-                           snapshot_id=snapshot_id, snapshot_ref=ref)
-        for node_id, state_key, depth, cum, snapshot_id, ref in rows
+                           snapshot_id=snapshot[0] if snapshot else None, snapshot_ref=snapshot[1] if snapshot else None)
+        for node_id, state_key, depth, cum, snapshot in rows
     }
 
 

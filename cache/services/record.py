@@ -46,10 +46,12 @@ EXISTING_SQL = """SELECT id, cum_exec_ms, false, mutates FROM cache_node
 WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"""
 
 # Replay cost since the nearest live snapshot on the path (the new node's own snapshot included).
+# A subquery per node, not a join: an index probe whatever the statistics say (lookup.py).
 NEAREST_SNAPSHOT_SQL = """
 SELECT coalesce(max(n.cum_exec_ms), 0), bool_or(n.state_key = %s)
-FROM cache_node n JOIN cache_snapshot s ON s.node_id = n.id AND s.status = 'live'
+FROM cache_node n
 WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(%s)
+  AND (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live') IS NOT NULL
 """
 
 

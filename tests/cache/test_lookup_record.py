@@ -145,3 +145,15 @@ def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, dja
         record(api, toy_task, history, call("write", path="g", content="x"), {"ok": True})
     with django_assert_num_queries(1):  # hit with counters
         assert lookup(api, toy_task, history, R, rollout_id="r")["hit"] is True
+
+
+def test_tables_are_analyzed_when_autovacuum_is_off(toy_task):
+    from django.db import connection
+
+    from cache.services import tables_analyze
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        autovacuum = cursor.fetchone()[0]
+    analyzed = tables_analyze()
+    assert ("cache_node" in analyzed) == (autovacuum == "off")
