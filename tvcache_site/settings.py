@@ -158,6 +158,8 @@ TVCACHE = {
     # A bash call that changed nothing in its container (read from the container's layer on the
     # host) counts as read-only in tool-server mode. Off: every bash call changes state.
     "DOCKER_OBSERVE_WRITES": env.bool("TVCACHE_DOCKER_OBSERVE_WRITES", default=True),
+    # ... until the container's layer holds this many files (listing it costs ~10 us per file).
+    "DOCKER_OBSERVE_MAX_ENTRIES": env.int("TVCACHE_DOCKER_OBSERVE_MAX_ENTRIES", default=20_000),
     # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
     "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
     # Tool-server mode: a rollout that misses on a call another rollout is executing in the same

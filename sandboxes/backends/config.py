@@ -25,6 +25,7 @@ class DockerConfig:
     api_pool_size: int = 32
     # Tell read-only bash calls from their container's layer on the host (overlay.py).
     observe_writes: bool = True
+    observe_max_entries: int = 20_000  # past this many files in a sandbox's layer, stop (overlay.py)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from .base import (
     require_str,
 )
 from .config import DockerConfig
-from .overlay import LayerState, LayerWatch
+from .overlay import LayerState, LayerTooLarge, LayerWatch
 
 # Bump when the bash tool's behaviour changes: it is part of the env fingerprint.
 TOOLS_VERSION = 2
@@ -283,6 +283,8 @@ class DockerSandbox(Sandbox):
             watch = self._layer_watch()
             try:
                 before = None if watch is None else self._layer or watch.state()
+            except LayerTooLarge:
+                self._watch = before = None
             except OSError:  # the layer went away (the container is being removed): not observed
                 before = None
             self._layer = None  # unknown until the call is over
@@ -294,6 +296,9 @@ class DockerSandbox(Sandbox):
                 return result, None
             try:
                 self._layer = watch.state()
+            except LayerTooLarge:
+                self._watch = None
+                return result, None
             except OSError:
                 return result, None
             return result, self._layer.digest != before.digest
@@ -310,7 +315,8 @@ class DockerSandbox(Sandbox):
         if self._watch is _UNSET:
             with engine_errors():
                 container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
-            self._watch = LayerWatch.of(container) if self._backend.config.observe_writes else None
+            config = self._backend.config
+            self._watch = LayerWatch.of(container, max_entries=config.observe_max_entries) if config.observe_writes else None
         return self._watch
 
     def _timeout(self, args: Mapping[str, Any]) -> float:

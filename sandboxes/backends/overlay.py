@@ -56,12 +56,19 @@ class LayerState:
     newest_ns: int  # the newest ctime listed
 
 
+class LayerTooLarge(Exception):
+    """The layer holds more entries than a listing per call is worth."""
+
+
 class LayerWatch:
-    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...]):
-        self.upper, self.merged, self.host_files = upper, merged, host_files
+    """Listing a layer costs about 10 us per entry here (0.3 ms for a small one, 14 ms at 2,000
+    changed files, 210 ms at 20,000): past `max_entries` the sandbox is no longer observed."""
+
+    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], max_entries: int):
+        self.upper, self.merged, self.host_files, self.max_entries = upper, merged, host_files, max_entries
 
     @classmethod
-    def of(cls, container: Mapping[str, Any]) -> LayerWatch | None:
+    def of(cls, container: Mapping[str, Any], *, max_entries: int) -> LayerWatch | None:
         """The watch for an inspected container, or None when its layer is out of reach."""
         driver = container.get("GraphDriver") or {}
         data = driver.get("Data") or {}
@@ -71,11 +78,11 @@ class LayerWatch:
         if not (os.access(upper, os.R_OK | os.X_OK) and os.access(os.path.join(merged, _SESSION_DIR), os.R_OK | os.X_OK)):
             return None
         host_files = tuple(p for p in (container.get(k) for k in ("HostsPath", "ResolvConfPath", "HostnamePath")) if p)
-        return cls(upper, merged, host_files)
+        return cls(upper, merged, host_files, max_entries)
 
     def state(self) -> LayerState:
         listing = hashlib.blake2b(digest_size=32)
-        newest = 0
+        newest = listed = 0
         stack = [""]
         while stack:
             relative = stack.pop()
@@ -85,6 +92,9 @@ class LayerWatch:
                 path = f"{relative}/{entry.name}" if relative else entry.name
                 if path == _SESSION_DIR:
                     continue
+                listed += 1
+                if listed > self.max_entries:
+                    raise LayerTooLarge(f"more than {self.max_entries} entries")
                 st = entry.stat(follow_symlinks=False)
                 newest = max(newest, st.st_ctime_ns)
                 listing.update(_line(path, st))

@@ -36,7 +36,8 @@ def sandbox_config() -> SandboxConfig:
         root=Path(conf["SANDBOX_ROOT"]),
         docker=DockerConfig(base_url=conf.get("DOCKER_URL") or None, max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
                             memory_mb=conf["DOCKER_MEMORY_MB"], cpus=conf["DOCKER_CPUS"], pids=conf["DOCKER_PIDS"],
-                            observe_writes=conf["DOCKER_OBSERVE_WRITES"]),
+                            observe_writes=conf["DOCKER_OBSERVE_WRITES"],
+                            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"]),
     )
 
 

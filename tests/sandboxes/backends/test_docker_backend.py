@@ -108,6 +108,13 @@ def test_a_forks_first_call_is_observed_like_any_other(docker_backend, sandbox, 
     assert observed(fork, "echo b >> f") is True
 
 
+def test_a_layer_past_the_cap_is_no_longer_observed(test_labels, busybox_image):
+    sandbox = make_docker_backend(observe_max_entries=50).start(ENV, labels=test_labels)
+    assert observed(sandbox, "ls") is False
+    assert observed(sandbox, "mkdir /many && cd /many && touch $(seq 60)") is None
+    assert observed(sandbox, "ls") is None
+
+
 def test_nothing_is_observed_when_switched_off(test_labels, busybox_image):
     sandbox = make_docker_backend(observe_writes=False).start(ENV, labels=test_labels)
     assert sandbox.execute_observed("bash", {"command": "true"}) == (
