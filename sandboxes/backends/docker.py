@@ -280,28 +280,30 @@ class DockerSandbox(Sandbox):
         """Observed from the container's layer on the host (overlay.py), when it is in reach."""
         command, timeout_s = self._parse(tool, args)
         with self._lock:
-            watch = self._layer_watch()
-            try:
-                before = None if watch is None else self._layer or watch.state()
-            except LayerTooLarge:
-                self._watch = before = None
-            except OSError:  # the layer went away (the container is being removed): not observed
-                before = None
+            before = self._layer or self._layer_state()
             self._layer = None  # unknown until the call is over
             if before is not None:
-                watch.settle(before)
+                LayerWatch.settle(before)
             with engine_errors():
                 result = self._run(command, timeout_s)
             if before is None:
                 return result, None
-            try:
-                self._layer = watch.state()
-            except LayerTooLarge:
-                self._watch = None
-                return result, None
-            except OSError:
-                return result, None
-            return result, self._layer.digest != before.digest
+            self._layer = self._layer_state()
+            return result, None if self._layer is None else self._layer.digest != before.digest
+
+    def _layer_state(self) -> LayerState | None:
+        """The layer as it is now; None when it is not observed: out of reach, gone (the container
+        is being removed), or too large to list per call (then never again)."""
+        watch = self._layer_watch()
+        if watch is None:
+            return None
+        try:
+            return watch.state()
+        except LayerTooLarge:
+            self._watch = None
+        except OSError:
+            pass
+        return None
 
     def _parse(self, tool: str, args: Mapping[str, Any]) -> tuple[str, float]:
         self._backend.tool_spec(tool)
@@ -313,10 +315,13 @@ class DockerSandbox(Sandbox):
 
     def _layer_watch(self) -> LayerWatch | None:
         if self._watch is _UNSET:
+            config = self._backend.config
+            if not config.observe_writes:
+                self._watch = None
+                return None
             with engine_errors():
                 container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
-            config = self._backend.config
-            self._watch = LayerWatch.of(container, max_entries=config.observe_max_entries) if config.observe_writes else None
+            self._watch = LayerWatch.of(container, max_entries=config.observe_max_entries)
         return self._watch
 
     def _timeout(self, args: Mapping[str, Any]) -> float:
