@@ -62,6 +62,14 @@ def test_folder_tools(folder, tmp_path):
     assert folder.mutates_state(call("write_file", path="x", content=""))
 
 
+def test_folder_observes_a_write_of_the_same_content_as_no_change(folder):
+    same = folder.execute_observed(call("write_file", path="src/main.py", content="print(1)\n"))
+    assert same == ({"output": "wrote 9 characters to src/main.py", "ok": True}, False)
+    assert folder.execute_observed(call("write_file", path="src/main.py", content="print(2)\n"))[1] is None
+    assert folder.execute_observed(call("write_file", path="new.txt", content=""))[1] is None  # a new file
+    assert folder.execute_observed(call("read_file", path="new.txt"))[1] is None  # declared read-only
+
+
 def test_folder_failure_output_does_not_depend_on_where_the_folder_is(folder):
     answer = folder.execute(call("read_file", path="missing.txt"))
 

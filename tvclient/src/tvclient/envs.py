@@ -130,6 +130,17 @@ class FolderEnvironment(ToolExecutionEnvironment):
             # sandbox to sandbox and would make equal calls answer differently.
             return {"output": f"{args['path']}: {exc.strerror}", "ok": False}
 
+    def execute_observed(self, call: Call) -> tuple[ToolResult, bool | None]:
+        """The tools see names and contents only: a write of the content a file already has
+        changes nothing. Anything else is left to the declarations (a new file, a failed write
+        that may have made its folders)."""
+        target = self._inside(call["args"].get("path", "")) if call["tool"] == "write_file" else None
+        before = _read_bytes(target)
+        result = self.execute(call)
+        if before is not None and _read_bytes(target) == before:
+            return result, False
+        return result, None
+
     def fork(self) -> FolderEnvironment:
         assert self.path is not None
         twin = type(self)(self._seed_files, self._root)
@@ -169,3 +180,10 @@ class FolderEnvironment(ToolExecutionEnvironment):
             f"{entry.name}/" if entry.is_dir() else entry.name for entry in target.iterdir()
         )
         return {"output": "\n".join(entries), "ok": True}
+
+
+def _read_bytes(target: Path | None) -> bytes | None:
+    try:
+        return target.read_bytes() if target is not None and target.is_file() else None
+    except OSError:
+        return None
