@@ -189,7 +189,7 @@ def call_keys(task: ReplayTask, samples: list[CallSample], calls: list[Call]) ->
         digest = call_digest(tool_call)
         tool = policy.for_tool(tool_call.tool)
         keys.append((state, digest) if tool.cacheable else None)
-        if tool.mutates_state and sample.mutates is not False:
+        if tool.changes_state(sample.mutates):
             state = next_state_key(state, digest)
     return keys
 

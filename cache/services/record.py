@@ -75,17 +75,16 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
                               details={"limit": limit, "size": len(result_json)})
     chain = task_chain(task, context)
     last = chain.steps[-1]
-    writes = chain.writes[:-1] if last.mutates else chain.writes  # the history's
     # A call of a state-changing tool that was observed to change nothing is stored read-only:
     # the state after it is the state before it, and later calls hang where they would without it.
-    mutates = last.mutates and record.mutated is not False
+    mutates = task.policy.for_tool(last.call.tool).changes_state(record.mutated)
     params = {
         "task": task.task_id,
         "parent_key": last.anchor,
         "anchor": last.anchor,
         "digest": last.digest,
         "state_key": last.state_key if mutates else last.anchor,
-        "depth": len(writes) + 1,
+        "depth": len(chain.writes) + (0 if last.mutates else 1),  # the history's writes + 1
         "tool": last.call.tool,
         "call": canonical_call(last.call).decode(),
         "mutates": mutates,
@@ -109,8 +108,7 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.
         if created and mutates and task.sandbox_budget > 0:
-            cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id,
-                                                  [step.state_key for step in (*writes, last)]])
+            cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id, [step.state_key for step in chain.writes]])
             nearest_cum, has_own = cursor.fetchone()
             wanted = not has_own and snapshot_wanted(
                 mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend)

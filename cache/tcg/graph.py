@@ -69,7 +69,7 @@ class ToolCallGraph:
         last = chain.steps[-1]
         key = (last.anchor, last.digest)
         if key not in self._nodes:
-            mutates = last.mutates and mutated is not False
+            mutates = self.policy.for_tool(call.tool).changes_state(mutated)
             depth = len(chain.writes) + (0 if last.mutates else 1)
             node = _Node(len(self._nodes) + 1, last.state_key if mutates else last.anchor, depth, result, mutates)
             self._nodes[key] = node

@@ -11,6 +11,11 @@ class ToolPolicy:
     mutates_state: bool = True
     cacheable: bool = True
 
+    def changes_state(self, observed: bool | None = None) -> bool:
+        """Whether a call of this tool changed the state: as declared, unless its sandbox observed
+        that it changed nothing (`observed` False; None: not observed)."""
+        return self.mutates_state and observed is not False
+
 
 DEFAULT_TOOL_POLICY = ToolPolicy()
 

@@ -71,6 +71,7 @@ _UNSET = object()
 _ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 STATE_DIR = "/.tvcache"
+_SESSION_FILES = ("env.sh", "cwd")  # what calls keep of the shell session; `pid` is only the running call's
 # Run once in a fresh sandbox: seed the session state from the image's environment and working
 # directory, and say whether bash exists (the busybox image only has ash).
 # The variables are exported in the calls' shell's own syntax, so a first call changes nothing.
@@ -321,7 +322,8 @@ class DockerSandbox(Sandbox):
                 return None
             with engine_errors():
                 container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
-            self._watch = LayerWatch.of(container, max_entries=config.observe_max_entries)
+            self._watch = LayerWatch.of(container, session=(STATE_DIR.lstrip("/"), _SESSION_FILES),
+                                        max_entries=config.observe_max_entries)
         return self._watch
 
     def _timeout(self, args: Mapping[str, Any]) -> float:

@@ -46,8 +46,6 @@ def _coarse_tick_ns() -> int:
 
 
 _TICK_NS = _coarse_tick_ns()
-_SESSION_DIR = ".tvcache"  # the shell session's state (docker.STATE_DIR), compared by content
-_SESSION_FILES = ("env.sh", "cwd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,21 +62,26 @@ class LayerWatch:
     """Listing a layer costs about 10 us per entry here (0.3 ms for a small one, 14 ms at 2,000
     changed files, 210 ms at 20,000): past `max_entries` the sandbox is no longer observed."""
 
-    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], max_entries: int):
+    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], session: tuple[str, tuple[str, ...]],
+                 max_entries: int):
         self.upper, self.merged, self.host_files, self.max_entries = upper, merged, host_files, max_entries
+        self.session_dir, self.session_files = session
 
     @classmethod
-    def of(cls, container: Mapping[str, Any], *, max_entries: int) -> LayerWatch | None:
-        """The watch for an inspected container, or None when its layer is out of reach."""
+    def of(cls, container: Mapping[str, Any], *, session: tuple[str, tuple[str, ...]],
+           max_entries: int) -> LayerWatch | None:
+        """The watch for an inspected container, or None when its layer is out of reach.
+        `session`: the folder of the shell session's state (relative to the container's root),
+        left out of the listing, and its files that are compared by content."""
         driver = container.get("GraphDriver") or {}
         data = driver.get("Data") or {}
         upper, merged = data.get("UpperDir"), data.get("MergedDir")
         if driver.get("Name") != "overlay2" or not upper or not merged:
             return None
-        if not (os.access(upper, os.R_OK | os.X_OK) and os.access(os.path.join(merged, _SESSION_DIR), os.R_OK | os.X_OK)):
+        if not (os.access(upper, os.R_OK | os.X_OK) and os.access(os.path.join(merged, session[0]), os.R_OK | os.X_OK)):
             return None
         host_files = tuple(p for p in (container.get(k) for k in ("HostsPath", "ResolvConfPath", "HostnamePath")) if p)
-        return cls(upper, merged, host_files, max_entries)
+        return cls(upper, merged, host_files, session, max_entries)
 
     def state(self) -> LayerState:
         listing = hashlib.blake2b(digest_size=32)
@@ -90,7 +93,7 @@ class LayerWatch:
                 found = sorted(entries, key=lambda entry: entry.name)
             for entry in found:
                 path = f"{relative}/{entry.name}" if relative else entry.name
-                if path == _SESSION_DIR:
+                if path == self.session_dir:
                     continue
                 listed += 1
                 if listed > self.max_entries:
@@ -104,8 +107,8 @@ class LayerWatch:
             st = os.stat(path)
             newest = max(newest, st.st_ctime_ns)
             listing.update(_line(path, st))
-        for name in _SESSION_FILES:
-            with open(os.path.join(self.merged, _SESSION_DIR, name), "rb") as f:
+        for name in self.session_files:
+            with open(os.path.join(self.merged, self.session_dir, name), "rb") as f:
                 listing.update(name.encode() + b"\0" + f.read() + b"\0")
         return LayerState(listing.digest(), newest)
 

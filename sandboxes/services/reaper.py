@@ -8,11 +8,12 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from cache.models import Lease, Snapshot
-from cache.services import task_enforce_budget
+from cache.services import snapshot_evict, task_enforce_budget
 from sandboxes.backends import BACKEND_NAMES
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
@@ -65,8 +66,10 @@ def tasks_release(*, task_ids: list[str]) -> dict[str, int]:
     cached. For a server that stops with its tasks: nothing would reap what its pools keep ready."""
     stopped = sum(sandbox_stop(sandbox_id=pk) for pk in Sandbox.objects.filter(task_id__in=task_ids)
                   .exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED]).values_list("pk", flat=True))
-    Snapshot.objects.filter(task_id__in=task_ids, owner=Snapshot.Owner.SERVICE, status=Snapshot.Status.LIVE).update(
-        status=Snapshot.Status.EVICTED, evicted_at=timezone.now())
+    with transaction.atomic():
+        for snapshot in Snapshot.objects.select_for_update().filter(
+                task_id__in=task_ids, owner=Snapshot.Owner.SERVICE, status=Snapshot.Status.LIVE):
+            snapshot_evict(snapshot=snapshot)
     return {"sandboxes": stopped, **snapshots_collect()}
 
 

@@ -223,7 +223,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) 
         raise as_application_error(exc) from None
     try:
         node_id, snapshot_wanted = None, False
-        mutates = run.policy.for_tool(context.call.tool).mutates_state and observed is not False
+        mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
         if not (result.get("timed_out") and not settings.TVCACHE["CACHE_TIMEOUTS"]):
             outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed))
             node_id, snapshot_wanted = outcome.node_id, outcome.snapshot_wanted

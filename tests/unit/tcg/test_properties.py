@@ -55,7 +55,7 @@ def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_eve
                 assert result == fresh_result(issued, call)
                 observed = env.state != before if observe else None
                 node_id = graph.record(history, call, result, mutated=observed)
-                changed = POLICY.for_tool(call.tool).mutates_state and observed is not False
+                changed = POLICY.for_tool(call.tool).changes_state(observed)
                 if changed and node_id % snapshot_every == 0:
                     snapshots[node_id] = env.fork()
                     graph.add_snapshot(node_id, node_id)
