@@ -41,7 +41,7 @@ class StepSerializer(serializers.Serializer):
     summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)"))
 class RolloutCallView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls"
-    long_running = True  # a miss executes the tool
+    lane = "tool"  # a miss executes the tool
 
     @staticmethod
     def answer(*, task_id: str, rollout_id: str, payload) -> bytes:

@@ -17,6 +17,7 @@ from dashboard.routing import websocket_application  # noqa: E402
 from sandboxes.api import RolloutCallView  # noqa: E402
 
 http_application = HotPathASGI(django_asgi, [LookupView, RecordView, RolloutCallView],
-                               threads=settings.TVCACHE["HOT_PATH_THREADS"],
-                               long_threads=settings.TVCACHE["TOOLSERVER_THREADS"])
+                               threads={"read": settings.TVCACHE["HOT_PATH_THREADS"],
+                                        "write": settings.TVCACHE["RECORD_THREADS"],
+                                        "tool": settings.TVCACHE["TOOLSERVER_THREADS"]})
 application = ProtocolTypeRouter({"http": http_application, "websocket": websocket_application})

@@ -141,10 +141,14 @@ TVCACHE = {
     # Lookup counters are written in batches this often by a thread per process; 0 = only when
     # stats are read (the tests use that: everything they count is flushed before it is read).
     "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.25),
-    # Threads per ASGI process that answer lookups and records. One: more threads per process
-    # fight over the GIL (bench_lookup: 2 processes x 4 threads saturated at 585 lookups/s; 3 x 1
-    # served 1,024/s at P95 7 ms); run more processes instead.
+    # Threads per ASGI process that answer lookups. One: more threads per process fight over the
+    # GIL (bench_lookup: 2 processes x 4 threads saturated at 585 lookups/s; 3 x 1 served 1,024/s
+    # at P95 7 ms); run more processes instead.
     "HOT_PATH_THREADS": env.int("TVCACHE_HOT_PATH_THREADS", default=1),
+    # Threads per ASGI process that answer records, apart from lookups: a record mostly waits for
+    # its commit to reach the disk, and a lookup queued behind it waited as long (sql replay, 8
+    # rollouts in flight: lookup P95 14 to 33 ms on one shared thread).
+    "RECORD_THREADS": env.int("TVCACHE_RECORD_THREADS", default=2),
     # Threads per ASGI process for tool-server calls: the calls of this many rollouts run at once
     # (each holds a database connection while it runs: keep DB_POOL_SIZE above it).
     "TOOLSERVER_THREADS": env.int("TVCACHE_TOOLSERVER_THREADS", default=12),

@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Literal
 from http import HTTPStatus
 
 import orjson
@@ -47,6 +48,7 @@ log = logging.getLogger("tvcache.api")
 # An endpoint's work once the request is authenticated and parsed: JSON body out, or an
 # ApplicationError with its status and code.
 Answer = Callable[..., bytes]
+Lane = Literal["read", "write", "tool"]
 
 
 def json_response(payload: bytes, status: int = 200) -> HttpResponse:
@@ -79,15 +81,16 @@ def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: s
 
 # A POST endpoint whose work is `answer(*, <path arguments>, payload) -> bytes`, a staticmethod
 # that the front doors call too, for requests to `route` ("/api/v1/tasks/{task_id}/lookup": the
-# URL's pattern, arguments in braces). `long_running` answers (tool-server calls, which execute
-# tools) run on threads of their own and give their connection back after each request.
+# URL's pattern, arguments in braces). Under ASGI each `lane` has threads of its own: a lookup
+# ("read") never queues behind a record waiting for its commit ("write"), and neither behind a
+# tool-server call ("tool"), which executes tools and gives its connection back after each request.
 # Subclasses document `post` with extend_schema_view. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as the operation's description.)
 class LeanPostView(APIView):
 
     answer: Answer
     route: str
-    long_running = False
+    lane: Lane = "read"
 
     def dispatch(self, request, *args, **kwargs):
         if request.method != "POST":
@@ -193,7 +196,8 @@ class HotPath:
                 read_body: Callable[[], bytes], request: Callable[[], object]) -> tuple[int, list[tuple[str, str]], bytes]:
         """Status, headers and body; `request` builds a Django request for the 500 path."""
         db = connections[DEFAULT_DB_ALIAS]
-        _check_connection(db, keep=not view.long_running)
+        keep = view.lane != "tool"
+        _check_connection(db, keep=keep)
         try:
             status, body = lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
                                        read_body=read_body)
@@ -206,7 +210,7 @@ class HotPath:
             headers = [(k, v) for k, v in response.items() if k.lower() != "content-length"]
             headers.append(("Content-Length", str(len(body))))
         finally:
-            _check_connection(db, keep=not view.long_running)
+            _check_connection(db, keep=keep)
         return status, headers + self.headers, body
 
 
@@ -244,15 +248,16 @@ class HotPathApplication:
 
 class HotPathASGI:
     """ASGI application: the same requests answered by `HotPath` on threads of its own (no thread
-    per request, no hop through sync middleware), the rest by `inner`. Lookups and records go to
-    `threads` threads that keep their connections; long-running answers to `long_threads` others,
-    so a tool that runs for minutes never holds up a lookup. The body is read on the event loop."""
+    per request, no hop through sync middleware), the rest by `inner`. Each lane has its threads
+    (`threads`: lane -> count), which keep their connections but for the "tool" lane's; so a
+    lookup never waits for a record's commit nor for a tool that runs for minutes. The body is
+    read on the event loop."""
 
-    def __init__(self, inner, views: list[type[LeanPostView]], *, threads: int, long_threads: int):
+    def __init__(self, inner, views: list[type[LeanPostView]], *, threads: dict[Lane, int]):
         self.inner = inner
         self.hot = HotPath(views)
-        self.executors = {False: ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tvcache-hot"),
-                          True: ThreadPoolExecutor(max_workers=long_threads, thread_name_prefix="tvcache-long")}
+        self.executors = {lane: ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"tvcache-{lane}")
+                          for lane, count in threads.items()}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -280,7 +285,7 @@ class HotPathASGI:
             return body
 
         status, response_headers, content = await asyncio.get_running_loop().run_in_executor(
-            self.executors[view.long_running], partial(self.hot.respond, view, path_kwargs=path_kwargs,
+            self.executors[view.lane], partial(self.hot.respond, view, path_kwargs=path_kwargs,
                                    authorization=headers.get(b"authorization", b"").decode("latin-1"),
                                    read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b""))))
         await send({"type": "http.response.start", "status": status,

@@ -90,6 +90,7 @@ class LookupView(LeanPostView):
                                         summary="Record a call's result (idempotent)"))
 class RecordView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/record"
+    lane = "write"
 
     @staticmethod
     def answer(*, task_id: str, payload) -> bytes:

@@ -97,7 +97,7 @@ def door(request):
     made = []
 
     def make(views):
-        made.append(HotPathASGI(asgi_module.django_asgi, views, threads=1, long_threads=1))
+        made.append(HotPathASGI(asgi_module.django_asgi, views, threads={"read": 1, "write": 1, "tool": 1}))
         return made[-1]
 
     yield asgi, make([LookupView, RecordView, RolloutCallView]), asgi_module.django_asgi, make

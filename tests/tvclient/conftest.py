@@ -1,9 +1,9 @@
-import httpx
 import pytest
 
 from tvclient import TVCacheClient
 
 from .fake_service import FakeService
+from .loopback import served
 
 
 @pytest.fixture
@@ -13,7 +13,5 @@ def service() -> FakeService:
 
 @pytest.fixture
 def client(service: FakeService):
-    with TVCacheClient(
-        "http://tvcache.test", "secret", transport=httpx.MockTransport(service.handle)
-    ) as client:
+    with served(service.handle) as url, TVCacheClient(url, "secret") as client:
         yield client

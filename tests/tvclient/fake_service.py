@@ -1,4 +1,5 @@
-"""A scripted stand-in for the remote tvcache service, served through httpx.MockTransport.
+"""A scripted stand-in for the remote tvcache service: an httpx-style handler, served on a
+loopback port for the sync client (loopback.served) and through httpx.MockTransport for the async one.
 
 Each test scripts the answers it needs per route; record, snapshot registration and lease
 release have defaults that a real service could give. Every request is kept for assertions.

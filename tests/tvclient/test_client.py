@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -14,6 +15,7 @@ from tvclient import (
 )
 
 from .fake_service import call
+from .loopback import served
 
 BASE = "http://tvcache.test"
 
@@ -34,8 +36,10 @@ class Server:
         return httpx.Response(self.status, json=self.body)
 
 
-def sync_client(server) -> TVCacheClient:
-    return TVCacheClient(BASE, "secret", transport=httpx.MockTransport(server))
+@contextlib.contextmanager
+def sync_client(server):
+    with served(server) as url, TVCacheClient(url, "secret") as client:
+        yield client
 
 
 def test_put_task_sends_the_task_with_the_token():
@@ -148,10 +152,10 @@ def test_gateway_page_becomes_unavailable():
 
 
 def test_unreachable_service_is_unavailable():
-    def refuse(request):
-        raise httpx.ConnectError("connection refused", request=request)
+    with served(Server()) as url:
+        pass  # the port is closed again: connections to it are refused
 
-    with TVCacheClient(BASE, "secret", transport=httpx.MockTransport(refuse)) as client:
+    with TVCacheClient(url, "secret") as client:
         with pytest.raises(TVCacheUnavailable) as raised:
             client.pools()
 

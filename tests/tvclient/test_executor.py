@@ -1,7 +1,6 @@
 import asyncio
 import logging
 
-import httpx
 import pytest
 
 from tvclient import (
@@ -15,6 +14,7 @@ from tvclient import (
 )
 
 from .fake_service import call, hit, miss, resume
+from .loopback import served
 
 TASK = "task-1"
 
@@ -266,8 +266,7 @@ def test_async_executor_runs_the_same_protocol(service):
     service.script("lookup", miss(replay=[set_a], matched=1))
 
     async def rollout():
-        transport = httpx.MockTransport(service.handle)
-        with TVCacheClient("http://tvcache.test", "secret", transport=transport) as client:
+        with served(service.handle) as url, TVCacheClient(url, "secret") as client:
             async with AsyncToolCallExecutor(client, TASK, factory) as executor:
                 first = await executor.execute(set_a)
                 second = await executor.execute(call("get", key="a"))

@@ -12,6 +12,7 @@ import httpx
 
 from . import operations
 from .operations import Operation
+from .transport import Connections, Reply, TransportFailure
 from .results import (
     Call,
     CallResult,
@@ -26,12 +27,8 @@ T = TypeVar("T")
 Tools = Mapping[str, Mapping[str, bool]]  # {name: {"mutates_state": bool, "cacheable": bool}}
 
 
-def _http_options(base_url: str, token: str, timeout: float) -> dict[str, Any]:
-    return {
-        "base_url": base_url,
-        "headers": {"Authorization": f"Token {token}", "Accept": "application/json"},
-        "timeout": httpx.Timeout(timeout),
-    }
+def _headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Token {token}", "Accept": "application/json"}
 
 
 def _request(operation: Operation[Any]) -> dict[str, Any]:
@@ -44,21 +41,20 @@ def _request(operation: Operation[Any]) -> dict[str, Any]:
 
 
 class TVCacheClient:
-    def __init__(
-        self,
-        base_url: str,
-        token: str,
-        timeout: float = 30.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self._http = httpx.Client(**_http_options(base_url, token, timeout), transport=transport)
+    """The REST API over keep-alive connections, one per calling thread (tvclient.transport):
+    share one client between the rollouts of a process."""
+
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+        self._http = Connections(base_url, _headers(token), timeout)
 
     def _send(self, operation: Operation[T]) -> T:
         try:
-            response = self._http.request(**_request(operation))
-        except httpx.TransportError as exc:
+            reply = self._http.request(
+                operation.method, operation.path, operation.body, operation.params
+            )
+        except TransportFailure as exc:
             raise operations.unavailable(operation, exc) from exc
-        return operations.read_response(operation, response)
+        return operations.read_response(operation, reply)
 
     def close(self) -> None:
         self._http.close()
@@ -160,7 +156,10 @@ class AsyncTVCacheClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._http = httpx.AsyncClient(
-            **_http_options(base_url, token, timeout), transport=transport
+            base_url=base_url,
+            headers=_headers(token),
+            timeout=httpx.Timeout(timeout),
+            transport=transport,
         )
 
     async def _send(self, operation: Operation[T]) -> T:
@@ -168,7 +167,8 @@ class AsyncTVCacheClient:
             response = await self._http.request(**_request(operation))
         except httpx.TransportError as exc:
             raise operations.unavailable(operation, exc) from exc
-        return operations.read_response(operation, response)
+        reply = Reply(response.status_code, response.content, response.reason_phrase)
+        return operations.read_response(operation, reply)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -5,11 +5,10 @@ The clients only move an `Operation` over HTTP; everything about the REST contra
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Mapping, TypeVar
 from urllib.parse import quote
-
-import httpx
 
 from .errors import TVCacheError, TVCacheUnavailable
 from .results import (
@@ -20,6 +19,7 @@ from .results import (
     SnapshotRegistration,
     ToolResult,
 )
+from .transport import Reply
 
 T = TypeVar("T")
 
@@ -172,36 +172,38 @@ def pools() -> Operation[dict[str, Any]]:
     return Operation("GET", f"{API}/pools", _object)
 
 
-def read_response(operation: Operation[T], response: httpx.Response) -> T:
+def read_response(operation: Operation[T], reply: Reply) -> T:
     """The operation's typed answer, or the service's error raised as a TVCacheError."""
-    if response.is_error:
-        raise error_from_response(response)
+    if reply.status >= 400:
+        raise error_from_response(reply)
     try:
-        payload = response.json() if response.content else None
+        payload = json.loads(reply.content) if reply.content else None
         return operation.parse(payload)
     except (KeyError, TypeError, ValueError) as exc:
         raise TVCacheError(
-            response.status_code,
+            reply.status,
             "bad_response",
             f"unexpected answer to {operation.method} {operation.path}: {exc!r}",
-            response.text[:2000],
+            _text(reply)[:2000],
         ) from exc
 
 
-def error_from_response(response: httpx.Response) -> TVCacheError:
-    error_type = TVCacheUnavailable if response.status_code in GATEWAY_DOWN else TVCacheError
+def error_from_response(reply: Reply) -> TVCacheError:
+    error_type = TVCacheUnavailable if reply.status in GATEWAY_DOWN else TVCacheError
     try:
-        error = response.json()["error"]
-        return error_type(
-            response.status_code, str(error["code"]), str(error["message"]), error.get("details")
-        )
+        error = json.loads(reply.content)["error"]
+        return error_type(reply.status, str(error["code"]), str(error["message"]), error.get("details"))
     except (KeyError, TypeError, ValueError):
         # Not the service's error JSON: a proxy's page or a crash before the error handler ran.
-        message = response.text[:500] or response.reason_phrase
-        return error_type(response.status_code, f"http_{response.status_code}", message)
+        message = _text(reply)[:500] or reply.reason
+        return error_type(reply.status, f"http_{reply.status}", message)
 
 
-def unavailable(operation: Operation[Any], exc: httpx.TransportError) -> TVCacheUnavailable:
+def _text(reply: Reply) -> str:
+    return reply.content.decode("utf-8", errors="replace")
+
+
+def unavailable(operation: Operation[Any], exc: Exception) -> TVCacheUnavailable:
     return TVCacheUnavailable(
         None,
         "unavailable",
