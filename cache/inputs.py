@@ -78,6 +78,15 @@ def parse_call_context(data: Any) -> CallContext:
     )
 
 
+def parse_claim(data: dict, context: CallContext) -> bool:
+    """A lookup's "claim" flag (client-mode single flight); a claim is held by a rollout."""
+    claim = _optional(data, "claim", bool, False)
+    if claim and not context.rollout_id:
+        raise InvalidInput("'claim' needs a 'rollout_id': a claim is held by a rollout.", code="invalid_payload",
+                           details={"field": "rollout_id"})
+    return claim
+
+
 @dataclass(frozen=True, slots=True)
 class RecordInput:
     context: CallContext

@@ -100,6 +100,23 @@ class Lease(models.Model):
         indexes = [models.Index(fields=["snapshot"], condition=Q(released_at__isnull=True), name="lease_open")]
 
 
+class Claim(models.Model):
+    """A rollout executing a call it missed on (client-mode single flight): other rollouts that
+    miss on the same call in the same state wait for its record instead of executing it too.
+    Ephemeral: the table is UNLOGGED (no WAL, emptied by a crash), a record deletes the claim on
+    its node, and a claim its holder never recorded lapses at `expires_at`. No foreign key: an
+    unlogged table may not be referenced, and a claim outlives nothing it names."""
+
+    task_id = models.CharField(max_length=200)
+    anchor_key = models.CharField(max_length=64)
+    call_digest = models.CharField(max_length=64)
+    holder = models.CharField(max_length=200)  # the rollout id
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task_id", "anchor_key", "call_digest"], name="claim_key")]
+
+
 class BackendCost(models.Model):
     """Moving averages of snapshot and restore costs per backend (selective snapshotting)."""
 

@@ -130,6 +130,7 @@ CELERY_BEAT_SCHEDULE = {
     "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect", "schedule": 30.0},
     "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": 300.0},
     "analyze-tables": {"task": "workers.tasks.tables_analyze", "schedule": 60.0},  # if autovacuum is off
+    "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 300.0},
 }
 
 # tvcache limits and policy
@@ -169,6 +170,10 @@ TVCACHE = {
     # Tool-server mode: a rollout that misses on a call another rollout is executing in the same
     # state waits for that result at most this long, then executes it too.
     "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),
+    # Client mode: a rollout that misses with "claim": true executes the call while the others
+    # that miss on it in the same state wait for its record; a claim never recorded (the
+    # execution failed, the trainer died) lapses after this long and the next rollout executes.
+    "CLAIM_TTL_S": env.float("TVCACHE_CLAIM_TTL_S", default=60.0),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),
     # Ready pre-forks kept per task (idle containers cost memory), and how long a ready sandbox

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from cache.services import tables_analyze as analyze
+from cache import services as cache_services
 from sandboxes import services
 
 RETRY = {"autoretry_for": (ConnectionError,), "retry_backoff": True, "max_retries": 5}
@@ -40,4 +40,9 @@ def orphans_reap() -> dict:
 
 @shared_task(acks_late=True)
 def tables_analyze() -> list[str]:
-    return analyze()
+    return cache_services.tables_analyze()
+
+
+@shared_task(acks_late=True)
+def claims_clear() -> int:
+    return cache_services.claims_clear()

@@ -29,12 +29,21 @@ class TaskSerializer(serializers.Serializer):
     updated_at = serializers.DateTimeField()
 
 
-class LookupSerializer(serializers.Serializer):
+class CallContextSerializer(serializers.Serializer):
     history = ToolCallSerializer(many=True)
     call = ToolCallSerializer()
     rollout_id = serializers.CharField(required=False)
     epoch = serializers.IntegerField(required=False)
     env_fingerprint = serializers.CharField(required=False, help_text="Refuse (409 env_changed) if the task's environment changed.")
+
+
+class LookupSerializer(CallContextSerializer):
+    claim = serializers.BooleanField(required=False, default=False, help_text=(
+        "Client-mode single flight (needs rollout_id): on a miss of a cacheable call, take the call's claim. "
+        "The answer's claim is 'granted' (execute the call and record it; the record frees the claim) or "
+        "'in_flight' (another rollout is executing this call in this state: look up again shortly, it turns "
+        "into a hit once that rollout records; nothing was counted or leased). An unrecorded claim lapses "
+        "after TVCACHE_CLAIM_TTL_S (60 s)."))
 
 
 class ResumeSerializer(serializers.Serializer):
@@ -55,9 +64,11 @@ class LookupResponseSerializer(serializers.Serializer):
     matched = serializers.IntegerField(required=False, help_text="Misses: leading history calls whose state is stored.")
     resume = ResumeSerializer(required=False, allow_null=True, help_text="Misses: where to fork from; null = fresh sandbox.")
     replay = ToolCallSerializer(many=True, required=False, help_text="Misses: every state-changing call of the history.")
+    claim = serializers.ChoiceField(choices=["granted", "in_flight"], required=False,
+                                    help_text="Misses of lookups that asked for a claim.")
 
 
-class RecordSerializer(LookupSerializer):
+class RecordSerializer(CallContextSerializer):
     result = serializers.JSONField()
     exec_ms = serializers.FloatField(min_value=0)
     mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(

@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
-from cache.inputs import parse_call_context, parse_record
+from cache.inputs import parse_call_context, parse_claim, parse_record
 
 from . import serializers as s
 from .lean import LeanPostView
@@ -71,7 +71,8 @@ class LookupView(LeanPostView):
 
     @staticmethod
     def answer(*, task_id: str, payload) -> bytes:
-        answer = services.tcg_lookup(task_id=task_id, context=parse_call_context(payload))
+        context = parse_call_context(payload)
+        answer = services.tcg_lookup(task_id=task_id, context=context, claim=parse_claim(payload, context))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
             return b'{"hit":true,"node_id":%d,"mutates":%s,"result":%s}' % (
@@ -83,7 +84,10 @@ class LookupView(LeanPostView):
                       "snapshot_ref": match.resume.snapshot_ref, "lease_id": answer.lease_id,
                       "replay": match.replay}
         # orjson writes a ToolCall dataclass as {"tool", "args"}, field order: what to_json() gives.
-        return orjson.dumps({"hit": False, "matched": match.matched, "resume": resume, "replay": answer.full_replay})
+        body = {"hit": False, "matched": match.matched, "resume": resume, "replay": answer.full_replay}
+        if answer.claim is not None:
+            body["claim"] = answer.claim
+        return orjson.dumps(body)
 
 
 @extend_schema_view(post=extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},

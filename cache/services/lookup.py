@@ -49,6 +49,23 @@ RETURNING id
 """
 
 
+# Client-mode single flight: the looking-up rollout takes the call's claim unless another rollout
+# holds it and it has not lapsed (that rollout's own retry gets it back). No claim once the node
+# exists: a rollout that missed just before a record then sees the hit on its next lookup.
+CLAIM_SQL = """
+INSERT INTO cache_claim AS c (task_id, anchor_key, call_digest, holder, expires_at)
+SELECT %(task)s::varchar, %(anchor)s::varchar, %(digest)s::varchar, %(holder)s::varchar,
+       clock_timestamp() + %(ttl)s::float8 * interval '1 second'
+WHERE NOT EXISTS (SELECT FROM cache_node n
+                  WHERE n.task_id = %(task)s AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s)
+ON CONFLICT (task_id, anchor_key, call_digest) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
+WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
+RETURNING true
+"""
+
+GRANTED, IN_FLIGHT = "granted", "in_flight"
+
+
 @dataclass(frozen=True, slots=True)
 class LookupHit:
     node_id: int
@@ -65,11 +82,16 @@ class LookupMiss:
     anchor_key: str  # where the call's node will hang: (task, anchor_key, call_digest) is its key
     call_digest: str
     seen: bool  # the node exists (a call of a tool that is not cacheable)
+    # Asked for a claim: GRANTED (execute and record it) or IN_FLIGHT (another rollout is
+    # executing this call in this state: look up again shortly; nothing was counted or leased).
+    claim: str | None = None
 
 
-def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> LookupHit | LookupMiss:
+def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim: bool = False) -> LookupHit | LookupMiss:
     """Hit or miss. With count=False the caller counts the lookup itself (`lookup_count`), once
-    it knows how the call was served (tool-server mode may wait for a concurrent identical miss)."""
+    it knows how the call was served (tool-server mode may wait for a concurrent identical miss).
+    With `claim`, a miss of a cacheable call also takes the call's claim for the context's rollout
+    (client-mode single flight, see CLAIM_SQL)."""
     # The task handle comes from this process's cache; the statement checks its version, and a
     # stale handle (the task changed) is re-read and the statement run again with the new keys.
     task = task_handle(task_id=task_id, cached=True)
@@ -80,7 +102,15 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> Loo
     if row is None:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
     _, node_id, result_json, exec_ms, mutates, writes = row
-    hit = node_id is not None and task.policy.for_tool(context.call.tool).cacheable
+    cacheable = task.policy.for_tool(context.call.tool).cacheable
+    hit = node_id is not None and cacheable
+    last = chain.steps[-1]
+    claimed = None
+    if claim and not hit and cacheable:
+        claimed = _claim(task.task_id, last.anchor, last.digest, holder=context.rollout_id)
+        if claimed == IN_FLIGHT:
+            return LookupMiss(match=Match(0, None, None, ()), lease_id=None, full_replay=(), anchor_key=last.anchor,
+                              call_digest=last.digest, seen=False, claim=IN_FLIGHT)
     if count:
         lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=hit, seen=node_id is not None,
                      saved_ms=exec_ms or 0.0)
@@ -93,9 +123,15 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True) -> Loo
         lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
         if lease_id is None:  # evicted between the match and the lease: start fresh
             match = Match(match.matched, match.node, None, tuple(step.call for step in history.writes))
-    last = chain.steps[-1]
     return LookupMiss(match=match, lease_id=lease_id, full_replay=tuple(step.call for step in history.writes),
-                      anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None)
+                      anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None, claim=claimed)
+
+
+def _claim(task_id: str, anchor_key: str, call_digest: str, *, holder: str) -> str:
+    with prepared_cursor() as cursor:
+        cursor.execute(CLAIM_SQL, {"task": task_id, "anchor": anchor_key, "digest": call_digest, "holder": holder,
+                                   "ttl": settings.TVCACHE["CLAIM_TTL_S"]})
+        return GRANTED if cursor.fetchone() is not None else IN_FLIGHT
 
 
 def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit: bool, seen: bool,

@@ -10,6 +10,13 @@ HOT_MODELS = ("cache.Task", "cache.Node", "cache.Snapshot", "cache.Lease", "cach
               "sandboxes.Sandbox")
 
 
+def claims_clear() -> int:
+    """Delete lapsed claims (their holders never recorded); a lookup would take one over anyway."""
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM cache_claim WHERE expires_at < clock_timestamp()")
+        return cursor.rowcount
+
+
 def tables_analyze() -> list[str]:
     """ANALYZE the hot tables when autovacuum, which would, is off (as on this project's
     machines). With no statistics PostgreSQL takes every table for a tiny one and picks among

@@ -1,5 +1,7 @@
 import pytest
 
+from cache.services import claims_clear
+
 from .helpers import call, lookup, record
 
 W1, W2 = call("write", path="f", content="1"), call("write", path="f", content="2")
@@ -157,3 +159,32 @@ def test_tables_are_analyzed_when_autovacuum_is_off(toy_task):
         autovacuum = cursor.fetchone()[0]
     analyzed = tables_analyze()
     assert ("cache_node" in analyzed) == (autovacuum == "off")
+
+
+def test_claimed_miss_makes_other_rollouts_wait_for_its_record(api, toy_task):
+    # Client-mode single flight: r1 executes W1, r2 missing on it meanwhile is told to wait.
+    assert lookup(api, toy_task, [], W1, rollout_id="r1", claim=True)["claim"] == "granted"
+    waiting = lookup(api, toy_task, [], W1, rollout_id="r2", claim=True)
+    assert (waiting["hit"], waiting["claim"], waiting["resume"]) == (False, "in_flight", None)
+    assert lookup(api, toy_task, [], W1, rollout_id="r1", claim=True)["claim"] == "granted"  # its own retry
+    assert "claim" not in lookup(api, toy_task, [], W1)  # a lookup that claims nothing is a plain miss
+    node = record(api, toy_task, [], W1, {"ok": True}, rollout_id="r1")
+    assert lookup(api, toy_task, [], W1, rollout_id="r2", claim=True) == {
+        "hit": True, "node_id": node["node_id"], "mutates": True, "result": {"ok": True}}
+    # Counted: r1's miss, the plain lookup and r2's hit, not the answers telling r2 to wait.
+    stats = api.get(f"/api/v1/tasks/{toy_task}/stats").json()
+    assert (stats["calls"], stats["hits"]) == (4, 1)
+
+
+def test_a_claim_never_recorded_lapses_and_the_next_rollout_executes(api, toy_task, settings):
+    settings.TVCACHE = {**settings.TVCACHE, "CLAIM_TTL_S": 0.0}
+    assert lookup(api, toy_task, [W1], R, rollout_id="r1", claim=True)["claim"] == "granted"
+    assert lookup(api, toy_task, [W1], R, rollout_id="r2", claim=True)["claim"] == "granted"
+    assert claims_clear() == 1
+
+
+def test_claim_needs_a_rollout(api, toy_task):
+    response = api.post(f"/api/v1/tasks/{toy_task}/lookup", {"history": [], "call": W1, "claim": True}, format="json")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_payload"
+    assert response.json()["error"]["details"] == {"field": "rollout_id"}

@@ -62,9 +62,32 @@ def test_hit_returns_cached_result_and_executes_nothing(service, client):
         "call": call("get", key="a"),
         "rollout_id": "r1",
         "epoch": 2,
+        "claim": True,
     }
     assert executor.history == (call("get", key="a"),)
     assert (executor.hits, executor.misses, executor.executed) == (1, 0, 0)
+
+
+def test_a_call_another_rollout_is_executing_is_waited_for_not_executed(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, rollout_id="r2")
+    service.script("lookup", {**miss(replay=[]), "claim": "in_flight"})
+    service.script("lookup", {**miss(replay=[]), "claim": "in_flight"})
+    service.script("lookup", hit({"value": "1"}))
+
+    assert executor.execute(call("set", key="a", value="1")) == {"value": "1"}
+
+    assert factory.made == [] and service.requests("record") == []
+    assert [seen.body["claim"] for seen in service.requests("lookup")] == [True] * 3
+    assert (executor.waited, executor.hits, executor.misses) == (1, 1, 0)
+
+
+def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client):
+    for executor in (ToolCallExecutor(client, TASK, Factory()),
+                     ToolCallExecutor(client, TASK, Factory(), rollout_id="r", single_flight=False)):
+        service.script("lookup", hit({"value": "1"}))
+        executor.execute(call("get", key="a"))
+    assert ["claim" in seen.body for seen in service.requests("lookup")] == [False, False]
 
 
 def test_miss_without_snapshot_starts_fresh_and_replays_every_write(service, client):

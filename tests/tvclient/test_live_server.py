@@ -1,6 +1,7 @@
 """tvclient against a live tvcache server (real HTTP, real PostgreSQL)."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
@@ -91,3 +92,28 @@ def test_folder_environment_resumes_from_a_snapshot_and_replays_only_the_suffix(
     assert (second.hits, second.misses, second.replayed) == (2, 2, 0)  # forked at the snapshot: no replay
     assert results[-1] == {"output": "A", "ok": True}
     store.close()
+
+
+class SlowEnvironment(InMemoryEnvironment):
+    """A store whose calls take a while, counting them across all its instances."""
+
+    calls_run: list = []
+
+    def execute(self, call):
+        SlowEnvironment.calls_run.append(call)
+        time.sleep(0.3)
+        return super().execute(call)
+
+
+def test_rollouts_missing_on_the_same_call_at_once_execute_it_once(client):
+    client.put_task("kv-flight", env={"backend": "external", "kv": 3}, tools={"get": {"mutates_state": False}},
+                    sandbox_budget=4)
+    calls = [{"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "get", "args": {"key": "a"}}]
+    SlowEnvironment.calls_run = []
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda r: run(client, "kv-flight", SlowEnvironment, calls, rollout_id=f"r{r}", epoch=0,
+                                           snapshots=None), range(4)))
+    assert [results for results, _ in runs] == [[{"value": "1"}, {"value": "1"}]] * 4
+    assert len(SlowEnvironment.calls_run) == 2  # each call once, by whichever rollout claimed it first
+    assert sum(executor.waited for _, executor in runs) >= 3
+    assert client.stats("kv-flight")["hits"] == 6

@@ -88,8 +88,11 @@ class TVCacheClient:
         *,
         rollout_id: str | None = None,
         epoch: int | None = None,
+        claim: bool = False,
     ) -> LookupResult:
-        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch))
+        """`claim` (needs rollout_id): on a miss, claim the call for this rollout; see
+        LookupResult.claim."""
+        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim))
 
     def record(
         self,
@@ -202,8 +205,11 @@ class AsyncTVCacheClient:
         *,
         rollout_id: str | None = None,
         epoch: int | None = None,
+        claim: bool = False,
     ) -> LookupResult:
-        return await self._send(operations.lookup(task_id, history, call, rollout_id, epoch))
+        return await self._send(
+            operations.lookup(task_id, history, call, rollout_id, epoch, claim)
+        )
 
     async def record(
         self,

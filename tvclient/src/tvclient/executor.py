@@ -19,6 +19,11 @@ logger = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], ToolExecutionEnvironment]
 
+# Single flight: how soon a rollout looks up again a call another rollout is executing, doubling
+# up to the cap (a call that runs for seconds costs a few lookups a second, a quick one ~10 ms).
+FLIGHT_POLL_FIRST_S = 0.01
+FLIGHT_POLL_MAX_S = 0.25
+
 
 def _elapsed_ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000.0
@@ -57,8 +62,14 @@ class ToolCallExecutor:
     the state-changing calls it lacks; later misses reuse it. Every executed call, replays
     included, is recorded.
 
-    Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment) and
-    `replayed` (calls run again only to rebuild state).
+    Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment),
+    `replayed` (calls run again only to rebuild state) and `waited` (calls that waited for
+    another rollout executing them).
+
+    Single flight (with a `rollout_id`, unless `single_flight=False`): a miss claims the call,
+    and a rollout that misses on a call another rollout is executing in the same state waits
+    for its record and takes the hit instead of executing it too. Rollouts of one task start
+    alike, so without it their first calls run once per rollout.
 
     `snapshots` should be one store shared by all executors of the trainer process; without
     it the executor keeps a private store and stops its snapshots on close().
@@ -73,12 +84,14 @@ class ToolCallExecutor:
         rollout_id: str | None = None,
         epoch: int | None = None,
         snapshots: SnapshotStore | None = None,
+        single_flight: bool = True,
     ) -> None:
         self._client = client
         self.task_id = task_id
         self._env_factory = env_factory
         self.rollout_id = rollout_id
         self.epoch = epoch
+        self._claim = single_flight and rollout_id is not None
         self._owns_snapshots = snapshots is None
         self.snapshots = SnapshotStore() if snapshots is None else snapshots
         self._history: list[Call] = []
@@ -89,6 +102,7 @@ class ToolCallExecutor:
         self.misses = 0
         self.executed = 0
         self.replayed = 0
+        self.waited = 0
 
     @property
     def history(self) -> tuple[Call, ...]:
@@ -103,9 +117,7 @@ class ToolCallExecutor:
 
     def execute(self, call: Call) -> ToolResult:
         call = _json_copy(call)
-        lookup = self._client.lookup(
-            self.task_id, self._history, call, rollout_id=self.rollout_id, epoch=self.epoch
-        )
+        lookup = self._lookup(call)
         if lookup.hit:
             self._note_hit(call, lookup.mutates)
             return cast(ToolResult, lookup.result)  # a hit always carries its result
@@ -114,6 +126,25 @@ class ToolCallExecutor:
         if changed is not False:  # observed to change nothing: the state is as it was
             self._history.append(call)
         return result
+
+    def _lookup(self, call: Call) -> LookupResult:
+        """The lookup's answer once no other rollout is executing the call in this state."""
+        delay = FLIGHT_POLL_FIRST_S
+        while True:
+            lookup = self._client.lookup(
+                self.task_id,
+                self._history,
+                call,
+                rollout_id=self.rollout_id,
+                epoch=self.epoch,
+                claim=self._claim,
+            )
+            if lookup.claim != "in_flight":
+                return lookup
+            if delay == FLIGHT_POLL_FIRST_S:
+                self.waited += 1
+            time.sleep(delay)
+            delay = min(delay * 2, FLIGHT_POLL_MAX_S)
 
     def close(self) -> None:
         self._drop_env()
@@ -255,6 +286,7 @@ class AsyncToolCallExecutor:
         rollout_id: str | None = None,
         epoch: int | None = None,
         snapshots: SnapshotStore | None = None,
+        single_flight: bool = True,
     ) -> None:
         self.executor = ToolCallExecutor(
             client,
@@ -263,6 +295,7 @@ class AsyncToolCallExecutor:
             rollout_id=rollout_id,
             epoch=epoch,
             snapshots=snapshots,
+            single_flight=single_flight,
         )
 
     async def execute(self, call: Call) -> ToolResult:

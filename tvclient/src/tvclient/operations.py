@@ -96,8 +96,11 @@ def lookup(
     call: Call,
     rollout_id: str | None,
     epoch: int | None,
+    claim: bool = False,
 ) -> Operation[LookupResult]:
-    body = _without_none(history=history, call=call, rollout_id=rollout_id, epoch=epoch)
+    body = _without_none(
+        history=history, call=call, rollout_id=rollout_id, epoch=epoch, claim=claim or None
+    )
     return Operation("POST", f"{_task_path(task_id)}/lookup", _parse_with(LookupResult), body=body)
 
 

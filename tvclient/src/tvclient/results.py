@@ -49,6 +49,9 @@ class LookupResult:
     replay: tuple[Call, ...] = ()  # every state-changing call of the history, for a fresh sandbox
     # Hits: False when the call left the state as it was; it need not join the history sent.
     mutates: bool = True
+    # Misses of lookups with claim=True: "granted" (this rollout executes and records the call) or
+    # "in_flight" (another rollout is executing it in this state: look up again shortly).
+    claim: str | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LookupResult:
@@ -62,6 +65,7 @@ class LookupResult:
             matched=data["matched"],
             resume=Resume.from_json(resume) if resume is not None else None,
             replay=_calls(data["replay"]),
+            claim=data.get("claim"),
         )
 
 
