@@ -610,6 +610,11 @@ class DockerBackend(SandboxBackend):
             self.api.remove_container(container_id, force=True)
         except docker.errors.NotFound:
             return
+        except docker.errors.APIError as exc:
+            # Two stoppers at once (a rollout's end and the reaper): the other one removes it.
+            if exc.status_code == 409 and "already in progress" in str(exc.explanation):
+                return
+            raise
         self._drop_if_deleted_snapshot(container["Image"])
 
     def _drop_if_deleted_snapshot(self, image_id: str) -> None:
