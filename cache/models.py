@@ -103,8 +103,9 @@ class Lease(models.Model):
 class Claim(models.Model):
     """A rollout executing a call it missed on (client-mode single flight): other rollouts that
     miss on the same call in the same state wait for its record instead of executing it too.
-    Ephemeral: the table is UNLOGGED (no WAL, emptied by a crash), a record deletes the claim on
-    its node, and a claim its holder never recorded lapses at `expires_at`. No foreign key: an
+    Ephemeral: the table is UNLOGGED (no WAL, emptied by a crash), a record makes the claim on its
+    node lapse shortly, a claim its holder never recorded lapses at `expires_at`, and workers
+    delete lapsed claims. No foreign key: an
     unlogged table may not be referenced, and a claim outlives nothing it names."""
 
     task_id = models.CharField(max_length=200)

@@ -130,7 +130,7 @@ CELERY_BEAT_SCHEDULE = {
     "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect", "schedule": 30.0},
     "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": 300.0},
     "analyze-tables": {"task": "workers.tasks.tables_analyze", "schedule": 60.0},  # if autovacuum is off
-    "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 300.0},
+    "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
 }
 
 # tvcache limits and policy

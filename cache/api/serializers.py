@@ -40,7 +40,7 @@ class CallContextSerializer(serializers.Serializer):
 class LookupSerializer(CallContextSerializer):
     claim = serializers.BooleanField(required=False, default=False, help_text=(
         "Client-mode single flight (needs rollout_id): on a miss of a cacheable call, take the call's claim. "
-        "The answer's claim is 'granted' (execute the call and record it; the record frees the claim) or "
+        "The answer's claim is 'granted' (execute the call and record it; the record ends the claim) or "
         "'in_flight' (another rollout is executing this call in this state: look up again shortly, it turns "
         "into a hit once that rollout records; nothing was counted or leased). An unrecorded claim lapses "
         "after TVCACHE_CLAIM_TTL_S (60 s)."))
