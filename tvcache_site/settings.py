@@ -171,8 +171,8 @@ TVCACHE = {
     # state waits for that result at most this long, then executes it too.
     "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),
     # Client mode: a rollout that misses with "claim": true executes the call while the others
-    # that miss on it in the same state wait for its record; a claim never recorded (the
-    # execution failed, the trainer died) lapses after this long and the next rollout executes.
+    # that miss on it in the same state wait for its record; a claim neither recorded nor given
+    # up (the trainer died) lapses after this long and the next rollout executes.
     "CLAIM_TTL_S": env.float("TVCACHE_CLAIM_TTL_S", default=60.0),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),

@@ -42,8 +42,17 @@ class LookupSerializer(CallContextSerializer):
         "Client-mode single flight (needs rollout_id): on a miss of a cacheable call, take the call's claim. "
         "The answer's claim is 'granted' (execute the call and record it; the record ends the claim) or "
         "'in_flight' (another rollout is executing this call in this state: look up again shortly, it turns "
-        "into a hit once that rollout records; nothing was counted or leased). An unrecorded claim lapses "
-        "after TVCACHE_CLAIM_TTL_S (60 s)."))
+        "into a hit once that rollout records; nothing was counted or leased). A rollout whose execution failed "
+        "gives the claim up (POST .../claims/release); a claim neither recorded nor given up lapses after "
+        "TVCACHE_CLAIM_TTL_S (60 s)."))
+
+
+class ClaimReleaseSerializer(CallContextSerializer):
+    rollout_id = serializers.CharField(help_text="The rollout that holds the claim.")
+
+
+class ClaimReleasedSerializer(serializers.Serializer):
+    released = serializers.BooleanField(help_text="False: the rollout held no claim on this call (lapsed, or taken over).")
 
 
 class ResumeSerializer(serializers.Serializer):

@@ -104,6 +104,17 @@ class RecordView(LeanPostView):
                              "evicted": outcome.evicted})
 
 
+class ClaimReleaseView(APIView):
+    @extend_schema(request=s.ClaimReleaseSerializer, responses={200: s.ClaimReleasedSerializer, **ERRORS},
+                   summary="Give up a claim taken by a lookup (the call's execution failed): the next rollout executes it")
+    def post(self, request, task_id: str):
+        context = parse_call_context(request.data)
+        if not context.rollout_id:
+            raise InvalidInput("'rollout_id' is required: a claim is held by a rollout.", code="missing_field",
+                               details={"field": "rollout_id"})
+        return Response({"released": services.claim_release(task_id=task_id, context=context)})
+
+
 class SnapshotRegisterView(APIView):
     @extend_schema(request=s.SnapshotRegisterSerializer, responses={201: s.SnapshotRegisteredSerializer, **ERRORS},
                    summary="Register a snapshot a client took after 'snapshot: wanted'")

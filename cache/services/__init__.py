@@ -1,6 +1,6 @@
 """Writes to the tool call graphs. Plain functions named <entity>_<action>."""
 
-from .lookup import LookupHit, LookupMiss, lookup_count, tcg_lookup
+from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
 from .maintenance import claims_clear, tables_analyze
 from .record import RecordOutcome, node_record
 from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
@@ -11,6 +11,7 @@ __all__ = [
     "LookupMiss",
     "RecordOutcome",
     "TaskHandle",
+    "claim_release",
     "lease_release",
     "lookup_count",
     "node_record",

@@ -127,6 +127,17 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
                       anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None, claim=claimed)
 
 
+def claim_release(*, task_id: str, context: CallContext) -> bool:
+    """Give up the rollout's claim on the call (its execution failed): the next rollout that
+    looks it up executes it now rather than once the claim lapses. False if it held none."""
+    task = task_handle(task_id=task_id, cached=True)
+    last = task_chain(task, context).steps[-1]
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM cache_claim WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"
+                       " AND holder = %s", [task.task_id, last.anchor, last.digest, context.rollout_id])
+        return cursor.rowcount > 0
+
+
 def _claim(task_id: str, anchor_key: str, call_digest: str, *, holder: str) -> str:
     with prepared_cursor() as cursor:
         cursor.execute(CLAIM_SQL, {"task": task_id, "anchor": anchor_key, "digest": call_digest, "holder": holder,

@@ -141,3 +141,13 @@ def test_create_token_prints_a_key_that_authenticates(toy_task):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {key}")
     assert client.get("/api/v1/tasks/toy").status_code == 200
+
+
+def test_claim_release_refuses_bad_input(api, toy_task):
+    path = "/api/v1/tasks/toy/claims/release"
+    assert error(post(api, path, "{not json"), 400) == "malformed_json"
+    assert error(api.post(path, {"history": [], "call": {"args": {}}, "rollout_id": "r"}, format="json"), 400) == "invalid_call"
+    assert error(api.post("/api/v1/tasks/nope/claims/release", {"history": [], "call": W, "rollout_id": "r"},
+                          format="json"), 404) == "unknown_task"
+    body = {"history": [], "call": W, "claim": "yes", "rollout_id": "r"}
+    assert error(api.post("/api/v1/tasks/toy/lookup", body, format="json"), 400) == "invalid_payload"

@@ -188,3 +188,19 @@ def test_claim_needs_a_rollout(api, toy_task):
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_payload"
     assert response.json()["error"]["details"] == {"field": "rollout_id"}
+
+
+def test_a_rollout_whose_execution_failed_gives_its_claim_up(api, toy_task):
+    def release(rollout_id):
+        response = api.post(f"/api/v1/tasks/{toy_task}/claims/release",
+                            {"history": [], "call": W1, "rollout_id": rollout_id}, format="json")
+        assert response.status_code == 200, response.content
+        return response.json()["released"]
+
+    assert lookup(api, toy_task, [], W1, rollout_id="r1", claim=True)["claim"] == "granted"
+    assert release("r2") is False  # not its claim
+    assert lookup(api, toy_task, [], W1, rollout_id="r2", claim=True)["claim"] == "in_flight"
+    assert release("r1") is True
+    assert lookup(api, toy_task, [], W1, rollout_id="r2", claim=True)["claim"] == "granted"
+    missing = api.post(f"/api/v1/tasks/{toy_task}/claims/release", {"history": [], "call": W1}, format="json")
+    assert (missing.status_code, missing.json()["error"]["code"]) == (400, "missing_field")

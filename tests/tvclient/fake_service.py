@@ -21,6 +21,7 @@ ROUTES = [
     ("record", "POST", re.compile(r"^/api/v1/tasks/[^/]+/record$")),
     ("snapshot", "POST", re.compile(r"^/api/v1/tasks/[^/]+/nodes/\d+/snapshots$")),
     ("release", "DELETE", re.compile(r"^/api/v1/leases/[^/]+$")),
+    ("release_claim", "POST", re.compile(r"^/api/v1/tasks/[^/]+/claims/release$")),
 ]
 
 
@@ -89,4 +90,6 @@ class FakeService:
             return 201, {"snapshot_id": next(self._ids), "ref": body["ref"], "evicted": []}
         if route == "release":
             return 204, None
+        if route == "release_claim":
+            return 200, {"released": True}
         raise AssertionError(f"no answer scripted for {route}")

@@ -82,6 +82,25 @@ def test_a_call_another_rollout_is_executing_is_waited_for_not_executed(service,
     assert (executor.waited, executor.hits, executor.misses) == (1, 1, 0)
 
 
+def test_a_failed_execution_gives_its_claim_up(service, client):
+    class Failing(InMemoryEnvironment):
+        def execute(self, call):
+            raise RuntimeError("tool crashed")
+
+    executor = ToolCallExecutor(client, TASK, Failing, rollout_id="r1")
+    set_a = call("set", key="a", value="1")
+    service.script("lookup", hit({"value": "1"}))
+    executor.execute(set_a)
+    service.script("lookup", {**miss(replay=[set_a], matched=1), "claim": "granted"})
+
+    with pytest.raises(RuntimeError):
+        executor.execute(call("get", key="a"))
+
+    (released,) = service.requests("release_claim")
+    assert released.body == {"history": [set_a], "call": call("get", key="a"), "rollout_id": "r1"}
+    assert service.requests("record") == []
+
+
 def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client):
     for executor in (ToolCallExecutor(client, TASK, Factory()),
                      ToolCallExecutor(client, TASK, Factory(), rollout_id="r", single_flight=False)):

@@ -127,6 +127,12 @@ class TVCacheClient:
     def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
         self._send(operations.release_lease(lease_id, restore_ms))
 
+    def release_claim(
+        self, task_id: str, history: list[Call], call: Call, *, rollout_id: str
+    ) -> bool:
+        """Give up the claim a lookup took on the call (its execution failed)."""
+        return self._send(operations.release_claim(task_id, history, call, rollout_id))
+
     def call(
         self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None
     ) -> CallResult:
@@ -243,6 +249,11 @@ class AsyncTVCacheClient:
 
     async def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
         await self._send(operations.release_lease(lease_id, restore_ms))
+
+    async def release_claim(
+        self, task_id: str, history: list[Call], call: Call, *, rollout_id: str
+    ) -> bool:
+        return await self._send(operations.release_claim(task_id, history, call, rollout_id))
 
     async def call(
         self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None

@@ -182,6 +182,8 @@ class ToolCallExecutor:
             # After a failure the environment's state no longer follows the history; the
             # next miss rebuilds it.
             self._drop_env()
+            if lookup.claim == "granted":  # rollouts waiting on this call execute it now
+                self._release_claim(call)
             raise
         finally:
             if lookup.resume is not None:
@@ -261,6 +263,15 @@ class ToolCallExecutor:
             # The service reaps expired leases, so a lost release only delays an eviction;
             # it must neither fail the rollout nor mask the call's own error.
             logger.warning("could not release lease %s: %s", lease_id, exc)
+
+    def _release_claim(self, call: Call) -> None:
+        assert self.rollout_id is not None  # only a rollout's lookups claim
+        try:
+            self._client.release_claim(
+                self.task_id, self._history, call, rollout_id=self.rollout_id
+            )
+        except TVCacheError as exc:  # the claim lapses on its own (TVCACHE_CLAIM_TTL_S)
+            logger.warning("could not release the claim on %s: %s", call, exc)
 
     def _drop_env(self) -> None:
         env, self._env, self._pending = self._env, None, []

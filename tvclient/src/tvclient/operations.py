@@ -144,6 +144,18 @@ def release_lease(lease_id: int | str, restore_ms: float | None) -> Operation[No
     return Operation("DELETE", f"{API}/leases/{_segment(lease_id)}", _nothing, params=params)
 
 
+def release_claim(
+    task_id: str, history: list[Call], call: Call, rollout_id: str
+) -> Operation[bool]:
+    body = {"history": history, "call": call, "rollout_id": rollout_id}
+    return Operation(
+        "POST",
+        f"{_task_path(task_id)}/claims/release",
+        lambda payload: bool(_object(payload)["released"]),
+        body=body,
+    )
+
+
 def rollout_call(
     task_id: str, rollout_id: str, call: Call, epoch: int | None
 ) -> Operation[CallResult]:
