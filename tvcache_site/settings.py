@@ -129,7 +129,7 @@ CELERY_BEAT_SCHEDULE = {
     "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap", "schedule": 15.0},
     "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect", "schedule": 30.0},
     "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": 300.0},
-    "analyze-tables": {"task": "workers.tasks.tables_analyze", "schedule": 60.0},  # if autovacuum is off
+    "vacuum-tables": {"task": "workers.tasks.tables_vacuum", "schedule": 60.0},  # if autovacuum is off
     "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
 }
 

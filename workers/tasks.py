@@ -39,8 +39,8 @@ def orphans_reap() -> dict:
 
 
 @shared_task(acks_late=True)
-def tables_analyze() -> list[str]:
-    return cache_services.tables_analyze()
+def tables_vacuum() -> list[str]:
+    return cache_services.tables_vacuum()
 
 
 @shared_task(acks_late=True)

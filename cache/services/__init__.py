@@ -1,7 +1,7 @@
 """Writes to the tool call graphs. Plain functions named <entity>_<action>."""
 
 from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
-from .maintenance import claims_clear, tables_analyze
+from .maintenance import claims_clear, tables_vacuum
 from .record import RecordOutcome, node_record
 from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
@@ -21,7 +21,7 @@ __all__ = [
     "task_flush",
     "task_handle",
     "task_put",
-    "tables_analyze",
+    "tables_vacuum",
     "claims_clear",
     "tcg_lookup",
 ]
