@@ -82,7 +82,7 @@ def parse_claim(data: dict, context: CallContext) -> bool:
     """A lookup's "claim" flag (client-mode single flight); a claim is held by a rollout."""
     claim = _optional(data, "claim", bool, False)
     if claim and not context.rollout_id:
-        raise InvalidInput("'claim' needs a 'rollout_id': a claim is held by a rollout.", code="invalid_payload",
+        raise InvalidInput("'claim' needs a 'rollout_id': a claim is held by a rollout.", code="missing_field",
                            details={"field": "rollout_id"})
     return claim
 

@@ -184,7 +184,7 @@ def test_a_claim_never_recorded_lapses_and_the_next_rollout_executes(api, toy_ta
 def test_claim_needs_a_rollout(api, toy_task):
     response = api.post(f"/api/v1/tasks/{toy_task}/lookup", {"history": [], "call": W1, "claim": True}, format="json")
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "invalid_payload"
+    assert response.json()["error"]["code"] == "missing_field"
     assert response.json()["error"]["details"] == {"field": "rollout_id"}
 
 
