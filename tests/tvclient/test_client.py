@@ -1,5 +1,7 @@
 import asyncio
 import contextlib
+import gc
+import threading
 import json
 
 import httpx
@@ -186,3 +188,17 @@ def test_async_client_shares_the_contract():
     with pytest.raises(TVCacheError) as raised:
         asyncio.run(ask(servers[1]))
     assert (raised.value.status, raised.value.code) == (404, "not_found")
+
+
+def test_connections_of_finished_threads_are_closed():
+    server = Server(body={"tasks": []})
+    with sync_client(server) as client:
+        threads = [threading.Thread(target=client.list_tasks) for _ in range(20)]
+        for thread in threads:
+            thread.start()
+            thread.join()
+        gc.collect()
+        assert len(server.requests) == 20
+        assert len(client._http._all) == 0  # one connection per thread, gone with it
+        client.list_tasks()  # the calling thread's own connection stays
+        assert len(client._http._all) == 1

@@ -13,6 +13,7 @@ import http.client
 import json
 import select
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlencode, urlsplit
@@ -42,7 +43,8 @@ class Connections:
         self._headers = dict(headers)
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._all: list[http.client.HTTPConnection] = []
+        # Weakly: a thread's connection goes (and its socket closes) with the thread.
+        self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
     def request(
         self, method: str, path: str, body: Any = None, params: Mapping[str, Any] | None = None
@@ -68,7 +70,7 @@ class Connections:
 
     def close(self) -> None:
         with self._lock:
-            connections, self._all = self._all, []
+            connections, self._all = list(self._all), weakref.WeakSet()
         for connection in connections:
             connection.close()
 
@@ -77,7 +79,7 @@ class Connections:
         if connection is None:
             connection = self._local.connection = self._open()
             with self._lock:
-                self._all.append(connection)
+                self._all.add(connection)
         elif connection.sock is not None and _readable(connection.sock):
             # Nothing is owed on an idle connection: readable means the server closed it.
             connection.close()  # http.client opens it again on the next request
