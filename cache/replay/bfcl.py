@@ -150,6 +150,16 @@ class BfclEnvironment(ToolExecutionEnvironment):
             except Exception as exc:  # bfcl-eval shows the model the error text
                 return {"output": f"Error during execution: {exc}"}
 
+    def execute_observed(self, call: Call) -> tuple[dict[str, Any], bool | None]:
+        """A call of a state-changing tool that left the pickled tool instances as they were (a
+        `cd` into a missing folder, a failed order) changed nothing, as the calibration sees it.
+        Equal states may pickle differently (a set's order): that only reads as a change."""
+        if not self.mutates_state(call):
+            return self.execute(call), None
+        before = self.state()
+        result = self.execute(call)
+        return result, self.state() != before
+
     def fork(self) -> BfclEnvironment:
         twin = BfclEnvironment(self.entry, self.read_only)
         twin.instances = copy.deepcopy(self.instances)
