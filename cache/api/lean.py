@@ -24,8 +24,8 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Literal
 from http import HTTPStatus
+from typing import Literal
 
 import orjson
 from django.conf import settings

@@ -12,7 +12,6 @@ import httpx
 
 from . import operations
 from .operations import Operation
-from .transport import Connections, Reply, TransportFailure
 from .results import (
     Call,
     CallResult,
@@ -21,6 +20,7 @@ from .results import (
     SnapshotRegistration,
     ToolResult,
 )
+from .transport import Connections, Reply, TransportFailure
 
 T = TypeVar("T")
 

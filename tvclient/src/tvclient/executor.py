@@ -129,7 +129,7 @@ class ToolCallExecutor:
 
     def _lookup(self, call: Call) -> LookupResult:
         """The lookup's answer once no other rollout is executing the call in this state."""
-        delay = FLIGHT_POLL_FIRST_S
+        delay, waiting = FLIGHT_POLL_FIRST_S, False
         while True:
             lookup = self._client.lookup(
                 self.task_id,
@@ -141,8 +141,8 @@ class ToolCallExecutor:
             )
             if lookup.claim != "in_flight":
                 return lookup
-            if delay == FLIGHT_POLL_FIRST_S:
-                self.waited += 1
+            if not waiting:
+                waiting, self.waited = True, self.waited + 1
             time.sleep(delay)
             delay = min(delay * 2, FLIGHT_POLL_MAX_S)
 
