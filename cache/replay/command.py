@@ -25,6 +25,7 @@ class ReplayCommand(BaseCommand):
     default_rollouts = 8
     default_epochs = 3
     default_concurrency = 4
+    default_think_ms = 100.0
 
     def add_arguments(self, parser):
         parser.add_argument("--url", help="a running tvcache; default: start one (uvicorn + a Celery worker)")
@@ -38,6 +39,9 @@ class ReplayCommand(BaseCommand):
                                  "budget of N per task, e.g. server-b8")
         parser.add_argument("--concurrency", type=int, default=self.default_concurrency,
                             help="rollouts in flight at once")
+        parser.add_argument("--think-ms", type=float, default=self.default_think_ms,
+                            help="the policy's generation time before each call, mean (0.5x to 1.5x, seeded, the "
+                                 "same in every arm); 0: back-to-back calls, a stress test")
         parser.add_argument("--warm-wait-s", type=float, default=5.0,
                             help="tool-server mode: wait up to this long after announcing a step")
         parser.add_argument("--out", default=str(DEFAULT_OUT))
@@ -59,14 +63,15 @@ class ReplayCommand(BaseCommand):
         stamp = started_at.strftime("%Y%m%dt%H%M%S") + (f"-{options['tag']}" if options["tag"] else "")
         out_dir = Path(options["out"])
         workload = self.make_workload(options)
-        config = {key: options[key] for key in ("tasks", "rollouts", "epochs", "seed", "concurrency", "warm_wait_s")}
+        config = {key: options[key] for key in ("tasks", "rollouts", "epochs", "seed", "concurrency", "think_ms",
+                                                  "warm_wait_s")}
         config.update(arms=[a.name for a in arms], **self.workload_config(options))
         try:
             with self._service(options, out_dir) as (url, token, started_here):
                 with TimedClient(url, token, timeout=600) as client:
                     replay = Replay(workload, client, ReplayConfig(
                         epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
-                        run_tag=stamp.replace("t", ""), warm_wait_s=options["warm_wait_s"],
+                        run_tag=stamp.replace("t", ""), think_ms=options["think_ms"], warm_wait_s=options["warm_wait_s"],
                         release_sandboxes=started_here))
                     began = time.perf_counter()
                     replay.run()

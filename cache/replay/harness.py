@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import statistics
 import sys
 import threading
@@ -97,17 +98,21 @@ def digest(result: Any) -> str:
 class _Meter(threading.local):
     env_ms = 0.0
     lookup_ms = 0.0
+    lookup_server_ms = 0.0
 
 
 class TimedClient(TVCacheClient):
-    """Adds the time of each lookup to the calling thread's meter (client mode)."""
+    """Adds the time of each lookup, and the service's share of it, to the calling thread's
+    meter (client mode)."""
 
     def lookup(self, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return super().lookup(*args, **kwargs)
+            result = super().lookup(*args, **kwargs)
         finally:
             _meter.lookup_ms += (time.perf_counter() - started) * 1000
+        _meter.lookup_server_ms += result.server_ms or 0.0
+        return result
 
 
 _meter = _Meter()
@@ -206,6 +211,7 @@ class CallSample:
     env_ms: float | None  # time inside local sandboxes during the call (nocache, client)
     result_digest: str
     lookup_ms: float | None = None  # client mode: the lookup request
+    lookup_server_ms: float | None = None  # client mode: the service's own time on it (Server-Timing)
     result: Any = None  # kept only until compared
     started: float = 0.0  # perf_counter at the call's start
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
@@ -276,6 +282,7 @@ class ReplayConfig:
     concurrency: int
     seed: int
     run_tag: str
+    think_ms: float = 0.0  # the policy's generation time before each call (mean); see Replay.thinking
     warm_wait_s: float = 5.0
     keep_examples: int = 5
     # Stop the tool-server arms' sandboxes and free their snapshots at the end: set when the
@@ -423,23 +430,33 @@ class Replay:
     # -- one rollout ----------------------------------------------------------------------------
 
     def _rollout(self, arm: Arm, task: ReplayTask, epoch: int, index: int, calls: list[Call]) -> list[CallSample]:
+        think = self.thinking(task, epoch, index, len(calls))
         if arm.mode == "nocache":
-            return self._rollout_nocache(arm, task, epoch, index, calls)
+            return self._rollout_nocache(arm, task, epoch, index, calls, think)
         if arm.mode == "client":
-            return self._rollout_client(arm, task, epoch, index, calls)
-        return self._rollout_server(arm, task, epoch, index, calls)
+            return self._rollout_client(arm, task, epoch, index, calls, think)
+        return self._rollout_server(arm, task, epoch, index, calls, think)
+
+    def thinking(self, task: ReplayTask, epoch: int, index: int, calls: int) -> list[float]:
+        """Seconds the policy generates before each call: 0.5x to 1.5x the mean, seeded per
+        rollout, the same in every arm. Real rollouts are not back to back: without it the
+        rollouts are a closed-loop load generator and the service is measured saturated."""
+        mean_s = self.config.think_ms / 1000
+        rng = random.Random(f"{self.config.seed}-think-{task.name}-{epoch}-{index}")
+        return [mean_s * rng.uniform(0.5, 1.5) for _ in range(calls)]
 
     def _sample(self, task, epoch, index, position, call, latency_ms, cached, env_ms, result) -> CallSample:
         return CallSample(task.name, epoch, index, position, call["tool"], latency_ms, cached, env_ms, digest(result),
                           result=result, started=time.perf_counter() - latency_ms / 1000)
 
-    def _rollout_nocache(self, arm, task, epoch, index, calls) -> list[CallSample]:
+    def _rollout_nocache(self, arm, task, epoch, index, calls, think) -> list[CallSample]:
         samples = []
         env = MeteredEnvironment(task.make_env(), self._counts[arm.name])
         _meter.env_ms = 0.0
         env.start()  # counted in the rollout's time, not in its first call's latency
         try:
             for position, call in enumerate(calls):
+                time.sleep(think[position])
                 _meter.env_ms = 0.0
                 started = time.perf_counter()
                 result = env.execute(call)
@@ -449,7 +466,7 @@ class Replay:
             env.stop()
         return samples
 
-    def _rollout_client(self, arm, task, epoch, index, calls) -> list[CallSample]:
+    def _rollout_client(self, arm, task, epoch, index, calls, think) -> list[CallSample]:
         samples = []
         counts = self._counts[arm.name]
 
@@ -459,25 +476,27 @@ class Replay:
         with ToolCallExecutor(self.client, self.task_id(task, arm), factory, rollout_id=f"e{epoch}-r{index}",
                               epoch=epoch, snapshots=self._snapshots[arm.name]) as executor:
             for position, call in enumerate(calls):
-                _meter.env_ms = _meter.lookup_ms = 0.0
+                time.sleep(think[position])
+                _meter.env_ms = _meter.lookup_ms = _meter.lookup_server_ms = 0.0
                 hits, keyed = executor.hits, len(executor.history)
                 started = time.perf_counter()
                 result = executor.execute(call)
                 latency = (time.perf_counter() - started) * 1000
                 sample = self._sample(task, epoch, index, position, call, latency, executor.hits > hits,
                                       _meter.env_ms, result)
-                sample.lookup_ms = _meter.lookup_ms
+                sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
                 sample.mutates = len(executor.history) > keyed  # left out of the history: read-only
                 samples.append(sample)
             _meter.env_ms = 0.0
         return samples
 
-    def _rollout_server(self, arm, task, epoch, index, calls) -> list[CallSample]:
+    def _rollout_server(self, arm, task, epoch, index, calls, think) -> list[CallSample]:
         samples = []
         task_id, rollout_id = self.task_id(task, arm), f"e{epoch}-r{index}"
         penalty_s = self.workload.server_miss_penalty_ms / 1000
         try:
             for position, call in enumerate(calls):
+                time.sleep(think[position])
                 started = time.perf_counter()
                 answer = self.client.call(task_id, rollout_id, call, epoch=epoch)
                 if not answer.cached and penalty_s:

@@ -27,14 +27,34 @@ from .tasks import TaskHandle, task_handle
 # [snapshot_id, ref] or null], ...]. The snapshot is a subquery per node, so that it is an index
 # probe whatever the table statistics say: with none (autovacuum off, a new table) a join scanned
 # every live snapshot per node, 2.4 ms instead of 0.04 ms for 12 nodes and 361 snapshots.
+#
+# Client-mode single flight rides in the same round trip (`claim`): on a miss of a cacheable call
+# the rollout takes the call's claim unless another rollout holds it and it has not lapsed (that
+# rollout's own retry gets it back); the last column says whether it got it. No claim once the
+# node exists (a rollout that missed just before a record sees the hit on its next lookup), nor
+# with an outdated handle (its keys may be stale: the lookup is run again). The CTE's insert sees
+# the same snapshot as the read, and ON CONFLICT the latest claim.
 # Counters go to the in-process buffer (counters.py), not to this query.
 READ_SQL = """
+WITH claimed AS (
+    INSERT INTO cache_claim AS c (task_id, anchor_key, call_digest, holder, expires_at)
+    SELECT t.id, %(anchor)s::varchar, %(digest)s::varchar, %(holder)s::varchar,
+           clock_timestamp() + %(ttl)s::float8 * interval '1 second'
+    FROM cache_task t
+    WHERE %(claim)s AND %(cacheable)s AND t.id = %(task)s AND t.version = %(version)s
+      AND NOT EXISTS (SELECT FROM cache_node n
+                      WHERE n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s)
+    ON CONFLICT (task_id, anchor_key, call_digest) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
+    WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
+    RETURNING true AS granted
+)
 SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates,
        CASE WHEN n.id IS NULL OR NOT %(cacheable)s THEN (
            SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
            FROM cache_node w
-           WHERE w.task_id = t.id AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))) END
+           WHERE w.task_id = t.id AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))) END,
+       EXISTS (SELECT FROM claimed)
 FROM cache_task t
 LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
 WHERE t.id = %(task)s
@@ -48,20 +68,6 @@ WHERE s.id = %s AND s.status = 'live' FOR SHARE
 RETURNING id
 """
 
-
-# Client-mode single flight: the looking-up rollout takes the call's claim unless another rollout
-# holds it and it has not lapsed (that rollout's own retry gets it back). No claim once the node
-# exists: a rollout that missed just before a record then sees the hit on its next lookup.
-CLAIM_SQL = """
-INSERT INTO cache_claim AS c (task_id, anchor_key, call_digest, holder, expires_at)
-SELECT %(task)s::varchar, %(anchor)s::varchar, %(digest)s::varchar, %(holder)s::varchar,
-       clock_timestamp() + %(ttl)s::float8 * interval '1 second'
-WHERE NOT EXISTS (SELECT FROM cache_node n
-                  WHERE n.task_id = %(task)s AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s)
-ON CONFLICT (task_id, anchor_key, call_digest) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
-WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
-RETURNING true
-"""
 
 GRANTED, IN_FLIGHT = "granted", "in_flight"
 
@@ -91,23 +97,23 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
     """Hit or miss. With count=False the caller counts the lookup itself (`lookup_count`), once
     it knows how the call was served (tool-server mode may wait for a concurrent identical miss).
     With `claim`, a miss of a cacheable call also takes the call's claim for the context's rollout
-    (client-mode single flight, see CLAIM_SQL)."""
+    (client-mode single flight, see READ_SQL)."""
     # The task handle comes from this process's cache; the statement checks its version, and a
     # stale handle (the task changed) is re-read and the statement run again with the new keys.
     task = task_handle(task_id=task_id, cached=True)
-    chain, row = _exact_read(task, context)
+    chain, row = _exact_read(task, context, claim)
     if row is not None and row[0] != task.version:
         task = task_handle(task_id=task_id)
-        chain, row = _exact_read(task, context)
+        chain, row = _exact_read(task, context, claim)
     if row is None:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    _, node_id, result_json, exec_ms, mutates, writes = row
+    _, node_id, result_json, exec_ms, mutates, writes, granted = row
     cacheable = task.policy.for_tool(context.call.tool).cacheable
     hit = node_id is not None and cacheable
     last = chain.steps[-1]
     claimed = None
-    if claim and not hit and cacheable:
-        claimed = _claim(task.task_id, last.anchor, last.digest, holder=context.rollout_id)
+    if claim and node_id is None and cacheable:
+        claimed = GRANTED if granted else IN_FLIGHT
         if claimed == IN_FLIGHT:
             return LookupMiss(match=Match(0, None, None, ()), lease_id=None, full_replay=(), anchor_key=last.anchor,
                               call_digest=last.digest, seen=False, claim=IN_FLIGHT)
@@ -138,13 +144,6 @@ def claim_release(*, task_id: str, context: CallContext) -> bool:
         return cursor.rowcount > 0
 
 
-def _claim(task_id: str, anchor_key: str, call_digest: str, *, holder: str) -> str:
-    with prepared_cursor() as cursor:
-        cursor.execute(CLAIM_SQL, {"task": task_id, "anchor": anchor_key, "digest": call_digest, "holder": holder,
-                                   "ttl": settings.TVCACHE["CLAIM_TTL_S"]})
-        return GRANTED if cursor.fetchone() is not None else IN_FLIGHT
-
-
 def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit: bool, seen: bool,
                  saved_ms: float) -> None:
     """Count a lookup: calls, hits, the oracle's hits (`seen`: the call was executed before in
@@ -156,12 +155,13 @@ def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit
                      saved_ms=saved_ms)
 
 
-def _exact_read(task: TaskHandle, context: CallContext) -> tuple[StateChain, tuple | None]:
+def _exact_read(task: TaskHandle, context: CallContext, claim: bool) -> tuple[StateChain, tuple | None]:
     task.check_fingerprint(context.env_fingerprint)
     chain = task_chain(task, context)
     last = chain.steps[-1]
-    params = {"task": task.task_id, "anchor": last.anchor, "digest": last.digest,
+    params = {"task": task.task_id, "version": task.version, "anchor": last.anchor, "digest": last.digest,
               "cacheable": task.policy.for_tool(context.call.tool).cacheable,
+              "claim": claim, "holder": context.rollout_id or "", "ttl": settings.TVCACHE["CLAIM_TTL_S"],
               # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
               "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)}
     with prepared_cursor() as cursor:

@@ -33,7 +33,7 @@ def service(tmp_path):
 def replay(command: str, service, tmp_path, **options) -> dict:
     url, token = service
     out = tmp_path / "out"
-    call_command(command, url=url, token=token, rollouts=2, epochs=2, out=str(out), seed=3, **options)
+    call_command(command, url=url, token=token, rollouts=2, epochs=2, out=str(out), seed=3, think_ms=10, **options)
     [report] = out.glob("*.json")
     return json.loads(report.read_text())
 
@@ -57,12 +57,16 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
             assert metrics["exact"]["hits_mismatches"] == 0, report["mismatch_examples"]
             # The tools are deterministic: a miss also answers what a fresh execution does.
             assert metrics["exact"]["misses_mismatches"] == 0, report["mismatch_examples"]
+    assert report["config"]["think_ms"] == 10
     for name in cached_arms:
         assert report["epochs"][1]["arms"][name]["service_hit_rate"] > 0
         assert report["summary"][name]["exact"]["hits_mismatches"] == 0
     assert report["targets"]["zero_mismatched_hits"]["met"]
     assert report["targets"]["hit_rate_equals_oracle"]["met"]  # no budget: the cache reaches the oracle
     assert report["per_tool"].keys() == set(cached_arms)
+    if "client" in cached_arms:  # a miss's lookup as the rollout saw it, and the service's share (Server-Timing)
+        lookups, served = report["summary"]["client"]["miss_lookup_ms"], report["summary"]["client"]["miss_lookup_server_ms"]
+        assert lookups["n"] == served["n"] > 0 and 0 < served["p50"] <= lookups["p50"]
     if plots:
         assert len(report["plots"]) == 4
         for path in report["plots"]:

@@ -16,6 +16,8 @@ from tvclient import (
     TVCacheUnavailable,
 )
 
+from tvclient.transport import server_ms
+
 from .fake_service import call
 from .loopback import served
 
@@ -202,3 +204,30 @@ def test_connections_of_finished_threads_are_closed():
         assert len(client._http._all) == 0  # one connection per thread, gone with it
         client.list_tasks()  # the calling thread's own connection stays
         assert len(client._http._all) == 1
+
+
+def test_a_lookup_carries_the_services_own_time():
+    class Timed(Server):
+        def __call__(self, request):
+            response = super().__call__(request)
+            response.headers["Server-Timing"] = "queue;dur=0.25, app;dur=1.5, total;dur=2.125"
+            return response
+
+    hit = {"hit": True, "node_id": 1, "result": {"value": "v"}}
+    with sync_client(Timed(body=hit)) as client:
+        assert client.lookup("t", [], call("get", key="a")).server_ms == 2.125
+    with sync_client(Server(body=hit)) as client:  # a server (or proxy) that does not say
+        assert client.lookup("t", [], call("get", key="a")).server_ms is None
+
+    async def ask():
+        async with AsyncTVCacheClient(BASE, "secret", transport=httpx.MockTransport(Timed(body=hit))) as client:
+            return await client.lookup("t", [], call("get", key="a"))
+
+    assert asyncio.run(ask()).server_ms == 2.125
+
+
+@pytest.mark.parametrize("header, expected", [
+    ("total;dur=3", 3.0), ("app;dur=1, total;desc=\"all\";dur=4.5", 4.5), ("app;dur=1", None),
+    ("total;dur=x", None), ("", None), (None, None), ("total", None)])
+def test_server_timing_header_is_read_leniently(header, expected):
+    assert server_ms(header) == expected

@@ -20,7 +20,7 @@ from .results import (
     SnapshotRegistration,
     ToolResult,
 )
-from .transport import Connections, Reply, TransportFailure
+from .transport import Connections, Reply, TransportFailure, server_ms
 
 T = TypeVar("T")
 
@@ -176,7 +176,8 @@ class AsyncTVCacheClient:
             response = await self._http.request(**_request(operation))
         except httpx.TransportError as exc:
             raise operations.unavailable(operation, exc) from exc
-        reply = Reply(response.status_code, response.content, response.reason_phrase)
+        reply = Reply(response.status_code, response.content, response.reason_phrase,
+                      server_ms(response.headers.get("Server-Timing")))
         return operations.read_response(operation, reply)
 
     async def aclose(self) -> None:

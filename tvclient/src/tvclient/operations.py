@@ -6,7 +6,7 @@ The clients only move an `Operation` over HTTP; everything about the REST contra
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generic, Mapping, TypeVar
 from urllib.parse import quote
 
@@ -35,6 +35,7 @@ class Operation(Generic[T]):
     parse: Callable[[Any], T]
     body: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
+    timed: bool = False  # the answer carries the service's own time (LookupResult.server_ms)
 
 
 def _segment(value: str | int) -> str:
@@ -101,7 +102,7 @@ def lookup(
     body = _without_none(
         history=history, call=call, rollout_id=rollout_id, epoch=epoch, claim=claim or None
     )
-    return Operation("POST", f"{_task_path(task_id)}/lookup", _parse_with(LookupResult), body=body)
+    return Operation("POST", f"{_task_path(task_id)}/lookup", _parse_with(LookupResult), body=body, timed=True)
 
 
 def record(
@@ -193,7 +194,7 @@ def read_response(operation: Operation[T], reply: Reply) -> T:
         raise error_from_response(reply)
     try:
         payload = json.loads(reply.content) if reply.content else None
-        return operation.parse(payload)
+        result = operation.parse(payload)
     except (KeyError, TypeError, ValueError) as exc:
         raise TVCacheError(
             reply.status,
@@ -201,6 +202,7 @@ def read_response(operation: Operation[T], reply: Reply) -> T:
             f"unexpected answer to {operation.method} {operation.path}: {exc!r}",
             _text(reply)[:2000],
         ) from exc
+    return replace(result, server_ms=reply.server_ms) if operation.timed else result
 
 
 def error_from_response(reply: Reply) -> TVCacheError:

@@ -52,6 +52,9 @@ class LookupResult:
     # Misses of lookups with claim=True: "granted" (this rollout executes and records the call) or
     # "in_flight" (another rollout is executing it in this state: look up again shortly).
     claim: str | None = None
+    # The service's own time on the lookup in ms (its Server-Timing header), None if it did not
+    # say: the rest of the round trip is the network and the client.
+    server_ms: float | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LookupResult:

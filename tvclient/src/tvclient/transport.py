@@ -27,6 +27,22 @@ class Reply:
     status: int
     content: bytes
     reason: str = ""
+    server_ms: float | None = None  # the service's own time (Server-Timing "total"), if it said
+
+
+def server_ms(header: str | None) -> float | None:
+    """The "total" metric of a Server-Timing header ("queue;dur=0.2, app;dur=1.1, total;dur=1.6")."""
+    for metric in (header or "").split(","):
+        name, _, params = metric.strip().partition(";")
+        if name == "total":
+            for param in params.split(";"):
+                key, _, value = param.strip().partition("=")
+                if key == "dur":
+                    try:
+                        return float(value)
+                    except ValueError:
+                        return None
+    return None
 
 
 class Connections:
@@ -66,7 +82,7 @@ class Connections:
             raise
         if response.will_close:
             connection.close()
-        return Reply(response.status, content, response.reason)
+        return Reply(response.status, content, response.reason, server_ms(response.getheader("Server-Timing")))
 
     def close(self) -> None:
         with self._lock:
