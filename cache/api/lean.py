@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import orjson
 from django.conf import settings
@@ -193,14 +193,17 @@ class HotPath:
         return self.max_body is not None and length > self.max_body
 
     def respond(self, view: type[LeanPostView], *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes], request: Callable[[], object]) -> tuple[int, list[tuple[str, str]], bytes]:
-        """Status, headers and body; `request` builds a Django request for the 500 path."""
+                read_body: Callable[[], bytes], request: Callable[[], object]) -> Answered:
+        """Status, headers, body and the time spent in database statements; `request` builds a
+        Django request for the 500 path."""
         db = connections[DEFAULT_DB_ALIAS]
         keep = view.lane != "tool"
+        timer = _StatementTimer()
         _check_connection(db, keep=keep)
         try:
-            status, body = lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
-                                       read_body=read_body)
+            with db.execute_wrapper(timer):
+                status, body = lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
+                                           read_body=read_body)
             headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
             if status == 401:
                 headers.append(("WWW-Authenticate", "Token"))
@@ -211,15 +214,36 @@ class HotPath:
             headers.append(("Content-Length", str(len(body))))
         finally:
             _check_connection(db, keep=keep)
-        return status, headers + self.headers, body
+        return Answered(status, headers + self.headers, body, timer.seconds)
 
 
-def server_timing(arrived: float, started: float, done: float, answered: float) -> tuple[str, str]:
-    """Where the service's time went (perf_counter seconds): waiting for a lane thread, the work,
-    the whole (the body read and the hop back to the event loop included), so that a client can
-    tell its own share and the network's from the service's."""
+class Answered(NamedTuple):
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    db_s: float  # in database statements
+
+
+class _StatementTimer:
+    """A database execute wrapper that adds up the time statements take."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, execute, sql, params, many, context):
+        started = time.perf_counter()
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def server_timing(arrived: float, started: float, done: float, answered: float, db_s: float) -> tuple[str, str]:
+    """Where the service's time went (perf_counter seconds): waiting for a lane thread, the work
+    and its database statements, the whole (the body read and the hop back to the event loop
+    included), so that a client can tell its own share and the network's from the service's."""
     return ("Server-Timing", f"queue;dur={(started - arrived) * 1000:.3f}, app;dur={(done - started) * 1000:.3f}, "
-                             f"total;dur={(answered - arrived) * 1000:.3f}")
+                             f"db;dur={db_s * 1000:.3f}, total;dur={(answered - arrived) * 1000:.3f}")
 
 
 class HotPathApplication:
@@ -248,12 +272,13 @@ class HotPathApplication:
             body = environ["wsgi.input"].read(length)
             return body
 
-        status, headers, content = self.hot.respond(
+        answer = self.hot.respond(
             view, path_kwargs=path_kwargs, authorization=environ.get("HTTP_AUTHORIZATION", ""), read_body=read_body,
             request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}))
         done = time.perf_counter()
-        start_response(f"{status} {HTTPStatus(status).phrase}", headers + [server_timing(started, started, done, done)])
-        return [content]
+        start_response(f"{answer.status} {HTTPStatus(answer.status).phrase}",
+                       answer.headers + [server_timing(started, started, done, done, answer.db_s)])
+        return [answer.body]
 
 
 class HotPathASGI:
@@ -295,19 +320,18 @@ class HotPathASGI:
                 raise RequestDataTooBig()
             return body
 
-        def respond() -> tuple[int, list[tuple[str, str]], bytes, float, float]:
+        def respond() -> tuple[Answered, float, float]:
             started = time.perf_counter()
             answer = self.hot.respond(view, path_kwargs=path_kwargs,
                                       authorization=headers.get(b"authorization", b"").decode("latin-1"),
                                       read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")))
-            return *answer, started, time.perf_counter()
+            return answer, started, time.perf_counter()
 
-        status, response_headers, content, started, done = await asyncio.get_running_loop().run_in_executor(
-            self.executors[view.lane], respond)
-        response_headers.append(server_timing(arrived, started, done, time.perf_counter()))
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response_headers]})
-        await send({"type": "http.response.body", "body": content})
+        answer, started, done = await asyncio.get_running_loop().run_in_executor(self.executors[view.lane], respond)
+        timing = server_timing(arrived, started, done, time.perf_counter(), answer.db_s)
+        await send({"type": "http.response.start", "status": answer.status,
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in [*answer.headers, timing]]})
+        await send({"type": "http.response.body", "body": answer.body})
 
     @staticmethod
     async def _read_body(receive) -> bytes | None:

@@ -85,6 +85,17 @@ def test_miss_resumes_from_the_deepest_snapshot_with_a_lease(api, toy_task):
     assert released.status_code == 204
 
 
+@pytest.mark.django_db(transaction=True)  # autocommit, as lookups run when served
+def test_a_lease_commits_asynchronously_and_only_itself(api, toy_task):
+    record(api, toy_task, [], W1, {"ok": True}, exec_ms=5000)
+    node = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)["node_id"]
+    api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/snapshots", {"ref": "s", "backend": "external"}, format="json")
+    assert lookup(api, toy_task, [W1, W2], R)["resume"]["lease_id"]
+    with connection.cursor() as cursor:  # the setting lived as long as the lease's own transaction
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
+
+
 def test_cheap_writes_are_not_snapshotted(api, toy_task):
     assert record(api, toy_task, [], W1, {"ok": True}, exec_ms=1)["snapshot"] == "skipped"
     assert record(api, toy_task, [W1], R, {"ok": True}, exec_ms=99_999)["snapshot"] == "skipped"
