@@ -12,24 +12,16 @@ Three layers, each measured the way it is used:
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from cache.bench.server import answers, free_port, stop, wait_until
-
-ROOT = Path(__file__).resolve().parents[1]
 BENCH_LABEL = "tvcache.bench"  # on everything the backend-level measurements create
 
 
@@ -306,47 +298,6 @@ def epoch_figures(runs: list[RolloutRun]) -> dict[str, Any]:
         "error_count": sum(len(run.errors) for run in runs),
         "sandbox_start": summary([run.start_ms for run in runs if run.start_ms is not None]),
     }
-
-
-# --- the service as deployed -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Deployment:
-    url: str
-    queue: str
-    uvicorn_workers: int
-    celery_log: Path
-
-
-@contextmanager
-def deployed_service(*, queue: str, uvicorn_workers: int, log_dir: Path) -> Iterator[Deployment]:
-    """uvicorn serving the ASGI app and a Celery worker on `queue`, configured like production."""
-    port = free_port()
-    env = {**os.environ, "DB_POOL_SIZE": "16", "DEBUG": "0", "REDIS_URL": "redis://127.0.0.1:6379/0",
-           "CELERY_QUEUE": queue}
-    log_dir.mkdir(parents=True, exist_ok=True)
-    celery_log = log_dir / f"{queue}.celery.log"
-    server_log = log_dir / f"{queue}.uvicorn.log"
-    processes = []
-    with open(celery_log, "wb") as celery_out, open(server_log, "wb") as server_out:
-        try:
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application", "--host", "127.0.0.1", "--port",
-                 str(port), "--workers", str(uvicorn_workers), "--log-level", "warning", "--no-access-log"],
-                cwd=ROOT, env=env, stdout=server_out, stderr=subprocess.STDOUT))
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-Q", queue, "-c", "2", "-l", "info",
-                 "--without-gossip", "--without-mingle", "-n", f"{queue}@%h"],
-                cwd=ROOT, env=env, stdout=celery_out, stderr=subprocess.STDOUT))
-            url = f"http://127.0.0.1:{port}"
-            wait_until(lambda: answers(url), 60, f"uvicorn on {url}", processes)
-            wait_until(lambda: b" ready." in celery_log.read_bytes(), 60, "the celery worker", processes)
-            yield Deployment(url, queue, uvicorn_workers, celery_log)
-        finally:
-            stop(processes, timeout_s=30)
-
-
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float) -> float | None:

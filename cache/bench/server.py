@@ -1,14 +1,18 @@
-"""Start and stop the service as deployed (benchmarks, the replay and browser tests): production
-settings, several workers, a free loopback port. The one place that knows how to bring a server
-up and down in a subprocess."""
+"""Start and stop the service as deployed (benchmarks, the replay, browser and ASGI tests):
+production settings, several worker processes, a free loopback port, optionally a Celery worker.
+The one place that knows how to bring a server up and down in subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +20,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 60.0
 
 SERVERS = {
     # WSGI, uWSGI's C HTTP parser: the fastest option measured here. A sync worker serves one
@@ -74,6 +79,7 @@ def stop(processes, timeout_s: float = 15) -> None:
 class RunningServer:
     url: str
     pid: int
+    queue: str | None = None  # its Celery worker's queue, if it has one
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the server and its live child processes."""
@@ -104,13 +110,69 @@ def _cpu_s(pid: int) -> float:
 
 
 @contextmanager
-def running_server(kind: str, workers: int, env: dict[str, str] | None = None):
+def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None = None, redis_url: str | None = None,
+                    celery: bool = False, beat: bool = False, log_dir: Path | None = None,
+                    ready_path: str = "/api/schema/") -> Iterator[RunningServer]:
+    """Serve tvcache as deployed (production settings, `workers` processes, a psycopg pool of 16
+    per process) on a free loopback port, on `db` and `redis_url` (default: this process's
+    environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
+    reaping, eviction, vacuum) on a queue of its own, so that no other worker takes its jobs; the
+    queue is deleted afterwards. Logs go to `log_dir` if given."""
+    queue = f"tvcache-{uuid.uuid4().hex[:8]}" if celery else None
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
+           # A psycopg pool per process: ASGI runs Django's requests in threads of their own, and
+           # per-thread persistent connections would pile up.
+           "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16")}
+    if db is not None:
+        env["DATABASE_URL"] = database_url(db)
+    if redis_url is not None:
+        env["REDIS_URL"] = redis_url
+    if queue:
+        env["CELERY_QUEUE"] = queue
     port = free_port()
-    environment = {**os.environ, "DEBUG": "0", "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16"), **(env or {})}
-    process = subprocess.Popen(SERVERS[kind](port, workers), cwd=ROOT, env=environment)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: answers(url), 30, f"{kind} on {url}", [process])
-        yield RunningServer(url, process.pid)
-    finally:
-        stop([process], timeout_s=10)
+    commands = {kind: SERVERS[kind](port, workers)}
+    if queue:
+        commands["celery"] = [sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-Q", queue, "-n",
+                              f"{queue}@%h", "--pool", "threads", "--concurrency", "2", "-l", "info",
+                              "--without-heartbeat", "--without-gossip", "--without-mingle"]
+        if beat:
+            commands["celery"] += ["-B", "-s", str(Path(log_dir or tempfile.mkdtemp(prefix="tvcache-beat-"))
+                                                  / f"{queue}-beat-schedule")]
+    with contextlib.ExitStack() as stack:
+        processes = []
+        try:
+            for name, argv in commands.items():
+                log = stack.enter_context(open(log_dir / f"{name}.log", "wb")) if log_dir else subprocess.DEVNULL
+                processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            url = f"http://127.0.0.1:{port}"
+            wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
+            if queue:
+                wait_until(lambda: _worker_answers(f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
+                           "the Celery worker", processes)
+            yield RunningServer(url, processes[0].pid, queue)
+        finally:
+            stop(processes, timeout_s=30)
+            if queue:
+                _queue_delete(queue)
+
+
+def database_url(db: dict) -> str:
+    """A DATABASE_URL for Django's connection settings `db`."""
+    user = db.get("USER") or "postgres"
+    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
+    host = db.get("HOST") or "127.0.0.1"
+    port = db.get("PORT") or 5432
+    return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
+
+
+def _worker_answers(name: str) -> bool:
+    from tvcache_site.celery import app
+
+    return bool(app.control.ping(destination=[name], timeout=0.5))
+
+
+def _queue_delete(queue: str) -> None:
+    from tvcache_site.celery import app
+
+    with contextlib.suppress(Exception), app.connection_for_write() as connection:
+        connection.default_channel.queue_delete(queue)

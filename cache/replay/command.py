@@ -101,11 +101,12 @@ class ReplayCommand(BaseCommand):
             yield options["url"], options["token"], False
             return
         from cache.api.auth import token_create
-
-        from .service import service_running
+        from cache.bench.server import service_running
 
         log_dir = out_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         token = token_create(name=f"replay-{self.workload_name}-{time.time_ns()}")
-        with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, log_dir=log_dir) as url:
-            yield url, token, True
+        # Proactive forks and the periodic tasks (reaping, eviction, vacuum) run as deployed.
+        with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True,
+                             log_dir=log_dir) as service:
+            yield service.url, token, True

@@ -12,8 +12,9 @@ from django.conf import settings
 from django.db import connection
 from playwright.sync_api import expect, sync_playwright
 
+from cache.bench.server import service_running
 from cache.services.counters import counters_flush
-from dashboard.browser import chromium, collect_static, log_in, uvicorn_server
+from dashboard.browser import chromium, collect_static, log_in
 from tests.cache.helpers import call
 from tests.dashboard.conftest import CLONE, MAKE, PASSWORD, TEST, build_tree
 
@@ -29,8 +30,9 @@ def static_collected():
 @pytest.fixture
 def server(transactional_db, static_collected, tmp_path):
     SHOTS.mkdir(parents=True, exist_ok=True)
-    with uvicorn_server(db=connection.settings_dict, redis_url=REDIS_URL, log_path=tmp_path / "uvicorn.log") as base:
-        yield base
+    with service_running(db=connection.settings_dict, redis_url=REDIS_URL, workers=1, log_dir=tmp_path,
+                         ready_path="/login/") as service:
+        yield service.url
 
 
 def shot(page, name: str) -> None:

@@ -12,8 +12,8 @@ from django.conf import settings
 from django.core.management import call_command
 
 from cache.api.auth import token_create
+from cache.bench.server import service_running
 from cache.models import Task
-from cache.replay.service import service_running
 from sandboxes.services import tasks_release
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -24,8 +24,9 @@ EPOCH_FIELDS = {"calls", "hits", "hit_rate", "latency_ms", "step_s", "slowest_ro
 
 @pytest.fixture
 def service(tmp_path):
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, log_dir=tmp_path) as url:
-        yield url, token_create(name="replay")
+    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True,
+                         log_dir=tmp_path) as service:
+        yield service.url, token_create(name="replay")
         # The command got --url, so it leaves the service's sandboxes to the service: stop them here.
         tasks_release(task_ids=list(Task.objects.values_list("pk", flat=True)))
 

@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import token_create
-from dashboard.browser import uvicorn_server
+from cache.bench.server import service_running
 from sandboxes.models import Sandbox
 
 from .helpers import bash
@@ -17,12 +17,13 @@ from .helpers import bash
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_hits_are_answered_while_another_rollouts_long_miss_runs(busybox):
+def test_hits_are_answered_while_another_rollouts_long_miss_runs(busybox, docker_task):
+    docker_task("busy")  # made here so that its sandboxes are removed afterwards; the server serves it
     token = token_create(name="asgi")
     headers = {"Authorization": f"Token {token}"}
-    with uvicorn_server(db=settings.DATABASES["default"], redis_url="redis://127.0.0.1:6379/0") as base:
+    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service:
+        base = service.url
         client = httpx.Client(base_url=base, headers=headers, timeout=120)
-        assert client.put("/api/v1/tasks/busy", json={"env": {"backend": "docker"}}).status_code == 201
 
         def call(rollout: str, command: str) -> dict:
             response = client.post(f"/api/v1/tasks/busy/rollouts/{rollout}/calls", json={"call": bash(command)})

@@ -21,7 +21,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from cache.api.auth import token_create
-from cache.bench.server import SERVERS, running_server
+from cache.bench.server import SERVERS, service_running
 from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken
 from cache.services import node_record, task_flush, task_put
@@ -98,7 +98,7 @@ class Command(BaseCommand):
         token = token_create(name="bench-lookup")
         rows = []
         self.loadgen_processes = loadgen_processes
-        with tempfile.TemporaryDirectory() as tmp, running_server(server, workers) as running:
+        with tempfile.TemporaryDirectory() as tmp, service_running(kind=server, workers=workers) as running:
             bodies = Path(tmp) / "requests.json"
             bodies.write_text(json.dumps(lookup_requests(paths, 4096, seed)))
             self._drive(running, bodies, token, 256, 3.0, Path(tmp) / "warmup.json")  # warm connections and caches

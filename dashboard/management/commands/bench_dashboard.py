@@ -26,6 +26,7 @@ from django.db.models import Max
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
+from cache.bench.server import service_running
 from cache.models import Node, Rollout, Snapshot, Task, ToolStat
 from cache.services import task_put
 from dashboard import browser
@@ -134,7 +135,8 @@ def time_first_paint(session_key: str, graph_url: str, expand_id: int, paints: i
 
     browser.collect_static()
     paints_ms, warm_ms, expands_ms, shown = [], [], [], 0
-    with browser.uvicorn_server(db=connection.settings_dict, redis_url=getattr(settings, "REDIS_URL", "")) as base:
+    with service_running(db=connection.settings_dict, workers=1, ready_path="/login/") as service:
+        base = service.url
         with sync_playwright() as playwright:
             chromium = browser.chromium(playwright)
             for _ in range(paints):

@@ -19,7 +19,6 @@ import json
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count
 
 from cache.api.auth import token_create
+from cache.bench.server import service_running
 from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken, Lease, Rollout, Snapshot, Task
 from cache.services import node_record, snapshot_register, task_put
@@ -88,9 +88,9 @@ class Command(BaseCommand):
             self._section("pre-fork hand-over (services, in process)")
             figures["handover"] = self._handover(opts["rounds"])
             self._section("the service as deployed")
-            queue = f"{self.prefix}-q"
-            with bench.deployed_service(queue=queue, uvicorn_workers=opts["uvicorn_workers"],
-                                        log_dir=Path(settings.VAR_DIR) / "bench") as deployment:
+            log_dir = Path(settings.VAR_DIR) / "bench"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            with service_running(workers=opts["uvicorn_workers"], celery=True, log_dir=log_dir) as deployment:
                 token = token_create(name=self.token_name)
                 with httpx.Client(base_url=deployment.url, headers={"Authorization": f"Token {token}"},
                                   timeout=600) as client:
