@@ -117,16 +117,17 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     per process) on a free loopback port, on `db` and `redis_url` (default: this process's
     environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
     reaping, eviction, vacuum) on a queue of its own, so that no other worker takes its jobs; the
-    queue is deleted afterwards. Logs go to `log_dir` if given."""
-    queue = f"tvcache-{uuid.uuid4().hex[:8]}" if celery else None
+    queue is deleted afterwards. Without a Redis URL there is no worker: the service then runs
+    its background work in process (its embedded default). Logs go to `log_dir` if given."""
+    broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
+    queue = f"tvcache-{uuid.uuid4().hex[:8]}" if celery and broker else None
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
            # A psycopg pool per process: ASGI runs Django's requests in threads of their own, and
            # per-thread persistent connections would pile up.
            "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16")}
     if db is not None:
         env["DATABASE_URL"] = database_url(db)
-    if redis_url is not None:
-        env["REDIS_URL"] = redis_url
+    env["REDIS_URL"] = broker
     if queue:
         env["CELERY_QUEUE"] = queue
     port = free_port()
@@ -147,13 +148,13 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
             url = f"http://127.0.0.1:{port}"
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
             if queue:
-                wait_until(lambda: _worker_answers(f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
+                wait_until(lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
                            "the Celery worker", processes)
             yield RunningServer(url, processes[0].pid, queue)
         finally:
             stop(processes, timeout_s=30)
             if queue:
-                _queue_delete(queue)
+                _queue_delete(broker, queue)
 
 
 def database_url(db: dict) -> str:
@@ -165,14 +166,17 @@ def database_url(db: dict) -> str:
     return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
 
 
-def _worker_answers(name: str) -> bool:
+def _worker_answers(broker: str, name: str) -> bool:
+    from kombu import Connection
+
     from tvcache_site.celery import app
 
-    return bool(app.control.ping(destination=[name], timeout=0.5))
+    with Connection(broker) as connection:
+        return bool(app.control.ping(destination=[name], timeout=0.5, connection=connection))
 
 
-def _queue_delete(queue: str) -> None:
-    from tvcache_site.celery import app
+def _queue_delete(broker: str, queue: str) -> None:
+    from kombu import Connection
 
-    with contextlib.suppress(Exception), app.connection_for_write() as connection:
+    with contextlib.suppress(Exception), Connection(broker) as connection:
         connection.default_channel.queue_delete(queue)

@@ -1,0 +1,22 @@
+"""The one launcher of the served service (benchmarks, the replay, browser tests)."""
+
+import httpx
+import pytest
+from django.conf import settings
+
+from cache.bench.server import service_running
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_without_redis_the_service_comes_up_with_no_worker():
+    # Embedded default: background work runs in the service's own processes.
+    with service_running(db=settings.DATABASES["default"], redis_url="", celery=True, workers=1) as service:
+        assert service.queue is None
+        assert httpx.get(service.url + "/api/schema/", timeout=10).status_code == 200
+
+
+def test_a_worker_on_its_own_queue_answers_before_the_service_is_handed_over():
+    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True,
+                         workers=1) as service:
+        assert service.queue and service.queue.startswith("tvcache-")
