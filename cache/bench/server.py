@@ -167,12 +167,15 @@ def database_url(db: dict) -> str:
 
 
 def _worker_answers(broker: str, name: str) -> bool:
-    from kombu import Connection
+    # An app of its own on `broker`: the project's app would send the ping through this
+    # process's broker, which need not be the service's.
+    from celery import Celery
 
-    from tvcache_site.celery import app
-
-    with Connection(broker) as connection:
-        return bool(app.control.ping(destination=[name], timeout=0.5, connection=connection))
+    app = Celery(broker=broker)
+    try:
+        return bool(app.control.ping(destination=[name], timeout=0.5))
+    finally:
+        app.close()
 
 
 def _queue_delete(broker: str, queue: str) -> None:

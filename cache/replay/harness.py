@@ -98,7 +98,7 @@ def digest(result: Any) -> str:
 class _Meter(threading.local):
     env_ms = 0.0
     lookup_ms = 0.0
-    lookup_server_ms = 0.0
+    lookup_server_ms: float | None = 0.0
 
 
 class TimedClient(TVCacheClient):
@@ -111,7 +111,9 @@ class TimedClient(TVCacheClient):
             result = super().lookup(*args, **kwargs)
         finally:
             _meter.lookup_ms += (time.perf_counter() - started) * 1000
-        _meter.lookup_server_ms += result.server_ms or 0.0
+        # None as soon as one lookup of the call went without the service's figure.
+        if _meter.lookup_server_ms is not None:
+            _meter.lookup_server_ms = None if result.server_ms is None else _meter.lookup_server_ms + result.server_ms
         return result
 
 

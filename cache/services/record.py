@@ -20,9 +20,10 @@ from .tasks import task_handle
 # Insert the node (its parent is the history's last state-changing node, if recorded) and, when
 # it is new, count the execution. ON CONFLICT DO NOTHING makes two concurrent records of the
 # same path yield one node; the loser reads the winner's row below. The call's claim (lookup.py,
-# client-mode single flight) lapses two seconds later rather than now: a rollout whose lookup
-# missed the node just before this commit would otherwise take a free claim and execute the call
-# again; it is told to wait instead, and its next lookup hits.
+# client-mode single flight) lapses two seconds after it rather than now (a claim that had
+# already lapsed too): a rollout whose lookup missed the node just before this commit would
+# otherwise take a free claim and execute the call again; it is told to wait instead, and its
+# next lookup hits.
 INSERT_SQL = """
 WITH parent AS (
     SELECT id, cum_exec_ms FROM cache_node
@@ -42,7 +43,7 @@ WITH parent AS (
     ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
         executions = cache_toolstat.executions + 1, executed_ms = cache_toolstat.executed_ms + EXCLUDED.executed_ms
 ), unclaim AS (
-    UPDATE cache_claim SET expires_at = least(expires_at, clock_timestamp() + interval '2 seconds')
+    UPDATE cache_claim SET expires_at = clock_timestamp() + interval '2 seconds'
     WHERE task_id = %(task)s AND anchor_key = %(anchor)s AND call_digest = %(digest)s
 )
 SELECT id, cum_exec_ms, true, %(mutates)s FROM ins

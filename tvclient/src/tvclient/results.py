@@ -7,7 +7,7 @@ pools) are returned as plain dicts: they are read by people and grow with the se
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 Call = dict[str, Any]  # {"tool": str, "args": {...}}
@@ -54,7 +54,7 @@ class LookupResult:
     claim: str | None = None
     # The service's own time on the lookup in ms (its Server-Timing header), None if it did not
     # say: the rest of the round trip is the network and the client.
-    server_ms: float | None = None
+    server_ms: float | None = field(default=None, compare=False)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LookupResult:
