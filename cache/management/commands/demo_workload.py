@@ -75,14 +75,18 @@ class Command(BaseCommand):
             task_ids.append(DOCKER_TASK)
         else:
             self.stdout.write("no Docker engine: the tool-server demo task is left out")
-        for epoch in range(epochs):
+        # A rerun against the same service goes on where the last one stopped: new epochs, so new
+        # rollout ids, and the graphs built so far serve it from the start.
+        first = 1 + max((row["epoch"] for t in task_ids for row in client.stats(t)["per_epoch"]), default=-1)
+        for epoch in range(first, first + epochs):
             started = time.perf_counter()
             if DOCKER_TASK in task_ids:
                 client.announce_step([DOCKER_TASK], rollouts, epoch)
             jobs = [(task_id, r) for task_id in task_ids for r in range(rollouts)]
             with ThreadPoolExecutor(max_workers=rollouts) as pool:
                 list(pool.map(lambda job: self._rollout(client, snapshots, job, epoch, seed), jobs))
-            rates = [client.stats(t)["per_epoch"][-1]["hit_rate"] for t in task_ids]
+            rates = [next(row["hit_rate"] for row in client.stats(t)["per_epoch"] if row["epoch"] == epoch)
+                     for t in task_ids]
             self.stdout.write(f"epoch {epoch}: {time.perf_counter() - started:.1f}s, hit rate "
                               + ", ".join(f"{t} {rate:.0%}" for t, rate in zip(task_ids, rates)))
         snapshots.close()
