@@ -11,7 +11,7 @@ from cache.errors import PayloadTooLarge
 from dashboard import broadcast
 from cache.inputs import RecordInput
 from cache.tcg import canonical_call, canonical_json
-from cache.tcg.snapshots import SnapshotCosts, snapshot_wanted
+from cache.tcg.snapshots import snapshot_wanted
 
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs
