@@ -87,6 +87,12 @@ def parse_claim(data: dict, context: CallContext) -> bool:
     return claim
 
 
+def parse_resume(data: dict) -> bool:
+    """A lookup's "resume" flag: False when the caller's sandbox already follows the history,
+    so that a miss leases no snapshot it would not fork."""
+    return _optional(data, "resume", bool, True)
+
+
 @dataclass(frozen=True, slots=True)
 class RecordInput:
     context: CallContext

@@ -45,6 +45,9 @@ class LookupSerializer(CallContextSerializer):
         "into a hit once that rollout records; nothing was counted or leased). A rollout whose execution failed "
         "gives the claim up (POST .../claims/release); a claim neither recorded nor given up lapses after "
         "TVCACHE_CLAIM_TTL_S (60 s)."))
+    resume = serializers.BooleanField(required=False, default=True, help_text=(
+        "False: the caller's sandbox already follows the history (it will replay what it missed "
+        "rather than fork): a miss then offers no snapshot (resume is null) and leases none."))
 
 
 class ClaimReleaseSerializer(CallContextSerializer):

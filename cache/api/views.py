@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
-from cache.inputs import parse_call_context, parse_claim, parse_record
+from cache.inputs import parse_call_context, parse_claim, parse_record, parse_resume
 
 from . import serializers as s
 from .lean import LeanPostView
@@ -72,7 +72,8 @@ class LookupView(LeanPostView):
     @staticmethod
     def answer(*, task_id: str, payload) -> bytes:
         context = parse_call_context(payload)
-        answer = services.tcg_lookup(task_id=task_id, context=context, claim=parse_claim(payload, context))
+        answer = services.tcg_lookup(task_id=task_id, context=context, claim=parse_claim(payload, context),
+                                     resume=parse_resume(payload))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
             return b'{"hit":true,"node_id":%d,"mutates":%s,"result":%s}' % (

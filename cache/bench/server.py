@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -79,7 +80,7 @@ def stop(processes, timeout_s: float = 15) -> None:
 class RunningServer:
     url: str
     pid: int
-    queue: str | None = None  # its Celery worker's queue, if it has one
+    queue: str | None = None  # where its background jobs go (a queue of its own), if it has a broker
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the server and its live child processes."""
@@ -116,11 +117,13 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     """Serve tvcache as deployed (production settings, `workers` processes, a psycopg pool of 16
     per process) on a free loopback port, on `db` and `redis_url` (default: this process's
     environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
-    reaping, eviction, vacuum) on a queue of its own, so that no other worker takes its jobs; the
-    queue is deleted afterwards. Without a Redis URL there is no worker: the service then runs
-    its background work in process (its embedded default). Logs go to `log_dir` if given."""
+    reaping, eviction, vacuum). With a broker the service queues its background jobs on a queue
+    of its own, so that no other worker (on another database) takes them, whether or not this
+    one runs; the queue is deleted afterwards. Without a Redis URL there is no worker: the
+    service then runs its background work in process (its embedded default). Logs go to
+    `log_dir` if given."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
-    queue = f"tvcache-{uuid.uuid4().hex[:8]}" if celery and broker else None
+    queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
            # A psycopg pool per process: ASGI runs Django's requests in threads of their own, and
            # per-thread persistent connections would pile up.
@@ -132,7 +135,7 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
         env["CELERY_QUEUE"] = queue
     port = free_port()
     commands = {kind: SERVERS[kind](port, workers)}
-    if queue:
+    if queue and celery:
         commands["celery"] = [sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-Q", queue, "-n",
                               f"{queue}@%h", "--pool", "threads", "--concurrency", "2", "-l", "info",
                               "--without-heartbeat", "--without-gossip", "--without-mingle"]
@@ -147,7 +150,7 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
                 processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
             url = f"http://127.0.0.1:{port}"
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
-            if queue:
+            if "celery" in commands:
                 wait_until(lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
                            "the Celery worker", processes)
             yield RunningServer(url, processes[0].pid, queue)
@@ -159,8 +162,8 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
 
 def database_url(db: dict) -> str:
     """A DATABASE_URL for Django's connection settings `db`."""
-    user = db.get("USER") or "postgres"
-    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
+    user = quote(db.get("USER") or "postgres", safe="")
+    password = f":{quote(db['PASSWORD'], safe='')}" if db.get("PASSWORD") else ""
     host = db.get("HOST") or "127.0.0.1"
     port = db.get("PORT") or 5432
     return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"

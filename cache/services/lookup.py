@@ -100,11 +100,13 @@ class LookupMiss:
     claim: str | None = None
 
 
-def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim: bool = False) -> LookupHit | LookupMiss:
+def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim: bool = False,
+               resume: bool = True) -> LookupHit | LookupMiss:
     """Hit or miss. With count=False the caller counts the lookup itself (`lookup_count`), once
     it knows how the call was served (tool-server mode may wait for a concurrent identical miss).
     With `claim`, a miss of a cacheable call also takes the call's claim for the context's rollout
-    (client-mode single flight, see READ_SQL)."""
+    (client-mode single flight, see READ_SQL). With resume=False (the caller's sandbox follows the
+    history) a miss offers no snapshot to fork, and so leases none: one statement, not two."""
     # The task handle comes from this process's cache; the statement checks its version, and a
     # stale handle (the task changed) is re-read and the statement run again with the new keys.
     task = task_handle(task_id=task_id, cached=True)
@@ -131,12 +133,13 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
         return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms, mutates=mutates)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, _node_refs(writes or ()))
+    full_replay = tuple(step.call for step in history.writes)
     lease_id = None
-    if match.resume is not None:
+    if match.resume is not None and resume:
         lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
-        if lease_id is None:  # evicted between the match and the lease: start fresh
-            match = Match(match.matched, match.node, None, tuple(step.call for step in history.writes))
-    return LookupMiss(match=match, lease_id=lease_id, full_replay=tuple(step.call for step in history.writes),
+    if match.resume is not None and lease_id is None:  # not wanted, or evicted since the match: start fresh
+        match = Match(match.matched, match.node, None, full_replay)
+    return LookupMiss(match=match, lease_id=lease_id, full_replay=full_replay,
                       anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None, claim=claimed)
 
 

@@ -43,9 +43,12 @@ from .runtime import as_application_error, backend_named, forget, handle, labels
 log = logging.getLogger("tvcache.toolserver")
 
 # The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row).
+# The last column: the rollout has a sandbox of its own, which it brings up to date rather than
+# fork a snapshot (its lookups then lease none).
 CLAIM_SQL = """
-SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL
-FROM cache_rollout WHERE task_id = %s AND rollout_id = %s
+SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL,
+       EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased')
+FROM cache_rollout r WHERE task_id = %s AND rollout_id = %s
 """
 
 CREATE_SQL = """
@@ -92,11 +95,13 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    rollout, history = _rollout_claimed(task_id, rollout_id, epoch)
+    rollout, history, has_sandbox = _rollout_claimed(task_id, rollout_id, epoch)
     try:
         context = CallContext(history, call, rollout_id, epoch, None)
-        answer = tcg_lookup(task_id=task_id, context=context, count=False)
-        with _single_flight(handle, context, answer) as flight:
+        # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
+        # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
+        answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
+        with _single_flight(handle, context, answer, resume=not has_sandbox) as flight:
             answer = flight.answer
             if isinstance(answer, LookupHit):
                 lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
@@ -121,9 +126,9 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
     return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates)
 
 
-def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...]]:
-    """The rollout (created on its first call) with its history, claimed by this call: one call of
-    a rollout at a time, since a second one would run in the same sandbox and leave it ahead of
+def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...], bool]:
+    """The rollout (created on its first call) with its history and whether it has a sandbox,
+    claimed by this call: one call of a rollout at a time, since a second one would run in the same sandbox and leave it ahead of
     the history. It is refused (409), never queued: the client broke the order."""
     with connection.cursor() as cursor:
         cursor.execute(CLAIM_SQL, [task_id, rollout_id])
@@ -134,7 +139,7 @@ def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout
             row = cursor.fetchone()
     if row is None:  # the task was deleted
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
-    pk, claimed, history, finished = row
+    pk, claimed, history, finished, has_sandbox = row
     if not claimed:
         raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
                        code="rollout_busy")
@@ -143,7 +148,7 @@ def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout
             cursor.execute("SELECT pg_advisory_unlock(%s)", [pk])
         raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
     rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
-    return rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history))
+    return rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), has_sandbox
 
 
 class _Flight:
@@ -166,7 +171,7 @@ class _Flight:
 
 
 @contextmanager
-def _single_flight(task: TaskHandle, context: CallContext, answer):
+def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool):
     """Lead the execution of a miss, or wait while another rollout executes the same call in the
     same state and take its result. A leader that fails or times out records nothing: the next
     waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
@@ -184,7 +189,7 @@ def _single_flight(task: TaskHandle, context: CallContext, answer):
             delay = min(delay * 2, 0.1)
         if flight.waited and flight.key is not None:  # the leader is done: its result, if it recorded one
             _drop_lease(flight.answer)
-            flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False)
+            flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
             if isinstance(flight.answer, LookupHit):
                 flight.release()
     try:
@@ -211,7 +216,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) 
     try:
         run = _rollout_sandbox(task, backend, rollout, context, answer)
         restore_ms = run.restore_ms
-    finally:  # the lookup's lease, used or not (a rollout with a sandbox of its own does not fork)
+    finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
         if answer.lease_id:
             lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
     try:

@@ -91,6 +91,12 @@ def test_history_over_the_length_cap(api, toy_task):
     assert error(api.post("/api/v1/tasks/toy/lookup", body, format="json"), 413) == "history_too_long"
 
 
+def test_resume_must_be_a_boolean(api, toy_task):
+    response = api.post("/api/v1/tasks/toy/lookup", {"history": [], "call": W, "resume": "no"}, format="json")
+    assert error(response, 400) == "invalid_payload"
+    assert response.json()["error"]["details"] == {"field": "resume"}
+
+
 def test_unknown_lease(api, toy_task):
     assert error(api.delete("/api/v1/leases/6f1c1d3e-0000-4000-8000-000000000000"), 404) == "unknown_lease"
     assert error(api.delete("/api/v1/leases/not-a-uuid"), 404) == "unknown_lease"

@@ -1,10 +1,11 @@
 """The one launcher of the served service (benchmarks, the replay, browser tests)."""
 
+import environ
 import httpx
 import pytest
 from django.conf import settings
 
-from cache.bench.server import service_running
+from cache.bench.server import database_url, service_running
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,3 +21,15 @@ def test_a_worker_on_its_own_queue_answers_before_the_service_is_handed_over():
     with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True,
                          workers=1) as service:
         assert service.queue and service.queue.startswith("tvcache-")
+
+
+def test_without_a_worker_the_jobs_still_go_to_a_queue_of_its_own():
+    # Never the default queue, where a worker of another deployment (another database) takes them.
+    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service:
+        assert service.queue and service.queue.startswith("tvcache-")
+
+
+def test_database_url_round_trips_credentials_with_reserved_characters():
+    db = {"USER": "u@x", "PASSWORD": "p:/#w?", "HOST": "db", "PORT": 5433, "NAME": "tv"}
+    parsed = environ.Env.db_url_config(database_url(db))
+    assert {key: parsed[key] for key in db} == db

@@ -1,6 +1,7 @@
 import pytest
 from django.db import connection
 
+from cache.models import Lease
 from cache.services import claims_clear, tables_vacuum
 
 from .helpers import call, lookup, record
@@ -83,6 +84,17 @@ def test_miss_resumes_from_the_deepest_snapshot_with_a_lease(api, toy_task):
     assert miss["replay"] == [W1, W2, w3]
     released = api.delete(f"/api/v1/leases/{miss['resume']['lease_id']}?restore_ms=12")
     assert released.status_code == 204
+
+
+def test_a_caller_that_follows_the_history_is_offered_no_snapshot_and_leases_none(api, toy_task):
+    record(api, toy_task, [], W1, {"ok": True}, exec_ms=5000)
+    node = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)["node_id"]
+    api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/snapshots", {"ref": "s", "backend": "external"}, format="json")
+    assert lookup(api, toy_task, [W1, W2], R, resume=False) == {"hit": False, "matched": 2, "resume": None,
+                                                                "replay": [W1, W2]}
+    assert Lease.objects.count() == 0
+    assert lookup(api, toy_task, [W1, W2], R, resume=True)["resume"]["snapshot_ref"] == "s"
+    assert Lease.objects.count() == 1
 
 
 @pytest.mark.django_db(transaction=True)  # autocommit, as lookups run when served

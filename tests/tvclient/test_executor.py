@@ -101,6 +101,18 @@ def test_a_failed_execution_gives_its_claim_up(service, client):
     assert service.requests("record") == []
 
 
+def test_a_rollout_with_an_open_environment_asks_for_no_snapshot(service, client):
+    executor = ToolCallExecutor(client, TASK, Factory())
+    set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
+    service.script("lookup", miss(replay=[]))
+    executor.execute(set_a)
+    service.script("lookup", miss(replay=[set_a], matched=1))
+    executor.execute(set_b)
+    # The first miss may fork a snapshot (the default); the second replays on its own env.
+    assert ["resume" in seen.body for seen in service.requests("lookup")] == [False, True]
+    assert service.requests("lookup")[1].body["resume"] is False
+
+
 def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client):
     for executor in (ToolCallExecutor(client, TASK, Factory()),
                      ToolCallExecutor(client, TASK, Factory(), rollout_id="r", single_flight=False)):

@@ -89,10 +89,14 @@ class TVCacheClient:
         rollout_id: str | None = None,
         epoch: int | None = None,
         claim: bool = False,
+        resume: bool = True,
     ) -> LookupResult:
         """`claim` (needs rollout_id): on a miss, claim the call for this rollout; see
-        LookupResult.claim."""
-        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim))
+        LookupResult.claim. `resume=False`: the caller's environment already follows the
+        history, so a miss offers (and leases) no snapshot to fork."""
+        return self._send(
+            operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume)
+        )
 
     def record(
         self,
@@ -213,9 +217,10 @@ class AsyncTVCacheClient:
         rollout_id: str | None = None,
         epoch: int | None = None,
         claim: bool = False,
+        resume: bool = True,
     ) -> LookupResult:
         return await self._send(
-            operations.lookup(task_id, history, call, rollout_id, epoch, claim)
+            operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume)
         )
 
     async def record(

@@ -138,6 +138,8 @@ class ToolCallExecutor:
                 rollout_id=self.rollout_id,
                 epoch=self.epoch,
                 claim=self._claim,
+                # An open environment replays what it missed: no snapshot (nor lease) needed.
+                resume=self._env is None,
             )
             if lookup.claim != "in_flight":
                 return lookup

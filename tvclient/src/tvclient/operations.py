@@ -98,9 +98,15 @@ def lookup(
     rollout_id: str | None,
     epoch: int | None,
     claim: bool = False,
+    resume: bool = True,
 ) -> Operation[LookupResult]:
     body = _without_none(
-        history=history, call=call, rollout_id=rollout_id, epoch=epoch, claim=claim or None
+        history=history,
+        call=call,
+        rollout_id=rollout_id,
+        epoch=epoch,
+        claim=claim or None,
+        resume=None if resume else False,
     )
     return Operation("POST", f"{_task_path(task_id)}/lookup", _parse_with(LookupResult), body=body, timed=True)
 
