@@ -1,5 +1,6 @@
 import asyncio
 import logging
+import threading
 
 import pytest
 
@@ -113,6 +114,48 @@ def test_a_rollout_with_an_open_environment_asks_for_no_snapshot(service, client
     assert service.requests("lookup")[1].body["resume"] is False
 
 
+def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client):
+    release_fork = threading.Event()
+
+    class SlowFork(InMemoryEnvironment):
+        def fork(self):
+            assert release_fork.wait(10)
+            return super().fork()
+
+    store = SnapshotStore()
+    executor = ToolCallExecutor(client, TASK, SlowFork, snapshots=store)
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+
+    assert executor.execute(call("set", key="a", value="1")) == {"value": "1"}
+    assert service.requests("snapshot") == [] and len(store) == 0  # the fork is still waiting
+
+    release_fork.set()
+    executor.flush()
+    assert len(service.requests("snapshot")) == 1 and len(store) == 1
+    # The next miss ran after the snapshot: the snapshot holds the state it was taken in.
+    service.script("lookup", miss(replay=[call("set", key="a", value="1")], matched=1))
+    executor.execute(call("append", key="a", value="2"))
+    executor.close()
+    assert store.get(service.requests("snapshot")[0].body["ref"]).data == {"a": "1"}
+
+
+def test_a_failed_record_leaves_the_result_and_gives_the_claim_up(service, client, caplog):
+    executor = ToolCallExecutor(client, TASK, Factory(), rollout_id="r1")
+    set_a = call("set", key="a", value="1")
+    service.script("lookup", {**miss(replay=[]), "claim": "granted"})
+    service.script("record", {"error": {"code": "env_changed", "message": "changed"}}, status=409)
+
+    with caplog.at_level(logging.WARNING, logger="tvclient"):
+        assert executor.execute(set_a) == {"value": "1"}
+        executor.flush()
+
+    assert executor.record_failures == 1 and "could not record" in caplog.text
+    (released,) = service.requests("release_claim")
+    assert released.body == {"history": [], "call": set_a, "rollout_id": "r1"}
+    assert executor.history == (set_a,)  # the call ran: the rollout's state includes it
+
+
 def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client):
     for executor in (ToolCallExecutor(client, TASK, Factory()),
                      ToolCallExecutor(client, TASK, Factory(), rollout_id="r", single_flight=False)):
@@ -131,6 +174,7 @@ def test_miss_without_snapshot_starts_fresh_and_replays_every_write(service, cli
     service.script("lookup", miss(replay=[set_a, append_a], matched=3))
 
     assert executor.execute(call("list")) == {"keys": ["a"]}
+    executor.flush()
 
     (env,) = factory.made
     assert env is executor.env and env.data == {"a": "12"}
@@ -160,6 +204,7 @@ def test_miss_resumes_from_local_snapshot_and_replays_only_the_suffix(service, c
     )
 
     assert executor.execute(call("get", key="a")) == {"value": "123"}
+    executor.flush()
 
     assert factory.made == []
     assert executor.env.executions == 3  # two replayed appends and the get
@@ -182,6 +227,7 @@ def test_snapshot_this_process_does_not_hold_means_fresh_start(service, client):
     service.script("lookup", miss(replay=[set_a], resume=resume("other-process", [])))
 
     assert executor.execute(call("get", key="a")) == {"value": "1"}
+    executor.flush()
 
     assert factory.made[0].executions == 2
     (release,) = service.requests("release")
@@ -202,6 +248,7 @@ def test_state_changing_hit_is_applied_to_own_env_before_next_miss(service, clie
     service.script("lookup", miss(replay=[set_x, append_y], matched=3))
 
     assert executor.execute(append_z) == {"value": "xyz"}
+    executor.flush()
 
     (env,) = factory.made
     assert env.executions == 3
@@ -240,6 +287,7 @@ def test_failed_lease_release_does_not_fail_the_call(service, client, caplog):
 
     with caplog.at_level(logging.WARNING, logger="tvclient"):
         assert executor.execute(call("set", key="a", value="1")) == {"value": "1"}
+        executor.flush()
 
     assert "lease 5" in caplog.text
 
@@ -250,6 +298,7 @@ def test_wanted_snapshot_is_frozen_registered_and_kept(service, client):
     service.script("lookup", miss(replay=[]))
     service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
     executor.execute(call("set", key="a", value="1"))
+    executor.flush()
 
     (registration,) = service.requests("snapshot")
     assert registration.path == f"/api/v1/tasks/{TASK}/nodes/5/snapshots"
@@ -278,6 +327,7 @@ def test_evicted_snapshots_are_stopped_and_forgotten(service, client):
     service.script("snapshot", {"snapshot_id": 8, "ref": "x", "evicted": ["old-2"]}, status=201)
 
     executor.execute(call("set", key="a", value="3"))
+    executor.flush()
 
     assert not by_record.running and not by_registration.running
     assert "old-1" not in store and "old-2" not in store
@@ -295,6 +345,7 @@ def test_close_stops_own_env_and_private_snapshots_but_not_shared_ones(service, 
             service.script("lookup", miss(replay=[]))
             service.script("record", wanted)
             executor.execute(call("set", key="a", value="1"))
+            executor.flush()
         kept_private = private.snapshots.get(service.requests("snapshot")[1].body["ref"])
 
     assert all(not env.running for env in factory.made)

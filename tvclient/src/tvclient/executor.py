@@ -7,6 +7,8 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, cast
 
 from .client import TVCacheClient
@@ -23,6 +25,20 @@ EnvFactory = Callable[[], ToolExecutionEnvironment]
 # up to the cap (a call that runs for seconds costs a few lookups a second, a quick one ~10 ms).
 FLIGHT_POLL_FIRST_S = 0.01
 FLIGHT_POLL_MAX_S = 0.25
+
+# Where misses are recorded while their rollouts go on (one record in flight per rollout).
+_RECORDING = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tvclient-record")
+
+
+@dataclass(frozen=True, slots=True)
+class _Executed:
+    """A call that ran in the rollout's environment, to be recorded."""
+
+    history: list[Call]  # the calls before it
+    call: Call
+    result: ToolResult
+    mutated: bool | None  # whether the env saw it change anything (None: unknown)
+    exec_ms: float
 
 
 def _elapsed_ms(started: float) -> float:
@@ -61,6 +77,12 @@ class ToolCallExecutor:
     snapshot this process holds when the service offers one, else started fresh, and replays
     the state-changing calls it lacks; later misses reuse it. Every executed call, replays
     included, is recorded.
+
+    A miss returns as soon as its call has run: its record, the snapshot the service may ask
+    for and the release of its lease go on in the background, while the policy generates the
+    next call. The executor waits for them before it next uses the environment (a later miss)
+    and in `flush()` and `close()`. A record that fails there is logged and counted in
+    `record_failures`; the call's result stands (the cache only lacks that node).
 
     Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment),
     `replayed` (calls run again only to rebuild state) and `waited` (calls that waited for
@@ -103,6 +125,8 @@ class ToolCallExecutor:
         self.executed = 0
         self.replayed = 0
         self.waited = 0
+        self.record_failures = 0
+        self._recording: Future[None] | None = None
 
     @property
     def history(self) -> tuple[Call, ...]:
@@ -148,7 +172,14 @@ class ToolCallExecutor:
             time.sleep(delay)
             delay = min(delay * 2, FLIGHT_POLL_MAX_S)
 
+    def flush(self) -> None:
+        """Wait for the last miss's record, snapshot and lease release to be done."""
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.result()  # it handles its own errors
+
     def close(self) -> None:
+        self.flush()
         self._drop_env()
         if self._owns_snapshots:
             self.snapshots.close()
@@ -168,7 +199,9 @@ class ToolCallExecutor:
         self._history.append(call)
 
     def _resolve_miss(self, call: Call, lookup: LookupResult) -> tuple[ToolResult, bool | None]:
+        self.flush()  # the previous miss's snapshot is taken before the environment moves on
         restore_ms: float | None = None
+        lease_id = lookup.resume.lease_id if lookup.resume is not None else None
         try:
             if self._env is None:
                 restore_ms, replay = self._open_env(lookup)
@@ -177,19 +210,39 @@ class ToolCallExecutor:
             for position in replay:
                 self._run(position, self._history[position])
                 self.replayed += 1
-            outcome = self._run(len(self._history), call)
+            executed = self._execute(list(self._history), call)
             self.executed += 1
-            return outcome
         except BaseException:
             # After a failure the environment's state no longer follows the history; the
             # next miss rebuilds it.
             self._drop_env()
             if lookup.claim == "granted":  # rollouts waiting on this call execute it now
-                self._release_claim(call)
+                self._release_claim(self._history, call)
+            if lease_id is not None:
+                self._release(lease_id, restore_ms)
             raise
+        self._recording = _RECORDING.submit(
+            self._record_in_background, executed, lookup.claim == "granted", lease_id, restore_ms
+        )
+        return executed.result, executed.mutated
+
+    def _record_in_background(
+        self,
+        executed: _Executed,
+        claimed: bool,
+        lease_id: int | str | None,
+        restore_ms: float | None,
+    ) -> None:
+        try:
+            self._record(executed)
+        except Exception as exc:
+            self.record_failures += 1
+            logger.warning("could not record %s: %s", executed.call, exc, exc_info=True)
+            if claimed:  # rollouts waiting on this call execute it now
+                self._release_claim(executed.history, executed.call)
         finally:
-            if lookup.resume is not None:
-                self._release(lookup.resume.lease_id, restore_ms)
+            if lease_id is not None:
+                self._release(lease_id, restore_ms)
 
     def _open_env(self, lookup: LookupResult) -> tuple[float | None, list[int]]:
         """Fork the offered snapshot if this process holds it, else start fresh.
@@ -209,27 +262,31 @@ class ToolCallExecutor:
         self._env = snapshot.fork()
         return _elapsed_ms(started), positions[len(positions) - len(resume.replay) :]
 
-    def _run(self, position: int, call: Call) -> tuple[ToolResult, bool | None]:
-        """Execute `call` (which follows history[:position]) in the rollout's env and record it.
-        Returns the result and whether the env saw the call change anything (None: unknown)."""
+    def _run(self, position: int, call: Call) -> None:
+        """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
+        self._record(self._execute(self._history[:position], call))
+
+    def _execute(self, history: list[Call], call: Call) -> _Executed:
         assert self._env is not None
         started = time.perf_counter()
         result, mutated = self._env.execute_observed(call)
-        exec_ms = _elapsed_ms(started)
+        return _Executed(history, call, result, mutated, _elapsed_ms(started))
+
+    def _record(self, executed: _Executed) -> None:
+        """Record the call and take the snapshot the service asks for."""
         recorded = self._client.record(
             self.task_id,
-            self._history[:position],
-            call,
-            result,
-            exec_ms,
+            executed.history,
+            executed.call,
+            executed.result,
+            executed.exec_ms,
             rollout_id=self.rollout_id,
             epoch=self.epoch,
-            mutated=mutated,
+            mutated=executed.mutated,
         )
         if recorded.snapshot_wanted:
             self._snapshot(recorded.node_id)
         self._discard(recorded.evicted)
-        return result, mutated
 
     def _snapshot(self, node_id: int) -> None:
         assert self._env is not None
@@ -266,12 +323,10 @@ class ToolCallExecutor:
             # it must neither fail the rollout nor mask the call's own error.
             logger.warning("could not release lease %s: %s", lease_id, exc)
 
-    def _release_claim(self, call: Call) -> None:
+    def _release_claim(self, history: list[Call], call: Call) -> None:
         assert self.rollout_id is not None  # only a rollout's lookups claim
         try:
-            self._client.release_claim(
-                self.task_id, self._history, call, rollout_id=self.rollout_id
-            )
+            self._client.release_claim(self.task_id, history, call, rollout_id=self.rollout_id)
         except TVCacheError as exc:  # the claim lapses on its own (TVCACHE_CLAIM_TTL_S)
             logger.warning("could not release the claim on %s: %s", call, exc)
 
@@ -313,6 +368,9 @@ class AsyncToolCallExecutor:
 
     async def execute(self, call: Call) -> ToolResult:
         return await asyncio.to_thread(self.executor.execute, call)
+
+    async def flush(self) -> None:
+        await asyncio.to_thread(self.executor.flush)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.executor.close)
