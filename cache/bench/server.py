@@ -118,10 +118,11 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     per process) on a free loopback port, on `db` and `redis_url` (default: this process's
     environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
     reaping, eviction, vacuum). With a broker the service queues its background jobs on a queue
-    of its own, so that no other worker (on another database) takes them, whether or not this
-    one runs; the queue is deleted afterwards. Without a Redis URL there is no worker: the
-    service then runs its background work in process (its embedded default). Logs go to
-    `log_dir` if given."""
+    of its own, so that no other worker (on another database) takes them; the queue is deleted
+    afterwards. So with a broker but without `celery` those jobs are queued and never run: the
+    caller measures the request path alone, or starts its own worker on `RunningServer.queue`.
+    Without a Redis URL there is no worker: the service then runs its background work in
+    process (its embedded default). Logs go to `log_dir` if given."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
     queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",

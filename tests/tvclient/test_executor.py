@@ -124,20 +124,37 @@ def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client)
 
     store = SnapshotStore()
     executor = ToolCallExecutor(client, TASK, SlowFork, snapshots=store)
+    set_a = call("set", key="a", value="1")
     service.script("lookup", miss(replay=[]))
     service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
 
-    assert executor.execute(call("set", key="a", value="1")) == {"value": "1"}
+    assert executor.execute(set_a) == {"value": "1"}
     assert service.requests("snapshot") == [] and len(store) == 0  # the fork is still waiting
 
-    release_fork.set()
-    executor.flush()
-    assert len(service.requests("snapshot")) == 1 and len(store) == 1
-    # The next miss ran after the snapshot: the snapshot holds the state it was taken in.
-    service.script("lookup", miss(replay=[call("set", key="a", value="1")], matched=1))
+    # The next miss waits for the snapshot before it moves the environment on.
+    threading.Timer(0.2, release_fork.set).start()
+    service.script("lookup", miss(replay=[set_a], matched=1))
     executor.execute(call("append", key="a", value="2"))
-    executor.close()
+    assert len(service.requests("snapshot")) == 1
     assert store.get(service.requests("snapshot")[0].body["ref"]).data == {"a": "1"}
+    executor.close()
+
+
+def test_close_alone_sends_the_last_record(service, client):
+    executor = ToolCallExecutor(client, TASK, Factory())
+    service.script("lookup", miss(replay=[]))
+    executor.execute(call("set", key="a", value="1"))
+    executor.close()
+    assert histories(service) == [([], call("set", key="a", value="1"))]
+
+
+def test_the_record_sends_the_result_as_it_was_returned(service, client):
+    executor = ToolCallExecutor(client, TASK, Factory())
+    service.script("lookup", miss(replay=[]))
+    result = executor.execute(call("set", key="a", value="1"))
+    result["value"] = "changed by the caller"
+    executor.flush()
+    assert service.requests("record")[0].body["result"] == {"value": "1"}
 
 
 def test_a_failed_record_leaves_the_result_and_gives_the_claim_up(service, client, caplog):
@@ -154,6 +171,41 @@ def test_a_failed_record_leaves_the_result_and_gives_the_claim_up(service, clien
     (released,) = service.requests("release_claim")
     assert released.body == {"history": [], "call": set_a, "rollout_id": "r1"}
     assert executor.history == (set_a,)  # the call ran: the rollout's state includes it
+
+
+def test_a_failed_snapshot_registration_keeps_the_claim_of_the_recorded_call(service, client):
+    executor = ToolCallExecutor(client, TASK, Factory(), rollout_id="r1")
+    service.script("lookup", {**miss(replay=[]), "claim": "granted"})
+    service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+    service.script("snapshot", {"error": {"code": "unknown_node", "message": "gone"}}, status=404)
+
+    executor.execute(call("set", key="a", value="1"))
+    executor.flush()
+
+    assert executor.record_failures == 1
+    # Rollouts waiting on the call take the recorded hit: releasing would make them execute it.
+    assert service.requests("release_claim") == []
+    assert len(executor.snapshots) == 0
+
+
+def test_a_fork_that_fails_in_the_background_fails_the_next_miss(service, client):
+    class BrokenFork(InMemoryEnvironment):
+        def fork(self):
+            raise RuntimeError("fork failed")
+
+    executor = ToolCallExecutor(client, TASK, BrokenFork, rollout_id="r1")
+    set_a, get_a = call("set", key="a", value="1"), call("get", key="a")
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+    executor.execute(set_a)
+    service.script("lookup", {**miss(replay=[set_a], matched=1), "claim": "granted"})
+
+    with pytest.raises(RuntimeError, match="fork failed"):
+        executor.execute(get_a)
+
+    (released,) = service.requests("release_claim")  # the failed miss's own claim
+    assert released.body["call"] == get_a
+    assert executor.env is None  # its state is unknown: the next miss rebuilds it
 
 
 def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client):

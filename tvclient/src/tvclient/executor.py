@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, cast
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, Callable, TypeVar, cast
 
 from .client import TVCacheClient
 from .environment import ToolExecutionEnvironment
 from .errors import TVCacheError
-from .results import Call, LookupResult, ToolResult
+from .results import Call, LookupResult, RecordResult, ToolResult
 from .snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,6 @@ EnvFactory = Callable[[], ToolExecutionEnvironment]
 # up to the cap (a call that runs for seconds costs a few lookups a second, a quick one ~10 ms).
 FLIGHT_POLL_FIRST_S = 0.01
 FLIGHT_POLL_MAX_S = 0.25
-
-# Where misses are recorded while their rollouts go on (one record in flight per rollout).
-_RECORDING = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tvclient-record")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +43,30 @@ def _elapsed_ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000.0
 
 
-def _json_copy(call: Call) -> Call:
+_J = TypeVar("_J")
+
+
+def _json_copy(value: _J) -> _J:
     # The caller may reuse its dict, and calls must compare equal to the service's JSON echo
     # of them (a tuple argument comes back as a list).
-    return json.loads(json.dumps(call))
+    return cast(_J, json.loads(json.dumps(value)))
+
+
+def _in_background(work: Callable[[], Any]) -> Future[None]:
+    """Run `work` in a thread of its own; the future carries what it raised."""
+    done: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    # Not a daemon: an interpreter that exits without close() still sends the last record.
+    threading.Thread(target=run, name="tvclient-record").start()
+    return done
 
 
 def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]:
@@ -76,13 +94,16 @@ class ToolCallExecutor:
     nothing. The first miss materialises the rollout's own environment, forked from a
     snapshot this process holds when the service offers one, else started fresh, and replays
     the state-changing calls it lacks; later misses reuse it. Every executed call, replays
-    included, is recorded.
+    included, is sent to the service to be recorded.
 
     A miss returns as soon as its call has run: its record, the snapshot the service may ask
-    for and the release of its lease go on in the background, while the policy generates the
-    next call. The executor waits for them before it next uses the environment (a later miss)
-    and in `flush()` and `close()`. A record that fails there is logged and counted in
-    `record_failures`; the call's result stands (the cache only lacks that node).
+    for and the release of its lease go on in a thread of their own, while the policy
+    generates the next call. The executor waits for them before it next touches the
+    environment (a later miss, `env`) and in `flush()` and `close()`. If the service rejects
+    the record or the snapshot's registration, or cannot be reached, that is logged and
+    counted in `record_failures` and the call's result stands: the cache only lacks that node
+    or snapshot. Any other error there (the environment failing to fork, say) is raised by
+    the next of those waits.
 
     Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment),
     `replayed` (calls run again only to rebuild state) and `waited` (calls that waited for
@@ -136,7 +157,11 @@ class ToolCallExecutor:
 
     @property
     def env(self) -> ToolExecutionEnvironment | None:
-        """The rollout's own environment, once a miss has materialised it."""
+        """The rollout's own environment, once a miss has materialised it.
+
+        Waits for the last miss's background work first, which may still be forking it.
+        """
+        self.flush()
         return self._env
 
     def execute(self, call: Call) -> ToolResult:
@@ -173,16 +198,21 @@ class ToolCallExecutor:
             delay = min(delay * 2, FLIGHT_POLL_MAX_S)
 
     def flush(self) -> None:
-        """Wait for the last miss's record, snapshot and lease release to be done."""
+        """Wait for the last miss's record, snapshot and lease release to be done.
+
+        Raises what that work raised, but for the service errors it logs and counts.
+        """
         recording, self._recording = self._recording, None
         if recording is not None:
-            recording.result()  # it handles its own errors
+            recording.result()
 
     def close(self) -> None:
-        self.flush()
-        self._drop_env()
-        if self._owns_snapshots:
-            self.snapshots.close()
+        try:
+            self.flush()
+        finally:
+            self._drop_env()
+            if self._owns_snapshots:
+                self.snapshots.close()
 
     def __enter__(self) -> ToolCallExecutor:
         return self
@@ -199,10 +229,10 @@ class ToolCallExecutor:
         self._history.append(call)
 
     def _resolve_miss(self, call: Call, lookup: LookupResult) -> tuple[ToolResult, bool | None]:
-        self.flush()  # the previous miss's snapshot is taken before the environment moves on
         restore_ms: float | None = None
         lease_id = lookup.resume.lease_id if lookup.resume is not None else None
         try:
+            self.flush()  # the previous miss's snapshot is taken before the environment moves on
             if self._env is None:
                 restore_ms, replay = self._open_env(lookup)
             else:
@@ -221,8 +251,11 @@ class ToolCallExecutor:
             if lease_id is not None:
                 self._release(lease_id, restore_ms)
             raise
-        self._recording = _RECORDING.submit(
-            self._record_in_background, executed, lookup.claim == "granted", lease_id, restore_ms
+        # The caller owns the result it gets back; the record sends a copy taken now.
+        recorded = replace(executed, result=_json_copy(executed.result))
+        claimed = lookup.claim == "granted"
+        self._recording = _in_background(
+            lambda: self._record_in_background(recorded, claimed, lease_id, restore_ms)
         )
         return executed.result, executed.mutated
 
@@ -234,12 +267,22 @@ class ToolCallExecutor:
         restore_ms: float | None,
     ) -> None:
         try:
-            self._record(executed)
-        except Exception as exc:
-            self.record_failures += 1
-            logger.warning("could not record %s: %s", executed.call, exc, exc_info=True)
-            if claimed:  # rollouts waiting on this call execute it now
-                self._release_claim(executed.history, executed.call)
+            try:
+                recorded = self._record(executed)
+            except BaseException as exc:
+                if claimed:  # rollouts waiting on this call execute it now
+                    self._release_claim(executed.history, executed.call)
+                if not isinstance(exc, TVCacheError):
+                    raise
+                self.record_failures += 1
+                logger.warning("could not record %s: %s", executed.call, exc)
+                return
+            # Recorded: the claim stays, so that rollouts waiting on it take the hit.
+            try:
+                self._keep_snapshot(recorded)
+            except TVCacheError as exc:
+                self.record_failures += 1
+                logger.warning("could not register a snapshot after %s: %s", executed.call, exc)
         finally:
             if lease_id is not None:
                 self._release(lease_id, restore_ms)
@@ -264,7 +307,7 @@ class ToolCallExecutor:
 
     def _run(self, position: int, call: Call) -> None:
         """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
-        self._record(self._execute(self._history[:position], call))
+        self._keep_snapshot(self._record(self._execute(self._history[:position], call)))
 
     def _execute(self, history: list[Call], call: Call) -> _Executed:
         assert self._env is not None
@@ -272,9 +315,8 @@ class ToolCallExecutor:
         result, mutated = self._env.execute_observed(call)
         return _Executed(history, call, result, mutated, _elapsed_ms(started))
 
-    def _record(self, executed: _Executed) -> None:
-        """Record the call and take the snapshot the service asks for."""
-        recorded = self._client.record(
+    def _record(self, executed: _Executed) -> RecordResult:
+        return self._client.record(
             self.task_id,
             executed.history,
             executed.call,
@@ -284,6 +326,9 @@ class ToolCallExecutor:
             epoch=self.epoch,
             mutated=executed.mutated,
         )
+
+    def _keep_snapshot(self, recorded: RecordResult) -> None:
+        """Take the snapshot the service asks for after a record, and drop what it evicted."""
         if recorded.snapshot_wanted:
             self._snapshot(recorded.node_id)
         self._discard(recorded.evicted)
