@@ -33,7 +33,9 @@ from .tasks import TaskHandle, task_handle
 # rollout's own retry gets it back); the last column says whether it got it. No claim once the
 # node exists (a rollout that missed just before a record sees the hit on its next lookup), nor
 # with an outdated handle (its keys may be stale: the lookup is run again). The CTE's insert sees
-# the same snapshot as the read, and ON CONFLICT the latest claim.
+# the same snapshot as the read, and ON CONFLICT the latest claim. A claim is coordination with
+# a TTL, like a lease (LEASE_SQL): its commit does not wait for the WAL to reach the disk. A
+# PostgreSQL crash may lose the claims of its last few hundred ms; their calls may then run twice.
 # Counters go to the in-process buffer (counters.py), not to this query.
 READ_SQL = """
 WITH claimed AS (
@@ -42,6 +44,7 @@ WITH claimed AS (
            clock_timestamp() + %(ttl)s::float8 * interval '1 second'
     FROM cache_task t
     WHERE %(claim)s AND %(cacheable)s AND t.id = %(task)s AND t.version = %(version)s
+      AND set_config('synchronous_commit', 'off', true) IS NOT NULL
       AND NOT EXISTS (SELECT FROM cache_node n
                       WHERE n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s)
     ON CONFLICT (task_id, anchor_key, call_digest) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at

@@ -98,12 +98,13 @@ def test_a_caller_that_follows_the_history_is_offered_no_snapshot_and_leases_non
 
 
 @pytest.mark.django_db(transaction=True)  # autocommit, as lookups run when served
-def test_a_lease_commits_asynchronously_and_only_itself(api, toy_task):
+def test_leases_and_claims_commit_asynchronously_and_only_themselves(api, toy_task):
     record(api, toy_task, [], W1, {"ok": True}, exec_ms=5000)
     node = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)["node_id"]
     api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/snapshots", {"ref": "s", "backend": "external"}, format="json")
+    assert lookup(api, toy_task, [W1, W2], R, rollout_id="r1", claim=True)["claim"] == "granted"
     assert lookup(api, toy_task, [W1, W2], R)["resume"]["lease_id"]
-    with connection.cursor() as cursor:  # the setting lived as long as the lease's own transaction
+    with connection.cursor() as cursor:  # the setting lived as long as their own transactions
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone()[0] == "on"
 
