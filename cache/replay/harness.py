@@ -214,6 +214,8 @@ class CallSample:
     result_digest: str
     lookup_ms: float | None = None  # client mode: the lookup request
     lookup_server_ms: float | None = None  # client mode: the service's own time on it (Server-Timing)
+    # client mode: time the call waited for the previous miss's background work (record, snapshot)
+    background_wait_ms: float | None = None
     result: Any = None  # kept only until compared
     started: float = 0.0  # perf_counter at the call's start
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
@@ -480,13 +482,14 @@ class Replay:
             for position, call in enumerate(calls):
                 time.sleep(think[position])
                 _meter.env_ms = _meter.lookup_ms = _meter.lookup_server_ms = 0.0
-                hits, keyed = executor.hits, len(executor.history)
+                hits, keyed, waited_ms = executor.hits, len(executor.history), executor.background_wait_ms
                 started = time.perf_counter()
                 result = executor.execute(call)
                 latency = (time.perf_counter() - started) * 1000
                 sample = self._sample(task, epoch, index, position, call, latency, executor.hits > hits,
                                       _meter.env_ms, result)
                 sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
+                sample.background_wait_ms = executor.background_wait_ms - waited_ms
                 sample.mutates = len(executor.history) > keyed  # left out of the history: read-only
                 samples.append(sample)
             _meter.env_ms = 0.0

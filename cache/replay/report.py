@@ -28,14 +28,26 @@ def _quantiles(values: list[float], points: int = 101) -> list[float]:
 
 
 def _miss_overheads(run: EpochRun) -> list[float]:
-    """Client mode: a miss's latency minus the time spent in sandboxes (start, fork, replay, the call)."""
+    """Client mode: a miss's latency minus the time spent in sandboxes on the rollout's thread
+    (start, fork, replay, the call). It includes waiting for the previous miss's background
+    work (`background_wait_ms`), whose snapshot is sandbox time spent on another thread."""
     return [s.latency_ms - s.env_ms for s in run.calls if s.cached is False and s.env_ms is not None]
 
 
 def _miss_lookups(run: EpochRun, field: str = "lookup_ms") -> list[float]:
-    """Client mode: a miss's lookup as the rollout saw it, or (`lookup_server_ms`) the service's
-    own share of it (Server-Timing): the rest is the network and the client."""
+    """Client mode, per miss: `lookup_ms` its lookup as the rollout saw it, `lookup_server_ms` the
+    service's own share of it (Server-Timing: the rest is the network and the client), or
+    `background_wait_ms` its wait for the previous miss's record and snapshot."""
     return [getattr(s, field) for s in run.calls if s.cached is False and getattr(s, field) is not None]
+
+
+def _miss_fields(runs: list[EpochRun]) -> dict[str, dict[str, float]]:
+    overheads = [o for run in runs for o in _miss_overheads(run)]
+    if not overheads:
+        return {}
+    return {"miss_overhead_ms": _latency(overheads),
+            **{f"miss_{field}": _latency([v for run in runs for v in _miss_lookups(run, field)])
+               for field in ("lookup_ms", "lookup_server_ms", "background_wait_ms")}}
 
 
 def issued_oracle(runs: list[EpochRun]) -> dict[int, int]:
@@ -76,11 +88,7 @@ def epoch_metrics(run: EpochRun, issued_oracle_hits: int) -> dict[str, Any]:
         "exact": run.exact,
         "issued_oracle_hit_rate": issued_oracle_hits / len(run.calls) if run.calls else 0.0,
     }
-    overheads = _miss_overheads(run)
-    if overheads:
-        out["miss_overhead_ms"] = _latency(overheads)
-        out["miss_lookup_ms"] = _latency(_miss_lookups(run))
-        out["miss_lookup_server_ms"] = _latency(_miss_lookups(run, "lookup_server_ms"))
+    out.update(_miss_fields([run]))
     if run.service:
         out["service"] = run.service
         out["oracle_hit_rate"] = run.service["oracle_hit_rate"]
@@ -105,11 +113,7 @@ def arm_summary(runs: list[EpochRun], issued_oracle_hits: dict[int, int]) -> dic
         "exact": {key: sum(run.exact.get(key, 0) for run in runs)
                   for key in ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches")},
     }
-    overheads = [o for run in runs for o in _miss_overheads(run)]
-    if overheads:
-        out["miss_overhead_ms"] = _latency(overheads)
-        out["miss_lookup_ms"] = _latency([o for run in runs for o in _miss_lookups(run)])
-        out["miss_lookup_server_ms"] = _latency([o for run in runs for o in _miss_lookups(run, "lookup_server_ms")])
+    out.update(_miss_fields(runs))
     if service:
         out["service_hit_rate"] = sum(s.get("hits", 0) for s in service) / service_calls if service_calls else 0.0
         out["oracle_hit_rate"] = sum(s.get("oracle_hits", 0) for s in service) / service_calls if service_calls else 0.0
@@ -157,15 +161,16 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["median_latency_reduction"] = entry
     lookups = {name: a["miss_lookup_ms"]["p95"] for name, a in cached.items() if "miss_lookup_ms" in a}
     if lookups:
-        # The target is on the lookup a miss pays before its tool runs; the whole overhead (lookup,
-        # record, snapshot registration, lease release) is reported next to it.
+        # The target is on the lookup a miss pays before its tool runs; the whole overhead (the
+        # lookup, the wait for the previous miss's record and snapshot that thinking did not
+        # cover, replays' records) is reported next to it.
+        def p95(field: str) -> dict[str, float]:
+            return {name: a[field]["p95"] for name, a in cached.items() if field in a}
+
         out["miss_lookup_p95_ms"] = {
             "met": all(v < MISS_OVERHEAD_P95_MS for v in lookups.values()), "lookup_p95_ms": lookups,
-            "service_share_p95_ms": {name: a["miss_lookup_server_ms"]["p95"] for name, a in cached.items()
-                                     if "miss_lookup_server_ms" in a},
-            "whole_overhead_p95_ms": {name: a["miss_overhead_ms"]["p95"] for name, a in cached.items()
-                                      if "miss_overhead_ms" in a},
-            "target_ms": MISS_OVERHEAD_P95_MS}
+            "service_share_p95_ms": p95("miss_lookup_server_ms"), "whole_overhead_p95_ms": p95("miss_overhead_ms"),
+            "background_wait_p95_ms": p95("miss_background_wait_ms"), "target_ms": MISS_OVERHEAD_P95_MS}
     return out
 
 

@@ -68,6 +68,9 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
     if "client" in cached_arms:  # a miss's lookup as the rollout saw it, and the service's share (Server-Timing)
         lookups, served = report["summary"]["client"]["miss_lookup_ms"], report["summary"]["client"]["miss_lookup_server_ms"]
         assert lookups["n"] == served["n"] > 0 and 0 < served["p50"] <= lookups["p50"]
+        # and the part of its overhead spent waiting for the previous miss's record and snapshot
+        waits, overheads = report["summary"]["client"]["miss_background_wait_ms"], report["summary"]["client"]["miss_overhead_ms"]
+        assert waits["n"] == overheads["n"] and 0 <= waits["mean"] <= overheads["mean"]
     if plots:
         assert len(report["plots"]) == 4
         for path in report["plots"]:

@@ -130,6 +130,7 @@ def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client)
 
     assert executor.execute(set_a) == {"value": "1"}
     assert service.requests("snapshot") == [] and len(store) == 0  # the fork is still waiting
+    assert executor.background_wait_ms == 0.0
 
     # The next miss waits for the snapshot before it moves the environment on.
     threading.Timer(0.2, release_fork.set).start()
@@ -137,6 +138,7 @@ def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client)
     executor.execute(call("append", key="a", value="2"))
     assert len(service.requests("snapshot")) == 1
     assert store.get(service.requests("snapshot")[0].body["ref"]).data == {"a": "1"}
+    assert executor.background_wait_ms > 0.0  # counted: the policy's thinking did not cover it
     executor.close()
 
 

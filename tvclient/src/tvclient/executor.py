@@ -106,8 +106,9 @@ class ToolCallExecutor:
     the next of those waits.
 
     Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment),
-    `replayed` (calls run again only to rebuild state) and `waited` (calls that waited for
-    another rollout executing them).
+    `replayed` (calls run again only to rebuild state), `waited` (calls that waited for
+    another rollout executing them) and `background_wait_ms` (time the rollout waited for a
+    miss's background work that the policy's thinking did not cover: mostly snapshots).
 
     Single flight (with a `rollout_id`, unless `single_flight=False`): a miss claims the call,
     and a rollout that misses on a call another rollout is executing in the same state waits
@@ -147,6 +148,7 @@ class ToolCallExecutor:
         self.replayed = 0
         self.waited = 0
         self.record_failures = 0
+        self.background_wait_ms = 0.0
         self._recording: Future[None] | None = None
 
     @property
@@ -203,8 +205,13 @@ class ToolCallExecutor:
         Raises what that work raised, but for the service errors it logs and counts.
         """
         recording, self._recording = self._recording, None
-        if recording is not None:
+        if recording is None:
+            return
+        started = time.perf_counter()
+        try:
             recording.result()
+        finally:
+            self.background_wait_ms += _elapsed_ms(started)
 
     def close(self) -> None:
         try:
