@@ -150,6 +150,31 @@ def test_close_alone_sends_the_last_record(service, client):
     assert histories(service) == [([], call("set", key="a", value="1"))]
 
 
+def test_a_repeat_of_the_call_just_missed_waits_for_its_record_and_hits(service):
+    release_record = threading.Event()
+
+    def slow_records(request):
+        if request.url.path.endswith("/record"):
+            assert release_record.wait(10)
+        return service.handle(request)
+
+    get_a, get_b = call("get", key="a"), call("get", key="b")
+    with served(slow_records) as url, TVCacheClient(url, "secret") as client:
+        executor = ToolCallExecutor(client, TASK, Factory(), rollout_id="r1")
+        service.script("lookup", {**miss(replay=[]), "claim": "granted"})
+        executor.execute(get_a)
+        service.script("lookup", hit({"value": "b"}))
+        executor.execute(get_b)  # another call does not wait for the record
+        threading.Timer(0.2, release_record.set).start()
+        service.script("lookup", hit({"value": None}))
+        # Claiming again would grant the rollout its own claim and execute the call twice.
+        assert executor.execute(get_a) == {"value": None}
+        executor.close()
+
+    assert [seen.route for seen in service.seen] == ["lookup", "lookup", "record", "lookup"]
+    assert (executor.hits, executor.executed) == (2, 1)
+
+
 def test_the_record_sends_the_result_as_it_was_returned(service, client):
     executor = ToolCallExecutor(client, TASK, Factory())
     service.script("lookup", miss(replay=[]))

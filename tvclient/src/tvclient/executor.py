@@ -29,6 +29,15 @@ FLIGHT_POLL_MAX_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
+class _Background:
+    """The last miss's record, snapshot and lease release, going on in a thread of its own."""
+
+    call: Call
+    recorded: threading.Event  # set once the record is done, or given up
+    done: Future[None]  # all of it; carries what it raised
+
+
+@dataclass(frozen=True, slots=True)
 class _Executed:
     """A call that ran in the rollout's environment, to be recorded."""
 
@@ -149,7 +158,7 @@ class ToolCallExecutor:
         self.waited = 0
         self.record_failures = 0
         self.background_wait_ms = 0.0
-        self._recording: Future[None] | None = None
+        self._background: _Background | None = None
 
     @property
     def history(self) -> tuple[Call, ...]:
@@ -168,6 +177,11 @@ class ToolCallExecutor:
 
     def execute(self, call: Call) -> ToolResult:
         call = _json_copy(call)
+        background = self._background
+        if background is not None and background.call == call:
+            # The rollout repeats the call it has just missed: once that is recorded, the
+            # lookup hits rather than claiming the call again and executing it a second time.
+            background.recorded.wait()
         lookup = self._lookup(call)
         if lookup.hit:
             self._note_hit(call, lookup.mutates)
@@ -204,12 +218,12 @@ class ToolCallExecutor:
 
         Raises what that work raised, but for the service errors it logs and counts.
         """
-        recording, self._recording = self._recording, None
-        if recording is None:
+        background, self._background = self._background, None
+        if background is None:
             return
         started = time.perf_counter()
         try:
-            recording.result()
+            background.done.result()
         finally:
             self.background_wait_ms += _elapsed_ms(started)
 
@@ -260,9 +274,15 @@ class ToolCallExecutor:
             raise
         # The caller owns the result it gets back; the record sends a copy taken now.
         recorded = replace(executed, result=_json_copy(executed.result))
-        claimed = lookup.claim == "granted"
-        self._recording = _in_background(
-            lambda: self._record_in_background(recorded, claimed, lease_id, restore_ms)
+        claimed, done_recording = lookup.claim == "granted", threading.Event()
+        self._background = _Background(
+            call,
+            done_recording,
+            _in_background(
+                lambda: self._record_in_background(
+                    recorded, claimed, lease_id, restore_ms, done_recording
+                )
+            ),
         )
         return executed.result, executed.mutated
 
@@ -272,6 +292,7 @@ class ToolCallExecutor:
         claimed: bool,
         lease_id: int | str | None,
         restore_ms: float | None,
+        done_recording: threading.Event,
     ) -> None:
         try:
             try:
@@ -284,6 +305,8 @@ class ToolCallExecutor:
                 self.record_failures += 1
                 logger.warning("could not record %s: %s", executed.call, exc)
                 return
+            finally:
+                done_recording.set()
             # Recorded: the claim stays, so that rollouts waiting on it take the hit.
             try:
                 self._keep_snapshot(recorded)
