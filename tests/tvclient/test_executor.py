@@ -173,6 +173,7 @@ def test_a_repeat_of_the_call_just_missed_waits_for_its_record_and_hits(service)
 
     assert [seen.route for seen in service.seen] == ["lookup", "lookup", "record", "lookup"]
     assert (executor.hits, executor.executed) == (2, 1)
+    assert executor.background_wait_ms > 0.0
 
 
 def test_the_record_sends_the_result_as_it_was_returned(service, client):

@@ -181,7 +181,9 @@ class ToolCallExecutor:
         if background is not None and background.call == call:
             # The rollout repeats the call it has just missed: once that is recorded, the
             # lookup hits rather than claiming the call again and executing it a second time.
+            started = time.perf_counter()
             background.recorded.wait()
+            self.background_wait_ms += _elapsed_ms(started)
         lookup = self._lookup(call)
         if lookup.hit:
             self._note_hit(call, lookup.mutates)
