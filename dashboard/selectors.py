@@ -6,13 +6,14 @@ import json
 from collections import defaultdict
 from typing import Any
 
+from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from cache import selectors as cache_selectors
 from cache.errors import NotFound
-from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
+from cache.models import Lease, Node, Rollout, Snapshot, Task, ToolStat
 from sandboxes.selectors import pools_overview
 
 GRAPH_LEVELS = 3  # levels fetched at first paint and per expansion
@@ -25,6 +26,7 @@ TEXT_CHARS = 300
 RESULT_FOLD_CHARS = 4000
 RESULT_FOLD_LINES = 60
 ROLLOUTS_SHOWN = 100
+OVERVIEW_PAGE_SIZE = 50
 ZERO_RATES = {**dict.fromkeys(cache_selectors.COUNTERS, 0), "hit_rate": 0.0, "oracle_hit_rate": 0.0}
 
 TOOL_MEDIANS_SQL = """
@@ -71,12 +73,21 @@ def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
     return counts
 
 
-def overview() -> list[dict[str, Any]]:
-    """Every task with its totals and its hit rate per epoch."""
-    rows = cache_selectors.task_list_stats()  # first: it writes the buffered lookup counters
+def overview(*, search: str = "", page: int | str | None = 1) -> dict[str, Any]:
+    """One page of the tasks whose id contains `search`, each with its totals and its hit rate per
+    epoch: a training run has a task per prompt, thousands of them, and the page refreshes live."""
+    ids = Task.objects.order_by("pk").values_list("pk", flat=True)
+    if search:
+        ids = ids.filter(pk__icontains=search)
+    listed = Paginator(ids, OVERVIEW_PAGE_SIZE).get_page(page)
+    return {"tasks": _overview_rows(list(listed)), "listed": listed, "search": search}
+
+
+def _overview_rows(task_ids: list[str]) -> list[dict[str, Any]]:
+    rows = cache_selectors.task_list_stats(task_ids=task_ids)  # first: it writes the buffered lookup counters
     epochs: dict[str, list] = defaultdict(list)
-    per_epoch = (ToolStat.objects.values("task_id", "epoch").annotate(calls=Sum("calls"), hits=Sum("hits"))
-                 .order_by("task_id", "epoch"))
+    per_epoch = (ToolStat.objects.filter(task_id__in=task_ids).values("task_id", "epoch")
+                 .annotate(calls=Sum("calls"), hits=Sum("hits")).order_by("task_id", "epoch"))
     for row in per_epoch:
         epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
     sandboxes = live_sandboxes(pools_overview()["pools"])

@@ -19,7 +19,7 @@ AUDIT_PAGE_SIZE = 50
 @require_GET
 @login_required
 def overview(request):
-    context = {"tasks": selectors.overview()}
+    context = selectors.overview(search=request.GET.get("q", "").strip(), page=request.GET.get("page"))
     template = "dashboard/_overview_table.html" if request.GET.get("fragment") else "dashboard/overview.html"
     return render(request, template, context)
 

@@ -52,6 +52,31 @@ def test_overview_lists_every_task_with_its_figures(user_client, tree, toy_task,
     assert "66.7 %" in html  # hit rate
 
 
+def test_overview_pages_and_filters_many_tasks(user_client, api, monkeypatch):
+    monkeypatch.setattr("dashboard.selectors.OVERVIEW_PAGE_SIZE", 4)
+    for i in range(9):
+        api.put(f"/api/v1/tasks/prompt-{i:02d}", {"env": {"backend": "external"}}, format="json")
+    api.put("/api/v1/tasks/other", {"env": {"backend": "external"}}, format="json")
+
+    first = user_client.get("/")
+    assert [t["id"] for t in first.context["tasks"]] == ["other", "prompt-00", "prompt-01", "prompt-02"]
+    assert "tasks 1–4 of 10 · page 1 of 3" in first.content.decode()
+    last = user_client.get("/?page=3")
+    assert [t["id"] for t in last.context["tasks"]] == ["prompt-07", "prompt-08"]
+    assert user_client.get("/?page=99").context["tasks"] == last.context["tasks"]  # past the end: the last page
+    assert user_client.get("/?page=x").context["tasks"] == first.context["tasks"]
+
+    found = user_client.get("/?q=PROMPT-0&page=3")
+    assert [t["id"] for t in found.context["tasks"]] == ["prompt-08"]
+    html = found.content.decode()
+    # The live refresh fetches the same page of the same filter.
+    assert 'data-fragment="/?fragment=1&amp;q=PROMPT-0&amp;page=3"' in html
+    assert 'href="?page=2&amp;q=PROMPT-0"' in html
+    fragment = user_client.get("/?fragment=1&q=PROMPT-0&page=3")
+    assert fragment.context["tasks"] == found.context["tasks"] and b"<form" not in fragment.content
+    assert "No task id contains" in user_client.get("/?q=nothing-like-it").content.decode()
+
+
 def test_task_page_shows_tools_epochs_and_rollouts(user_client, tree, toy_task):
     page = user_client.get(f"/tasks/{toy_task}/")
     assert page.status_code == 200

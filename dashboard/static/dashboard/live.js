@@ -130,7 +130,7 @@
       if (m.changed && m.changed.length) refetch();
       for (const [taskId, t] of Object.entries(m.tasks)) {
         const tr = body.querySelector('tr[data-task="' + CSS.escape(taskId) + '"]');
-        if (!tr) { refetch(); continue; }
+        if (!tr) continue;  // on another page or filtered out; a new task comes as a change
         const d = tr.dataset;
         d.calls = +d.calls + t.lookups; d.hits = +d.hits + t.hits; d.oracle = +d.oracle + t.oracle; d.saved = +d.saved + t.saved_ms;
         d.nodes = +d.nodes + t.nodes; d.snapshots = Math.max(0, +d.snapshots + t.snapshots);
