@@ -161,13 +161,38 @@ class DirectorySandbox(Sandbox):
 
     def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
         self._backend.tool_spec(tool)
-        run = _TOOLS[tool][0]
         with self._lock:
-            self._check_alive()
-            try:
-                return run(self._files, args, self._backend.config)
-            except PathEscape as exc:
-                return _result(str(exc), ok=False)
+            return self._run(tool, args)
+
+    def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
+        """`execute`, and False for a call of a state-changing tool that changed nothing the tools
+        can see (paths and contents): a refused write or patch (every refusal comes before the
+        first write), or a write of the content the file already holds. None otherwise."""
+        if not self._backend.tool_spec(tool).mutates_state:
+            return self.execute(tool, args), None
+        with self._lock:
+            held = self._content(args.get("path")) if tool == "write_file" else None
+            result = self._run(tool, args)
+        if not result["ok"] or (held is not None and held == args["content"].encode("utf-8")):
+            return result, False
+        return result, None
+
+    def _run(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        self._check_alive()
+        try:
+            return _TOOLS[tool][0](self._files, args, self._backend.config)
+        except PathEscape as exc:
+            return _result(str(exc), ok=False)
+
+    def _content(self, relpath: Any) -> bytes | None:
+        """What the file at `relpath` holds, if it is a file a write could leave as it is."""
+        try:
+            path = confine(self._files, relpath) if isinstance(relpath, str) else None
+        except PathEscape:
+            return None
+        if path is None or not path.is_file() or path.stat().st_size > self._backend.config.max_write_bytes:
+            return None
+        return path.read_bytes()
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         with self._lock:

@@ -146,6 +146,20 @@ def test_directory_and_sqlite_tasks_run_in_tool_server_mode(api):
     assert rows == [[7]]
 
 
+def test_a_directory_write_that_changed_nothing_leaves_the_history(api):
+    api.put("/api/v1/tasks/files-observed", {"env": {"backend": "directory", "files": {"a.txt": "A"}}}, format="json")
+    task = "files-observed"
+    rewrite = {"tool": "write_file", "args": {"path": "a.txt", "content": "A"}}
+    read = {"tool": "read_file", "args": {"path": "a.txt"}}
+    assert run(api, task, "r1", rewrite)["mutates"] is False  # the content the file held
+    assert run(api, task, "r1", read)["result"]["output"] == "A"
+    # r2 never rewrote the file: its read is r1's, from the cache.
+    assert run(api, task, "r2", read)["cached"] is True
+    assert run(api, task, "r2", {"tool": "write_file", "args": {"path": "a.txt", "content": "B"}})["mutates"] is True
+    after = run(api, task, "r2", read)
+    assert (after["cached"], after["result"]["output"]) == (False, "B")
+
+
 def test_external_tasks_are_not_served_in_tool_server_mode(api, toy_task):
     assert run(api, toy_task, "r", {"tool": "read", "args": {}}, status=400)["error"]["code"] == "not_managed"
 

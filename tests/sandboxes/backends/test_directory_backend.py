@@ -96,6 +96,23 @@ def test_apply_patch_with_wrong_context_changes_nothing(sandbox):
     assert call(sandbox, "read_file", path="src/new.py")["ok"] is False
 
 
+def test_observed_calls_that_changed_nothing(sandbox):
+    def changed(tool, **args):
+        return sandbox.execute_observed(tool, args)[1]
+
+    assert changed("read_file", path="README.md") is None  # read-only by declaration
+    assert changed("write_file", path="README.md", content="hello\n") is False  # the content it holds
+    assert changed("write_file", path="README.md", content="hello!\n") is None
+    assert changed("write_file", path="README.md", content="hello!\n") is False
+    assert changed("write_file", path="fresh.txt", content="") is None  # a new, empty file is a change
+    assert changed("write_file", path="src", content="x") is False  # refused: a directory
+    assert changed("write_file", path="../out.txt", content="x") is False  # refused: outside
+    assert changed("apply_patch", patch=PATCH) is None
+    assert changed("apply_patch", patch=PATCH) is False  # its context is gone: rejected
+    assert call(sandbox, "read_file", path="src/app.py")["output"] == "x = 1\ny = 20\nz = 3\n"
+    assert call(sandbox, "list_dir", path=".")["output"] == "README.md\nfresh.txt\nsrc/"
+
+
 def test_apply_patch_cannot_write_outside(sandbox, tmp_path):
     patch = "--- /dev/null\n+++ b/../../escaped.txt\n@@ -0,0 +1 @@\n+x\n"
     assert call(sandbox, "apply_patch", patch=patch)["ok"] is False
