@@ -56,6 +56,13 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
     }
 
 
+def task_ids(*, search: str = ""):
+    """The ids of the tasks whose id contains `search` (any case), in order: what the task list
+    and the dashboard page through."""
+    ids = Task.objects.order_by("pk").values_list("pk", flat=True)
+    return ids.filter(pk__icontains=search) if search else ids
+
+
 def task_list_stats(*, task_ids: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per task with its totals (for the task list and the dashboard overview); only the
     given tasks' if `task_ids` is not None."""

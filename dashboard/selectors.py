@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from cache import selectors as cache_selectors
 from cache.errors import NotFound
-from cache.models import Lease, Node, Rollout, Snapshot, Task, ToolStat
+from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
 from sandboxes.selectors import pools_overview
 
 GRAPH_LEVELS = 3  # levels fetched at first paint and per expansion
@@ -76,10 +76,7 @@ def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
 def overview(*, search: str = "", page: int | str | None = 1) -> dict[str, Any]:
     """One page of the tasks whose id contains `search`, each with its totals and its hit rate per
     epoch: a training run has a task per prompt, thousands of them, and the page refreshes live."""
-    ids = Task.objects.order_by("pk").values_list("pk", flat=True)
-    if search:
-        ids = ids.filter(pk__icontains=search)
-    listed = Paginator(ids, OVERVIEW_PAGE_SIZE).get_page(page)
+    listed = Paginator(cache_selectors.task_ids(search=search), OVERVIEW_PAGE_SIZE).get_page(page)
     return {"tasks": _overview_rows(list(listed)), "listed": listed, "search": search}
 
 

@@ -29,6 +29,12 @@ class TaskSerializer(serializers.Serializer):
     updated_at = serializers.DateTimeField()
 
 
+class TaskListSerializer(serializers.Serializer):
+    tasks = TaskSerializer(many=True)  # each with its stats, nodes and live_snapshots
+    count = serializers.IntegerField()  # the tasks that match, on every page
+    next_offset = serializers.IntegerField(allow_null=True)  # null on the last page
+
+
 class CallContextSerializer(serializers.Serializer):
     history = ToolCallSerializer(many=True)
     call = ToolCallSerializer()

@@ -17,6 +17,8 @@ from . import serializers as s
 from .lean import LeanPostView
 
 ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413)}
+TASK_PAGE = 100  # tasks per answer of the task list unless ?limit= says otherwise
+TASK_PAGE_MAX = 1000
 
 
 def _valid(serializer_class, data):
@@ -31,11 +33,26 @@ def taskjson_response(task) -> dict:
 
 
 class TaskListView(APIView):
-    @extend_schema(responses={200: s.TaskSerializer(many=True)}, summary="List tasks with their totals")
+    @extend_schema(parameters=[OpenApiParameter("q", str, description="task id contains (any case)"),
+                               OpenApiParameter("limit", int, description=f"1 to {TASK_PAGE_MAX}, default {TASK_PAGE}"),
+                               OpenApiParameter("offset", int)],
+                   responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
+                   summary="List tasks with their totals, a page at a time (by id)")
     def get(self, request):
-        rows = selectors.task_list_stats()
+        try:
+            limit = int(request.query_params.get("limit", TASK_PAGE))
+            offset = int(request.query_params.get("offset", 0))
+        except ValueError:
+            raise InvalidInput("'limit' and 'offset' must be integers.") from None
+        if not 1 <= limit <= TASK_PAGE_MAX or offset < 0:
+            raise InvalidInput(f"'limit' must be 1 to {TASK_PAGE_MAX} and 'offset' at least 0.",
+                               details={"limit": limit, "offset": offset})
+        ids = selectors.task_ids(search=request.query_params.get("q", "").strip())
+        count = ids.count()
+        rows = selectors.task_list_stats(task_ids=list(ids[offset:offset + limit]))
         return Response({"tasks": [{**taskjson_response(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
-                                    "live_snapshots": r["live_snapshots"]} for r in rows]})
+                                    "live_snapshots": r["live_snapshots"]} for r in rows],
+                         "count": count, "next_offset": offset + limit if offset + limit < count else None})
 
 
 class TaskView(APIView):

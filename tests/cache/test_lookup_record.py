@@ -226,3 +226,23 @@ def test_a_rollout_whose_execution_failed_gives_its_claim_up(api, toy_task):
     assert lookup(api, toy_task, [], W1, rollout_id="r2", claim=True)["claim"] == "granted"
     missing = api.post(f"/api/v1/tasks/{toy_task}/claims/release", {"history": [], "call": W1}, format="json")
     assert (missing.status_code, missing.json()["error"]["code"]) == (400, "missing_field")
+
+
+def test_the_task_list_comes_a_page_at_a_time_and_filters_by_id(api, toy_task):
+    for i in range(4):
+        api.put(f"/api/v1/tasks/prompt-{i}", {"env": {"backend": "external"}}, format="json")
+    lookup(api, "toy", [], call("write", path="f", content="1"))
+
+    first = api.get("/api/v1/tasks?limit=2").json()
+    assert [t["id"] for t in first["tasks"]] == ["prompt-0", "prompt-1"]
+    assert (first["count"], first["next_offset"]) == (5, 2)
+    last = api.get("/api/v1/tasks?limit=2&offset=4").json()
+    assert [t["id"] for t in last["tasks"]] == ["toy"] and last["next_offset"] is None
+    assert last["tasks"][0]["stats"]["calls"] == 1  # with its totals
+    found = api.get("/api/v1/tasks?q=PROMPT-3").json()
+    assert [t["id"] for t in found["tasks"]] == ["prompt-3"] and found["count"] == 1
+    assert api.get("/api/v1/tasks").json()["count"] == 5
+    for bad in ("limit=0", "limit=1001", "limit=x", "offset=-1"):
+        response = api.get(f"/api/v1/tasks?{bad}")
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_payload", bad
+

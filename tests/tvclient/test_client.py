@@ -129,6 +129,30 @@ def test_list_tasks_returns_the_task_list():
         assert client.list_tasks() == [{"task_id": "t"}]
 
 
+def paged_tasks(seen: list[dict[str, str]]):
+    """A task list of two pages, one task each."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(dict(request.url.params))
+        offset = int(request.url.params.get("offset", 0))
+        return httpx.Response(200, json={"tasks": [{"id": f"t{offset}"}], "count": 2,
+                                         "next_offset": 1 if offset == 0 else None})
+    return answer
+
+
+def test_list_tasks_follows_the_pages_sync_and_async():
+    seen: list[dict[str, str]] = []
+    with served(paged_tasks(seen)) as url, TVCacheClient(url, "secret") as client:
+        assert client.list_tasks(search="t") == [{"id": "t0"}, {"id": "t1"}]
+    assert seen == [{"q": "t"}, {"q": "t", "offset": "1"}]
+
+    async def listed():
+        async with AsyncTVCacheClient(BASE, "secret", transport=httpx.MockTransport(paged_tasks(seen))) as client:
+            return await client.list_tasks()
+
+    assert asyncio.run(listed()) == [{"id": "t0"}, {"id": "t1"}]
+    assert seen[2:] == [{}, {"offset": "1"}]
+
+
 def test_error_answer_becomes_tvcache_error():
     details = {"history": ["required"]}
     server = Server(400, {"error": {"code": "invalid", "message": "bad call", "details": details}})

@@ -77,8 +77,14 @@ class TVCacheClient:
     def get_task(self, task_id: str) -> dict[str, Any]:
         return self._send(operations.get_task(task_id))
 
-    def list_tasks(self) -> list[dict[str, Any]]:
-        return self._send(operations.list_tasks())
+    def list_tasks(self, search: str | None = None) -> list[dict[str, Any]]:
+        """Every task (whose id contains `search`), with its totals, fetched a page at a time."""
+        tasks: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page, offset = self._send(operations.list_tasks(search, offset))
+            tasks += page
+        return tasks
 
     def lookup(
         self,
@@ -205,8 +211,13 @@ class AsyncTVCacheClient:
     async def get_task(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.get_task(task_id))
 
-    async def list_tasks(self) -> list[dict[str, Any]]:
-        return await self._send(operations.list_tasks())
+    async def list_tasks(self, search: str | None = None) -> list[dict[str, Any]]:
+        tasks: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page, offset = await self._send(operations.list_tasks(search, offset))
+            tasks += page
+        return tasks
 
     async def lookup(
         self,

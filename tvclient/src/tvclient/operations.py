@@ -65,8 +65,10 @@ def _parse_with(result_type: Any) -> Callable[[Any], Any]:
     return lambda payload: result_type.from_json(_object(payload))
 
 
-def _task_list(payload: Any) -> list[dict[str, Any]]:
-    return list(_object(payload)["tasks"])
+def _task_page(payload: Any) -> tuple[list[dict[str, Any]], int | None]:
+    """A page of the task list and the offset of the next, None on the last page."""
+    page = _object(payload)
+    return list(page["tasks"]), page.get("next_offset")
 
 
 def _task_path(task_id: str) -> str:
@@ -87,8 +89,8 @@ def get_task(task_id: str) -> Operation[dict[str, Any]]:
     return Operation("GET", _task_path(task_id), _object)
 
 
-def list_tasks() -> Operation[list[dict[str, Any]]]:
-    return Operation("GET", f"{API}/tasks", _task_list)
+def list_tasks(search: str | None, offset: int) -> Operation[tuple[list[dict[str, Any]], int | None]]:
+    return Operation("GET", f"{API}/tasks", _task_page, params=_without_none(q=search, offset=offset or None))
 
 
 def lookup(
