@@ -63,23 +63,20 @@ def task_ids(*, search: str = ""):
     return ids.filter(pk__icontains=search) if search else ids
 
 
-def task_list_stats(*, task_ids: list[str] | None = None) -> list[dict[str, Any]]:
-    """One row per task with its totals (for the task list and the dashboard overview); only the
-    given tasks' if `task_ids` is not None."""
+def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
+    """One row per given task with its totals (a page of the task list or the dashboard overview)."""
     counters_flush()
-    tasks, stats, nodes, live = (Task.objects.all(), ToolStat.objects.all(), Node.objects.all(),
-                                 Snapshot.objects.filter(status=Snapshot.Status.LIVE))
-    if task_ids is not None:
-        tasks, stats, nodes, live = (tasks.filter(pk__in=task_ids), stats.filter(task_id__in=task_ids),
-                                     nodes.filter(task_id__in=task_ids), live.filter(task_id__in=task_ids))
     sums = {key: Sum(key) for key in COUNTERS}
-    totals = {r["task_id"]: _rates(r) for r in stats.values("task_id").annotate(**sums)}
-    node_counts = dict(nodes.values("task_id").annotate(n=Count("id")).values_list("task_id", "n"))
-    live_counts = dict(live.values("task_id").annotate(n=Count("id")).values_list("task_id", "n"))
+    totals = {r["task_id"]: _rates(r)
+              for r in ToolStat.objects.filter(task_id__in=task_ids).values("task_id").annotate(**sums)}
+    nodes = dict(Node.objects.filter(task_id__in=task_ids).values("task_id").annotate(n=Count("id"))
+                 .values_list("task_id", "n"))
+    live = dict(Snapshot.objects.filter(task_id__in=task_ids, status=Snapshot.Status.LIVE).values("task_id")
+                .annotate(n=Count("id")).values_list("task_id", "n"))
     return [
-        {"task": task, "stats": totals.get(task.pk, _rates({})), "nodes": node_counts.get(task.pk, 0),
-         "live_snapshots": live_counts.get(task.pk, 0)}
-        for task in tasks.order_by("pk")
+        {"task": task, "stats": totals.get(task.pk, _rates({})), "nodes": nodes.get(task.pk, 0),
+         "live_snapshots": live.get(task.pk, 0)}
+        for task in Task.objects.filter(pk__in=task_ids).order_by("pk")
     ]
 
 

@@ -78,12 +78,14 @@ class TVCacheClient:
         return self._send(operations.get_task(task_id))
 
     def list_tasks(self, search: str | None = None) -> list[dict[str, Any]]:
-        """Every task (whose id contains `search`), with its totals, fetched a page at a time."""
+        """Every task (whose id contains `search`), with its totals, fetched a page at a time
+        (until a page names no later one)."""
         tasks: list[dict[str, Any]] = []
         offset: int | None = 0
         while offset is not None:
-            page, offset = self._send(operations.list_tasks(search, offset))
+            page, following = self._send(operations.list_tasks(search, offset))
             tasks += page
+            offset = following if following is not None and following > offset else None
         return tasks
 
     def lookup(
@@ -215,8 +217,9 @@ class AsyncTVCacheClient:
         tasks: list[dict[str, Any]] = []
         offset: int | None = 0
         while offset is not None:
-            page, offset = await self._send(operations.list_tasks(search, offset))
+            page, following = await self._send(operations.list_tasks(search, offset))
             tasks += page
+            offset = following if following is not None and following > offset else None
         return tasks
 
     async def lookup(
