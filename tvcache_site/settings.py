@@ -8,14 +8,21 @@ layer) and the run command says so at start. Tests and production set both.
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
 DEBUG = env.bool("DEBUG", default=False)
-# Development-only fallback; production must set SECRET_KEY.
-SECRET_KEY = env("SECRET_KEY", default="dev-only-insecure-key-do-not-deploy")
+# Sessions, CSRF tokens and signed values rest on it: without DEBUG the service refuses to start
+# without one rather than fall back to a key anyone can read here.
+SECRET_KEY = env("SECRET_KEY", default="")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured("SECRET_KEY is not set. Set it in the environment (or in .env); with DEBUG=1 a "
+                                   "development-only key is used instead.")
+    SECRET_KEY = "dev-only-insecure-key-do-not-deploy"
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=["http://127.0.0.1:8000", "http://localhost:8000"])
 
@@ -28,11 +35,15 @@ EMBEDDED = []
 # WSGI workers keep one persistent connection each (cheapest per request). Under ASGI, sync
 # views run on changing threads and persistent per-thread connections would pile up: set
 # DB_POOL_SIZE to use a psycopg pool per process instead (the run command does).
+# After a PostgreSQL restart every kept connection is dead: with health checks each is checked
+# before a request uses it (under a pool, each one the pool hands out), so the service recovers by
+# itself. A request whose connection died under it answers 503 database_unavailable.
 if env.int("DB_POOL_SIZE", default=0):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": env.int("DB_POOL_SIZE"), "timeout": 10}
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
@@ -137,6 +148,9 @@ CELERY_BEAT_SCHEDULE = {
 TVCACHE = {
     "MAX_RESULT_BYTES": env.int("TVCACHE_MAX_RESULT_BYTES", default=1024 * 1024),
     "MAX_HISTORY": env.int("TVCACHE_MAX_HISTORY", default=10_000),
+    # Levels of arrays and objects a call's args, a result or a task's env may nest (refused
+    # deeper: 400 nesting_too_deep). At most 250: the JSON encoder stops at 254.
+    "MAX_JSON_DEPTH": env.int("TVCACHE_MAX_JSON_DEPTH", default=64),
     "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
     "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
     # Lookup counters are written in batches this often by a thread per process; 0 = only when
@@ -183,6 +197,9 @@ TVCACHE = {
     # WARMING rows older than this belong to a worker that died: the reaper fails them.
     "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
 }
+
+if not 1 <= TVCACHE["MAX_JSON_DEPTH"] <= 250:
+    raise ImproperlyConfigured("TVCACHE_MAX_JSON_DEPTH must be 1 to 250.")
 
 LOGGING = {
     "version": 1,

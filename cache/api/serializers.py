@@ -2,9 +2,11 @@
 
 from rest_framework import serializers
 
+from cache.inputs import INT32, INT64, MAX_ID_LENGTH
+
 
 class ToolCallSerializer(serializers.Serializer):
-    tool = serializers.CharField(max_length=200)
+    tool = serializers.CharField(max_length=MAX_ID_LENGTH)
     args = serializers.DictField()
 
 
@@ -16,7 +18,7 @@ class ToolPolicySerializer(serializers.Serializer):
 class TaskPutSerializer(serializers.Serializer):
     env = serializers.DictField(help_text='{"backend": "docker"|"directory"|"sqlite"|"external", ...}')
     tools = serializers.DictField(child=ToolPolicySerializer(), required=False)
-    sandbox_budget = serializers.IntegerField(min_value=0, required=False)
+    sandbox_budget = serializers.IntegerField(min_value=0, max_value=INT32[1], required=False)
 
 
 class TaskSerializer(serializers.Serializer):
@@ -38,8 +40,8 @@ class TaskListSerializer(serializers.Serializer):
 class CallContextSerializer(serializers.Serializer):
     history = ToolCallSerializer(many=True)
     call = ToolCallSerializer()
-    rollout_id = serializers.CharField(required=False)
-    epoch = serializers.IntegerField(required=False)
+    rollout_id = serializers.CharField(required=False, max_length=MAX_ID_LENGTH)
+    epoch = serializers.IntegerField(required=False, min_value=INT32[0], max_value=INT32[1])
     env_fingerprint = serializers.CharField(required=False, help_text="Refuse (409 env_changed) if the task's environment changed.")
 
 
@@ -57,7 +59,7 @@ class LookupSerializer(CallContextSerializer):
 
 
 class ClaimReleaseSerializer(CallContextSerializer):
-    rollout_id = serializers.CharField(help_text="The rollout that holds the claim.")
+    rollout_id = serializers.CharField(max_length=MAX_ID_LENGTH, help_text="The rollout that holds the claim.")
 
 
 class ClaimReleasedSerializer(serializers.Serializer):
@@ -105,7 +107,7 @@ class RecordResponseSerializer(serializers.Serializer):
 class SnapshotRegisterSerializer(serializers.Serializer):
     ref = serializers.CharField(max_length=300)
     backend = serializers.CharField(max_length=40)
-    size_bytes = serializers.IntegerField(min_value=0, required=False)
+    size_bytes = serializers.IntegerField(min_value=0, max_value=INT64[1], required=False)
     create_ms = serializers.FloatField(min_value=0, required=False)
 
 

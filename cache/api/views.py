@@ -11,12 +11,13 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
-from cache.inputs import parse_call_context, parse_claim, parse_record, parse_resume
+from cache.inputs import (INT32, INT64, check_json, parse_call_context, parse_claim, parse_id, parse_int, parse_node_id,
+                          parse_query_int, parse_record, parse_resume)
 
 from . import serializers as s
 from .lean import LeanPostView
 
-ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413)}
+ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413, 503)}
 TASK_PAGE = 100  # tasks per answer of the task list unless ?limit= says otherwise
 TASK_PAGE_MAX = 1000
 
@@ -39,15 +40,11 @@ class TaskListView(APIView):
                    responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
                    summary="List tasks with their totals, a page at a time (by id)")
     def get(self, request):
-        try:
-            limit = int(request.query_params.get("limit", TASK_PAGE))
-            offset = int(request.query_params.get("offset", 0))
-        except ValueError:
-            raise InvalidInput("'limit' and 'offset' must be integers.") from None
-        if not 1 <= limit <= TASK_PAGE_MAX or offset < 0:
-            raise InvalidInput(f"'limit' must be 1 to {TASK_PAGE_MAX} and 'offset' at least 0.",
-                               details={"limit": limit, "offset": offset})
-        ids = selectors.task_ids(search=request.query_params.get("q", "").strip())
+        limit = parse_query_int(request.query_params, "limit", TASK_PAGE, low=1, high=TASK_PAGE_MAX)
+        offset = parse_query_int(request.query_params, "offset", 0, low=0, high=INT32[1])
+        search = request.query_params.get("q", "")
+        check_json(search, "q")
+        ids = selectors.task_ids(search=search.strip())
         count = ids.count()
         rows = selectors.task_list_stats(task_ids=list(ids[offset:offset + limit]))
         return Response({"tasks": [{**taskjson_response(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
@@ -59,10 +56,13 @@ class TaskView(APIView):
     @extend_schema(request=s.TaskPutSerializer, responses={200: s.TaskSerializer, 201: s.TaskSerializer, **ERRORS},
                    summary="Create or update a task")
     def put(self, request, task_id: str):
+        parse_id(task_id, "task_id")
         if not isinstance(request.data, dict):
             raise InvalidInput("The request body must be a JSON object.")
         if "env" not in request.data:
             raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
+        if request.data.get("sandbox_budget") is not None:
+            parse_int(request.data["sandbox_budget"], "sandbox_budget", low=0, high=INT32[1])
         task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
                                           sandbox_budget=request.data.get("sandbox_budget"))
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
@@ -138,6 +138,7 @@ class SnapshotRegisterView(APIView):
                    summary="Register a snapshot a client took after 'snapshot: wanted'")
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.SnapshotRegisterSerializer, request.data)
+        parse_node_id(node_id)
         selectors.task_get(task_id=task_id)
         snapshot, evicted = services.snapshot_register(task_id=task_id, node_id=node_id, **data)
         return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
@@ -152,7 +153,9 @@ class LeaseView(APIView):
         try:
             restore_ms = float(restore_ms) if restore_ms is not None else None
         except ValueError:
-            raise InvalidInput("'restore_ms' must be a number.", details={"field": "restore_ms"}) from None
+            restore_ms = -1.0
+        if restore_ms is not None and not 0 <= restore_ms < float("inf"):  # nan and inf too
+            raise InvalidInput("'restore_ms' must be a non-negative number.", details={"field": "restore_ms"})
         services.lease_release(lease_id=lease_id, restore_ms=restore_ms)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -161,9 +164,6 @@ class GraphView(APIView):
     @extend_schema(parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
                    responses={200: dict, **ERRORS}, summary="Nodes and edges of the task's tool call graph (optionally a subtree)")
     def get(self, request, task_id: str):
-        try:
-            root = int(request.query_params["root"]) if "root" in request.query_params else None
-            depth = int(request.query_params["depth"]) if "depth" in request.query_params else None
-        except ValueError:
-            raise InvalidInput("'root' and 'depth' must be integers.") from None
+        root = parse_query_int(request.query_params, "root", None, low=1, high=INT64[1])
+        depth = parse_query_int(request.query_params, "depth", None, low=0, high=INT32[1])
         return Response(selectors.graph_export(task_id=task_id, root=root, max_depth=depth))

@@ -24,12 +24,13 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection
 from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
 from cache.models import Rollout, Snapshot, Task
+from cache.services.background import job_enqueue
 from cache.services import (LookupHit, LookupMiss, TaskHandle, lease_release, lookup_count, node_record, snapshot_register,
                             task_handle, tcg_lookup)
 from cache.tcg import TaskPolicy, ToolCall
@@ -355,7 +356,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
     if evicted:
         from workers.tasks import snapshots_collect as collect_task
 
-        transaction.on_commit(collect_task.delay)
+        job_enqueue(collect_task)
 
 
 def rollout_end(*, task_id: str, rollout_id: str) -> None:
