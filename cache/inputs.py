@@ -25,6 +25,11 @@ from cache.tcg import ToolCall
 INT32 = (-(2**31), 2**31 - 1)  # an integer column (epoch)
 INT64 = (-(2**63), 2**63 - 1)  # a bigint column (node ids, sizes)
 MAX_ID_LENGTH = 200  # Task.id, Rollout.rollout_id, Node.tool
+# Durations (exec_ms, create_ms, restore_ms) and snapshot sizes are added up in float8 and bigint
+# columns and sums (path costs, time saved, a task's snapshot bytes), where PostgreSQL refuses an
+# overflow: each is capped far above what a tool call or snapshot takes (116 days, 1 TiB).
+MAX_MS = 1e10
+MAX_SNAPSHOT_BYTES = 2**40
 # A number that jsonb would give back as an integer beyond 64 bits (it prints 1e300 in full), which
 # no JSON encoder here writes: args and envs hold numbers below it in magnitude.
 _FLOAT_LIMIT = 2.0**63
@@ -259,7 +264,8 @@ def parse_record(data: Any) -> RecordInput:
     result = _required(data, "result")
     check_json(result, "result", storable=False)  # stored as JSON text, where NUL is escaped
     exec_ms = _required(data, "exec_ms")
-    if not isinstance(exec_ms, (int, float)) or isinstance(exec_ms, bool) or exec_ms < 0:
-        raise InvalidInput("'exec_ms' must be a non-negative number.", code="invalid_payload", details={"field": "exec_ms"})
+    if not isinstance(exec_ms, (int, float)) or isinstance(exec_ms, bool) or not 0 <= exec_ms <= MAX_MS:
+        raise InvalidInput(f"'exec_ms' must be a number from 0 to {MAX_MS:.0f}.", code="invalid_payload",
+                           details={"field": "exec_ms", "min": 0, "max": MAX_MS})
     mutated = _optional(data, "mutated", bool, None)
     return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated)

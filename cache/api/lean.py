@@ -355,14 +355,21 @@ class HotPathASGI:
                       view: type[LeanPostView]):
         arrived = time.perf_counter()
         loop = asyncio.get_running_loop()
+
+        async def in_lane(work: Callable[[], Answered | None]) -> tuple[Answered | None, float, float]:
+            def timed():
+                started = time.perf_counter()
+                return work(), started, time.perf_counter()
+            return await loop.run_in_executor(self.executors[view.lane], timed)
+
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         if not token_verified(authorization):
             # Checked before the body is read: a client without a valid token never gets its
             # body buffered (a flood of large unauthenticated bodies costs a header each).
-            refusal = await loop.run_in_executor(self.executors[view.lane], partial(
-                self.hot.refuse, view, authorization=authorization, request=lambda: ASGIRequest(scope, io.BytesIO())))
+            refusal, started, done = await in_lane(partial(self.hot.refuse, view, authorization=authorization,
+                                                           request=lambda: ASGIRequest(scope, io.BytesIO())))
             if refusal is not None:
-                return await self._send(send, refusal, server_timing(arrived, arrived, arrived, time.perf_counter(),
+                return await self._send(send, refusal, server_timing(arrived, started, done, time.perf_counter(),
                                                                      refusal.db_s))
         length = int(headers[b"content-length"])
         if self.hot.too_big(length):
@@ -377,13 +384,9 @@ class HotPathASGI:
                 raise RequestDataTooBig()
             return body
 
-        def respond() -> tuple[Answered, float, float]:
-            started = time.perf_counter()
-            answer = self.hot.respond(view, path_kwargs=path_kwargs, authorization=authorization,
-                                      read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")))
-            return answer, started, time.perf_counter()
-
-        answer, started, done = await loop.run_in_executor(self.executors[view.lane], respond)
+        answer, started, done = await in_lane(partial(
+            self.hot.respond, view, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body,
+            request=lambda: ASGIRequest(scope, io.BytesIO(body or b""))))
         await self._send(send, answer, server_timing(arrived, started, done, time.perf_counter(), answer.db_s))
 
     @staticmethod

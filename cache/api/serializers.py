@@ -2,7 +2,7 @@
 
 from rest_framework import serializers
 
-from cache.inputs import INT32, INT64, MAX_ID_LENGTH
+from cache.inputs import INT32, MAX_ID_LENGTH, MAX_MS, MAX_SNAPSHOT_BYTES
 
 
 class ToolCallSerializer(serializers.Serializer):
@@ -90,7 +90,7 @@ class LookupResponseSerializer(serializers.Serializer):
 
 class RecordSerializer(CallContextSerializer):
     result = serializers.JSONField()
-    exec_ms = serializers.FloatField(min_value=0)
+    exec_ms = serializers.FloatField(min_value=0, max_value=MAX_MS)
     mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(
         "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
         "whatever its tool declares; omit it when unsure."))
@@ -107,8 +107,8 @@ class RecordResponseSerializer(serializers.Serializer):
 class SnapshotRegisterSerializer(serializers.Serializer):
     ref = serializers.CharField(max_length=300)
     backend = serializers.CharField(max_length=40)
-    size_bytes = serializers.IntegerField(min_value=0, max_value=INT64[1], required=False)
-    create_ms = serializers.FloatField(min_value=0, required=False)
+    size_bytes = serializers.IntegerField(min_value=0, max_value=MAX_SNAPSHOT_BYTES, required=False)
+    create_ms = serializers.FloatField(min_value=0, max_value=MAX_MS, required=False)
 
 
 class SnapshotRegisteredSerializer(serializers.Serializer):

@@ -11,8 +11,8 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
-from cache.inputs import (INT32, INT64, check_json, parse_call_context, parse_claim, parse_id, parse_int, parse_node_id,
-                          parse_query_int, parse_record, parse_resume)
+from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_call_context, parse_claim, parse_id, parse_int,
+                          parse_node_id, parse_query_int, parse_record, parse_resume)
 
 from . import serializers as s
 from .lean import LeanPostView
@@ -154,8 +154,9 @@ class LeaseView(APIView):
             restore_ms = float(restore_ms) if restore_ms is not None else None
         except ValueError:
             restore_ms = -1.0
-        if restore_ms is not None and not 0 <= restore_ms < float("inf"):  # nan and inf too
-            raise InvalidInput("'restore_ms' must be a non-negative number.", details={"field": "restore_ms"})
+        if restore_ms is not None and not 0 <= restore_ms <= MAX_MS:  # nan and inf too
+            raise InvalidInput(f"'restore_ms' must be a number from 0 to {MAX_MS:.0f}.",
+                               details={"field": "restore_ms", "min": 0, "max": MAX_MS})
         services.lease_release(lease_id=lease_id, restore_ms=restore_ms)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
