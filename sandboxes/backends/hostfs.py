@@ -108,6 +108,87 @@ def walk(root: str, *, max_entries: int) -> Iterator[tuple[str, os.stat_result]]
             os.close(fd)
 
 
+class StateFingerprint:
+    """A digest of a sandbox's state that two sandboxes reach alike only in the same state.
+
+    Lines of (path, type, mode, owner, size, content digest or link target, rank of its file
+    time), sorted by path; ranks order the regular files' and links' modification times (equal
+    times share a rank), so a fork whose times kept their order matches, and one where a source
+    became as old as its object does not."""
+
+    def __init__(self, *, max_bytes: int, times: bool = True):
+        self.max_bytes, self.times = max_bytes, times
+        self._entries: list[tuple[str, str, int]] = []  # (path, line without rank, mtime or -1)
+        self._session: list[bytes] = []
+        self._read = 0
+
+    def add_tree(self, root: str, paths: set[str]) -> None:
+        by_parent: dict[str, list[str]] = {}
+        for path in paths:
+            parent, _, name = path.rpartition("/")
+            by_parent.setdefault(parent, []).append(name)
+        for parent in sorted(by_parent):
+            try:
+                with open_dir(root, parent) as fd:
+                    for name in sorted(by_parent[parent]):
+                        self._add(fd, f"{parent}/{name}" if parent else name, name)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # the folder is gone (a whiteout above it): its paths are absent
+            except OSError as exc:
+                if exc.errno != 40:  # ELOOP: a link replaced the folder; nothing under it is listed
+                    raise
+
+    def add_session(self, name: str, content: bytes) -> None:
+        self._session.append(name.encode() + b"\0" + hashlib.sha256(content).digest())
+
+    def hexdigest(self) -> str:
+        times = sorted({mtime for _, _, mtime in self._entries if mtime >= 0})
+        rank = {mtime: index for index, mtime in enumerate(times)}
+        digest = hashlib.sha256()
+        for path, line, mtime in sorted(self._entries):
+            digest.update(f"{line}\0{rank.get(mtime, -1)}\n".encode("utf-8", "surrogateescape"))
+        for session in self._session:
+            digest.update(session)
+        return digest.hexdigest()
+
+    def _add(self, fd: int, path: str, name: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return  # deleted (a whiteout in a layer above): absent paths are not listed
+        kind = stat.S_IFMT(st.st_mode)
+        detail, mtime = "", -1
+        if stat.S_ISREG(st.st_mode):
+            self._read += st.st_size
+            if self._read > self.max_bytes:
+                raise UnsafeEntry(f"more than {self.max_bytes} bytes to fingerprint")
+            detail, mtime = _cached_digest(fd, name, st, self.max_bytes), st.st_mtime_ns if self.times else -1
+        elif stat.S_ISLNK(st.st_mode):
+            detail, mtime = os.readlink(name, dir_fd=fd), st.st_mtime_ns if self.times else -1
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            detail = str(st.st_rdev)
+        size = st.st_size if not stat.S_ISDIR(st.st_mode) else 0
+        line = f"{path}\0{kind}\0{stat.S_IMODE(st.st_mode)}\0{st.st_uid}\0{st.st_gid}\0{size}\0{detail}"
+        self._entries.append((path, line, mtime))
+
+
+# Content digests by (device, inode, size, mtime, ctime): a file's ctime moves with every change
+# and no program can set it, so an unchanged key is an unchanged file.
+_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
+_DIGESTS_MAX = 200_000
+
+
+def _cached_digest(fd: int, name: str, st: os.stat_result, max_bytes: int) -> str:
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    found = _DIGESTS.get(key)
+    if found is None:
+        found = digest_regular(fd, name, max_bytes=max_bytes)
+        if len(_DIGESTS) >= _DIGESTS_MAX:
+            _DIGESTS.clear()
+        _DIGESTS[key] = found
+    return found
+
+
 def _open_regular(dir_fd: int, name: str) -> int:
     if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
         raise UnsafeEntry(f"{name}: not a regular file")  # never open a device or a FIFO at all
