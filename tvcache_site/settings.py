@@ -182,6 +182,11 @@ TVCACHE = {
     "POOL_IDLE_S": env.float("TVCACHE_POOL_IDLE_S", default=600.0),
     # WARMING rows older than this belong to a worker that died: the reaper fails them.
     "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
+    # Determinism audit: the fraction of hits re-executed and compared, for a task that does not
+    # set its own `audit_rate`; a tool with more than AUDIT_MAX_DIVERGENT divergent nodes in a
+    # task becomes uncacheable for it.
+    "DEFAULT_AUDIT_RATE": env.float("TVCACHE_DEFAULT_AUDIT_RATE", default=0.02),
+    "AUDIT_MAX_DIVERGENT": env.int("TVCACHE_AUDIT_MAX_DIVERGENT", default=3),
 }
 
 LOGGING = {

@@ -64,7 +64,8 @@ class TaskView(APIView):
         if "env" not in request.data:
             raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
         task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
-                                          sandbox_budget=request.data.get("sandbox_budget"))
+                                          sandbox_budget=request.data.get("sandbox_budget"),
+                                          audit_rate=request.data.get("audit_rate"))
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
@@ -93,8 +94,9 @@ class LookupView(LeanPostView):
                                      resume=parse_resume(payload))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
-            return b'{"hit":true,"node_id":%d,"mutates":%s,"result":%s}' % (
-                answer.node_id, b"true" if answer.mutates else b"false", answer.result_json.encode())
+            return b'{"hit":true,"node_id":%d,"mutates":%s,%s"result":%s}' % (
+                answer.node_id, b"true" if answer.mutates else b"false", b'"audit":true,' if answer.audit else b"",
+                answer.result_json.encode())
         match = answer.match
         resume = None
         if match.resume is not None:
@@ -142,6 +144,17 @@ class SnapshotRegisterView(APIView):
         snapshot, evicted = services.snapshot_register(task_id=task_id, node_id=node_id, **data)
         return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
                         status=status.HTTP_201_CREATED)
+
+
+class NodeAuditView(APIView):
+    @extend_schema(request=s.NodeAuditSerializer, responses={200: s.NodeAuditedSerializer, **ERRORS},
+                   summary="Report a client's re-execution of a hit (determinism audit); a differing result "
+                           "makes the node divergent: it is no longer served")
+    def post(self, request, task_id: str, node_id: int):
+        data = _valid(s.NodeAuditSerializer, request.data)
+        divergent = services.node_audit(task_id=task_id, node_id=node_id, result=data["result"],
+                                        rollout_id=data.get("rollout_id", ""))
+        return Response({"divergent": divergent})
 
 
 class LeaseView(APIView):

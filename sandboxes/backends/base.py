@@ -178,6 +178,12 @@ class SandboxBackend(ABC):
     def remove_sandbox(self, sandbox_id: str) -> None:
         """Stop and remove a sandbox by id, including one another process started. Idempotent."""
 
+    def audit_view(self, tool: str, result: Mapping[str, Any]) -> Any:
+        """What the determinism audit compares of a call's result (the recorded one and a
+        re-execution's); None when this result proves nothing either way. The whole result,
+        unless a backend knows better."""
+        return result
+
     def tool_spec(self, tool: str) -> ToolSpec:
         try:
             return self.tools[tool]

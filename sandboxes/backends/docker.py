@@ -471,6 +471,13 @@ class DockerBackend(SandboxBackend):
     name = "docker"
     tools = {"bash": ToolSpec(mutates_state=True)}
 
+    def audit_view(self, tool: str, result: Mapping[str, Any]) -> Any:
+        """What the agent reads of a bash call; a call that timed out was cut short at a moment
+        that proves nothing about the tool."""
+        if result.get("timed_out"):
+            return None
+        return {key: result.get(key) for key in ("stdout", "stderr", "exit_code")}
+
     def __init__(self, config: DockerConfig = DockerConfig()):
         self.config = config
         self.limiter = StartLimiter(config.max_concurrent_starts)

@@ -37,6 +37,7 @@ from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
 from sandboxes.models import Sandbox
 
+from .audit import hit_audit_enqueue
 from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_stop, set_state
 from .runtime import as_application_error, backend_named, forget, handle, labels, remember
 
@@ -108,6 +109,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
                              saved_ms=answer.exec_ms)
                 result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
                 mutates = answer.mutates
+                if answer.audit:  # sampled: a worker re-executes it at this state and compares
+                    hit_audit_enqueue(task_id=task_id, node_id=node_id, rollout_pk=rollout.pk, applied=len(history))
             else:
                 lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
                              saved_ms=0.0)
@@ -176,7 +179,8 @@ def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool)
     same state and take its result. A leader that fails or times out records nothing: the next
     waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
     flight = _Flight(None, answer)
-    if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable:
+    # Not for a node that exists (a divergent one): its call is executed by every rollout anyway.
+    if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable and not answer.seen:
         digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
         flight.key = int.from_bytes(digest[:8], "big", signed=True)
         deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005

@@ -124,6 +124,18 @@ class ToolCallExecutor:
     for its record and takes the hit instead of executing it too. Rollouts of one task start
     alike, so without it their first calls run once per rollout.
 
+    Determinism audit: the service marks a sampled fraction of hits (the task's `audit_rate`)
+    for audit. The executor re-executes such a hit in its own environment only where that is
+    exact: the hit is read-only (`mutates: false`) and the environment is open at the current
+    history (no state-changing hit pending replay), so it is at the hit's parent state and the
+    call leaves it there. It reports the result to the service, which compares it with the
+    node's and stops serving a node that differs. The rollout still gets the cached result.
+    A state-changing hit, or one with no environment at its state, is not audited here (it
+    would need a fork at the parent state): `audits_skipped` counts them. An audited call that
+    changed the environment, or may have (not observed and not declared read-only), or that
+    failed or timed out, drops the environment: the next miss rebuilds it. Counters: `audited`,
+    `divergent` (audits the service found different), `audits_skipped`.
+
     `snapshots` should be one store shared by all executors of the trainer process; without
     it the executor keeps a private store and stops its snapshots on close().
     """
@@ -158,6 +170,9 @@ class ToolCallExecutor:
         self.waited = 0
         self.record_failures = 0
         self.background_wait_ms = 0.0
+        self.audited = 0
+        self.divergent = 0
+        self.audits_skipped = 0
         self._background: _Background | None = None
 
     @property
@@ -187,6 +202,8 @@ class ToolCallExecutor:
         lookup = self._lookup(call)
         if lookup.hit:
             self._note_hit(call, lookup.mutates)
+            if lookup.audit:
+                self._audit(call, lookup)
             return cast(ToolResult, lookup.result)  # a hit always carries its result
         self.misses += 1
         result, changed = self._resolve_miss(call, lookup)
@@ -250,6 +267,38 @@ class ToolCallExecutor:
         if self._env is not None and self._env.mutates_state(call):
             self._pending.append(len(self._history))
         self._history.append(call)
+
+    def _audit(self, call: Call, lookup: LookupResult) -> None:
+        """Re-execute a sampled read-only hit in the environment, if it is at the hit's parent
+        state, and report the result (see the class docstring)."""
+        if lookup.mutates or self._env is None or self._pending or lookup.node_id is None:
+            self.audits_skipped += 1
+            return
+        self.flush()  # the environment may still be forking for the last miss's snapshot
+        env = self._env
+        try:
+            fresh, mutated = env.execute_observed(call)
+        except Exception as exc:
+            logger.warning("audit of %s failed in the environment: %s", call, exc)
+            self._drop_env()  # its state is unknown now
+            self.audits_skipped += 1
+            return
+        timed_out = isinstance(fresh, dict) and fresh.get("timed_out") is True
+        if mutated or (mutated is None and env.mutates_state(call)) or timed_out:
+            self._drop_env()  # it may have moved past the history
+        if timed_out:  # cut short: proves nothing about the tool
+            self.audits_skipped += 1
+            return
+        try:
+            divergent = self._client.report_audit(
+                self.task_id, lookup.node_id, _json_copy(fresh), rollout_id=self.rollout_id
+            )
+        except TVCacheError as exc:
+            self.record_failures += 1
+            logger.warning("could not report the audit of %s: %s", call, exc)
+            return
+        self.audited += 1
+        self.divergent += int(divergent)
 
     def _resolve_miss(self, call: Call, lookup: LookupResult) -> tuple[ToolResult, bool | None]:
         restore_ms: float | None = None
