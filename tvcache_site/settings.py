@@ -166,7 +166,6 @@ TVCACHE = {
     # ... until the container's layer holds this many files (listing it costs ~10 us per file).
     "DOCKER_OBSERVE_MAX_ENTRIES": env.int("TVCACHE_DOCKER_OBSERVE_MAX_ENTRIES", default=20_000),
     # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
-    "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
     # Tool-server mode: a rollout that misses on a call another rollout is executing in the same
     # state waits for that result at most this long, then executes it too.
     "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),
