@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 from cache.api.lean import LeanPostView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
 from cache.errors import InvalidInput
+from observability import metrics
 from sandboxes import selectors, services
 
 ERRORS = {code: ErrorSerializer for code in (400, 401, 404, 409, 503)}
@@ -51,6 +52,7 @@ class RolloutCallView(LeanPostView):
         if not isinstance(epoch, int) or isinstance(epoch, bool):
             raise InvalidInput("'epoch' must be an integer.", details={"field": "epoch"})
         outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=payload["call"], epoch=epoch)
+        metrics.tool_call_observed(tool=payload["call"]["tool"], cached=outcome.cached, ms=outcome.latency_ms)
         return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
                              "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates})
 

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from cache.models import Snapshot, Task
 from dashboard import broadcast
+from observability import metrics
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
@@ -90,6 +91,7 @@ def sandbox_warm(*, sandbox_id: int) -> None:
             return
         set_state(current, Sandbox.State.READY, ref=sandbox.sandbox_id, ready_at=timezone.now(),
                   start_ms=(time.perf_counter() - started) * 1000)
+    metrics.sandbox_started(backend=row.backend, forked=row.pool == Sandbox.Pool.FORK, path="pool", ms=current.start_ms)
 
 
 def sandbox_acquire(*, task_id: str, snapshot_id: int | None, rollout_pk: int) -> Sandbox | None:

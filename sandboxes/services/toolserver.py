@@ -46,6 +46,7 @@ from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.services import (LookupHit, LookupMiss, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
                             snapshot_register, task_handle, tcg_lookup)
 from cache.tcg import TaskPolicy, ToolCall
+from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import (InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
                                      SnapshotMissing, ToolNotFound)
@@ -423,6 +424,7 @@ def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
     remember(backend, sandbox)
     set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
               start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
+    metrics.sandbox_started(backend=backend.name, forked=snapshot is not None, path="critical", ms=row.start_ms)
     return row
 
 
@@ -464,6 +466,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
     except SandboxError as exc:
         log.warning("snapshot of sandbox %s failed: %s", run.row.ref, exc)
         return
+    metrics.snapshot_committed(backend=run.backend.name, ms=info.create_ms)
     try:
         snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
                                               backend=run.backend.name, size_bytes=info.size_bytes,
