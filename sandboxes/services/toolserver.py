@@ -32,7 +32,7 @@ import hashlib
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -87,6 +87,23 @@ class CallOutcome:
     node_id: int | None
     latency_ms: float
     mutates: bool  # the call changed the rollout's state (it is part of the history now)
+    phases_ms: dict[str, float] = field(default_factory=dict)  # where the time went (Phases)
+
+
+class Phases:
+    """Where a call's time goes: lookup, wait (single flight), materialize (start or fork),
+    replay, verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - started) * 1000
 
 
 @dataclass
@@ -99,6 +116,7 @@ class _Run:
     rollout: Rollout
     row: Sandbox
     sandbox: SandboxHandle
+    phases: Phases
     restore_ms: float | None = None  # set when it was forked from a snapshot on the critical path
     diverged: str = ""  # why the sandbox does not reach the recorded state (then nothing is recorded)
 
@@ -114,15 +132,18 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
     except SandboxError as exc:
         raise as_application_error(exc) from None
     rollout, history, has_sandbox, detached = _rollout_claimed(task_id, rollout_id, epoch)
+    phases = Phases()
     try:
         if detached:
-            result = _serve_detached(handle, rollout, call)
-            return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True)
+            with phases.timed("exec"):
+                result = _serve_detached(handle, rollout, call)
+            return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True, phases.ms)
         context = CallContext(history, call, rollout_id, epoch, None)
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
-        answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
-        with _single_flight(handle, context, answer, resume=not has_sandbox) as flight:
+        with phases.timed("lookup"):
+            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
+        with _single_flight(handle, context, answer, resume=not has_sandbox, phases=phases) as flight:
             answer = flight.answer
             if isinstance(answer, LookupHit):
                 lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
@@ -139,14 +160,14 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
                     raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
                 backend = backend_named(task.env.get("backend", "external"))
                 result, node_id, mutates, on_graph = _serve_miss(task, backend, rollout, context, answer,
-                                                                 recorded=flight.release)
+                                                                 recorded=flight.release, phases=phases)
                 cached = False
         if mutates and on_graph:
             _append(rollout, call, len(history))
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout.pk])
-    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates)
+    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, phases.ms)
 
 
 def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...], bool, bool]:
@@ -195,7 +216,7 @@ class _Flight:
 
 
 @contextmanager
-def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool):
+def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool, phases: Phases):
     """Lead the execution of a miss, or wait while another rollout executes the same call in the
     same state and take its result. A leader that fails or times out records nothing: the next
     waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
@@ -205,6 +226,7 @@ def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool)
         digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
         flight.key = int.from_bytes(digest[:8], "big", signed=True)
         deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
+        waited = time.perf_counter()
         while not flight.try_lead():
             flight.waited = True
             if time.monotonic() > deadline:  # a leader stuck this long: execute alongside it
@@ -217,6 +239,8 @@ def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool)
             flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
             if isinstance(flight.answer, LookupHit):
                 flight.release()
+        if flight.waited:
+            phases.ms["wait"] = (time.perf_counter() - waited) * 1000
     try:
         yield flight
     finally:
@@ -235,19 +259,21 @@ def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
             raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
-def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) -> tuple[Any, int | None, bool, bool]:
+def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
+                phases: Phases) -> tuple[Any, int | None, bool, bool]:
     """The call executed in the rollout's sandbox: its result, node, whether it changed the state,
     and whether the rollout is still on the shared graph (False: it was detached)."""
     restore_ms = None
     try:
-        run = _rollout_sandbox(task, backend, rollout, context, answer)
+        run = _rollout_sandbox(task, backend, rollout, context, answer, phases)
         restore_ms = run.restore_ms
     finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
         if answer.lease_id:
             lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
     _mark_executing(run)
     try:
-        result, exec_ms, observed = _execute(run, context.call)
+        with phases.timed("exec"):
+            result, exec_ms, observed = _execute(run, context.call)
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         _retire(run.row, run.backend, exc.message)
         raise as_application_error(exc) from None
@@ -262,12 +288,15 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) 
         return result, None, True, False
     try:
         mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
-        state = run.sandbox.state_fingerprint() if mutates else None
-        outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
-                              state=(state.full, state.shape) if state else ("", ""))
+        with phases.timed("fingerprint"):
+            state = run.sandbox.state_fingerprint() if mutates else None
+        with phases.timed("record"):
+            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
+                                  state=(state.full, state.shape) if state else ("", ""))
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
         if outcome.snapshot_wanted:
-            _snapshot(run, outcome.node_id)
+            with phases.timed("snapshot"):
+                _snapshot(run, outcome.node_id)
         _executed(run, applied=len(context.history) + int(mutates))
     except SandboxTampered as exc:
         _detach(run, f"{exc.code}: {exc.message}", retire=True)
@@ -336,7 +365,7 @@ def _execute(run: _Run, call: ToolCall) -> tuple[dict, float, bool | None]:
     return result, (time.perf_counter() - started) * 1000, observed
 
 
-def _rollout_sandbox(task, backend, rollout, context: CallContext, answer) -> _Run:
+def _rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases) -> _Run:
     """The rollout's sandbox brought up to date with its history (everything before the call) and
     checked against the state its history's node recorded."""
     policy = TaskPolicy.from_json(task.tools)
@@ -347,33 +376,35 @@ def _rollout_sandbox(task, backend, rollout, context: CallContext, answer) -> _R
         row = None
     if row is not None:
         try:
-            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
             pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
             if not pending or _replay_verified(run, pending, context, answer):
                 return run
             _retire(row, backend, f"diverged from its history: {run.diverged}")
-            return _from_root(task, backend, policy, rollout, context, answer)
+            return _from_root(task, backend, policy, rollout, context, answer, phases)
         except SandboxGone:  # died between calls: materialize a new one below
             set_state(row, Sandbox.State.FAILED, rollout=None, error="gone between calls")
     try:
-        run = _materialize(task, backend, policy, rollout, answer)
+        with phases.timed("materialize"):
+            run = _materialize(task, backend, policy, rollout, answer, phases)
         replay = run_replay(answer, run)
         if (replay or run.row.pool == Sandbox.Pool.FORK) and not _replay_verified(run, replay, context, answer):
             _retire(run.row, backend, f"diverged from its history: {run.diverged}")
-            run = _from_root(task, backend, policy, rollout, context, answer)
+            run = _from_root(task, backend, policy, rollout, context, answer, phases)
     except SandboxError as exc:
         raise as_application_error(exc) from None
     return run
 
 
-def _from_root(task, backend, policy, rollout, context: CallContext, answer) -> _Run:
+def _from_root(task, backend, policy, rollout, context: CallContext, answer, phases: Phases) -> _Run:
     """A fresh sandbox and a replay of the whole history, after another sandbox diverged. If this
     one does not reach the recorded state either, `diverged` says so and the call is answered
     uncached."""
-    row = _start_leased(task, backend, rollout, None)
+    with phases.timed("materialize"):
+        row = _start_leased(task, backend, rollout, None)
     if row is None:
         raise SandboxGone("could not start a fresh sandbox")
-    run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+    run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
     if answer.full_replay:
         _replay_verified(run, answer.full_replay, context, answer)
     return run
@@ -386,7 +417,7 @@ def run_replay(answer, run: _Run) -> tuple[ToolCall, ...]:
     return answer.full_replay
 
 
-def _materialize(task, backend, policy, rollout, answer) -> _Run:
+def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> _Run:
     resume = answer.match.resume
     snapshot = None
     if resume is not None:
@@ -399,10 +430,10 @@ def _materialize(task, backend, policy, rollout, answer) -> _Run:
             restore_ms = row.start_ms if row is not None else None
         if row is not None:
             prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
-            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), restore_ms)
+            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases, restore_ms)
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
         task, backend, rollout, None)
-    return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+    return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
 
 
 def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
@@ -433,11 +464,12 @@ def _replay_verified(run: _Run, calls, context: CallContext, answer) -> bool:
     the sandbox with the fingerprint the history's last node recorded. False (and `diverged` set,
     a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
-    for call in calls:
-        if run.sandbox.execute(call.tool, call.args).get("timed_out"):
-            run.diverged = f"the replay of {call.tool} timed out"
-            break
-    else:
+    with run.phases.timed("replay"):
+        for call in calls:
+            if run.sandbox.execute(call.tool, call.args).get("timed_out"):
+                run.diverged = f"the replay of {call.tool} timed out"
+                break
+    if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
         run.row.applied = len(history)
     node = answer.match.node
@@ -445,8 +477,9 @@ def _replay_verified(run: _Run, calls, context: CallContext, answer) -> bool:
         return not run.diverged  # no node holds the whole history's state: nothing to compare with
     # A bare fork must be an exact copy; a replay ran at another time (StateDigest).
     column = "state_shape" if calls else "state_fingerprint"
-    expected, tool = Node.objects.filter(pk=node.node_id).values_list(column, "tool").first() or ("", "")
-    state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
+    with run.phases.timed("verify"):
+        expected, tool = Node.objects.filter(pk=node.node_id).values_list(column, "tool").first() or ("", "")
+        state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
     actual = (state.shape if calls else state.full) if state else None
     if actual is not None and actual != expected:
         run.diverged = f"its state ({column}) {actual[:12]} is not node {node.node_id}'s {expected[:12]}"
