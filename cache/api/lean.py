@@ -42,6 +42,7 @@ from rest_framework.views import APIView
 
 from cache.errors import ServiceUnavailable
 from cache.inputs import load_json
+from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
 from .auth import trainer_cached, trainer_for_key
 from .errors import application_error
@@ -228,23 +229,26 @@ class HotPath:
         return self.max_body is not None and length > self.max_body
 
     def respond(self, view: type[LeanPostView], *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes], request: Callable[[], object]) -> Answered:
+                read_body: Callable[[], bytes], request: Callable[[], object], incoming_id: str | None) -> Answered:
         """Status, headers, body and the time spent in database statements; `request` builds a
-        Django request for the 500 path."""
+        Django request for the 500 path. The request's id (`incoming_id`, the X-Request-ID header,
+        if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does."""
         return self._run(view, lambda: lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
-                                                   read_body=read_body), request)
+                                                   read_body=read_body), request, incoming_id)
 
-    def refuse(self, view: type[LeanPostView], *, authorization: str,
-               request: Callable[[], object]) -> Answered | None:
+    def refuse(self, view: type[LeanPostView], *, authorization: str, request: Callable[[], object],
+               incoming_id: str | None) -> Answered | None:
         """The answer that refuses the request's token, or None if the token is valid: the check
         that runs before the body is read (the token is then cached, see `token_verified`)."""
-        return self._run(view, lambda: _answered(lambda: lean_refusal(authorization)), request)
+        return self._run(view, lambda: _answered(lambda: lean_refusal(authorization)), request, incoming_id)
 
     def _run(self, view: type[LeanPostView], work: Callable[[], tuple[int, bytes] | None],
-             request: Callable[[], object]) -> Answered | None:
+             request: Callable[[], object], incoming_id: str | None) -> Answered | None:
         db = connections[DEFAULT_DB_ALIAS]
         keep = view.lane != "tool"
         timer = _StatementTimer()
+        rid = request_id(incoming_id)
+        bound = request_id_bind(rid)
         _check_connection(db, keep=keep)
         try:
             with db.execute_wrapper(timer):
@@ -261,6 +265,8 @@ class HotPath:
             headers.append(("Content-Length", str(len(body))))
         finally:
             _check_connection(db, keep=keep)
+            request_id_unbind(bound)
+        headers.append((REQUEST_ID_HEADER, rid))
         return Answered(status, headers + self.headers, body, timer.seconds)
 
 
@@ -321,7 +327,8 @@ class HotPathApplication:
 
         answer = self.hot.respond(
             view, path_kwargs=path_kwargs, authorization=environ.get("HTTP_AUTHORIZATION", ""), read_body=read_body,
-            request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}))
+            request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}),
+            incoming_id=environ.get("HTTP_X_REQUEST_ID"))
         done = time.perf_counter()
         start_response(f"{answer.status} {HTTPStatus(answer.status).phrase}",
                        answer.headers + [server_timing(started, started, done, done, answer.db_s)])
@@ -363,11 +370,13 @@ class HotPathASGI:
             return await loop.run_in_executor(self.executors[view.lane], timed)
 
         authorization = headers.get(b"authorization", b"").decode("latin-1")
+        incoming_id = headers.get(b"x-request-id", b"").decode("latin-1")
         if not token_verified(authorization):
             # Checked before the body is read: a client without a valid token never gets its
             # body buffered (a flood of large unauthenticated bodies costs a header each).
             refusal, started, done = await in_lane(partial(self.hot.refuse, view, authorization=authorization,
-                                                           request=lambda: ASGIRequest(scope, io.BytesIO())))
+                                                           request=lambda: ASGIRequest(scope, io.BytesIO()),
+                                                           incoming_id=incoming_id))
             if refusal is not None:
                 return await self._send(send, refusal, server_timing(arrived, started, done, time.perf_counter(),
                                                                      refusal.db_s))
@@ -386,7 +395,7 @@ class HotPathASGI:
 
         answer, started, done = await in_lane(partial(
             self.hot.respond, view, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body,
-            request=lambda: ASGIRequest(scope, io.BytesIO(body or b""))))
+            request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")), incoming_id=incoming_id))
         await self._send(send, answer, server_timing(arrived, started, done, time.perf_counter(), answer.db_s))
 
     @staticmethod

@@ -22,32 +22,40 @@ _sender = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tvcache-jobs")
 _pending = threading.BoundedSemaphore(MAX_PENDING)
 
 
-def job_enqueue(task, *args) -> None:
+def job_enqueue(task, *args, in_process: bool = True) -> None:
     """Queue the Celery task `task(*args)` after the current transaction commits (at once outside
-    one). Never raises and never blocks for the broker. Jobs are idempotent repairs or speed-ups
-    (a warm sandbox, freed storage): one dropped when MAX_PENDING are waiting is redone by the
-    periodic jobs (the reaper fails a sandbox row that never warmed)."""
-    transaction.on_commit(lambda: _submit(task, args))
+    one). Never raises and never blocks for the broker. A job the broker refuses runs here, unless
+    `in_process` is False (an audit: too heavy to run beside requests), then it is dropped (logged).
+    Jobs are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped when
+    MAX_PENDING are waiting is redone by the periodic jobs (the reaper fails a sandbox row that
+    never warmed)."""
+    transaction.on_commit(lambda: _submit(task, args, in_process))
 
 
-def _submit(task, args: tuple) -> None:
-    if task.app.conf.task_always_eager:
-        task.apply_async(args)  # embedded: runs here, as Celery does without a broker
+def _submit(task, args: tuple, in_process: bool) -> None:
+    if task.app.conf.task_always_eager:  # embedded: runs here, as Celery does without a broker
+        try:
+            task.apply_async(args)
+        except Exception:
+            log.exception("background job %s%r failed", task.name, args)
         return
     if not _pending.acquire(blocking=False):
         log.error("%d background jobs waiting: %s%r dropped", MAX_PENDING, task.name, args)
         return
     try:
-        _sender.submit(_send, task, args)
+        _sender.submit(_send, task, args, in_process)
     except RuntimeError:  # the interpreter is shutting down
         _pending.release()
 
 
-def _send(task, args: tuple) -> None:
+def _send(task, args: tuple, in_process: bool) -> None:
     try:
         try:
             task.apply_async(args, retry=False)
         except Exception as exc:  # the broker is down or refused: do the work here
+            if not in_process:
+                log.warning("broker unavailable (%s): %s%r dropped", exc, task.name, args)
+                return
             log.warning("broker unavailable (%s): running %s%r in process", exc, task.name, args)
             result = task.apply(args)
             if result.failed():
