@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import orjson
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -83,8 +83,16 @@ class TaskStatsView(APIView):
         return Response(selectors.task_stats(task_id=task_id))
 
 
-@extend_schema_view(post=extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
-                                        summary="Longest-prefix lookup of a call after a history"))
+# Request examples: the API docs show them, and schemathesis's examples phase sends them.
+_CLONE = {"tool": "bash", "args": {"command": "git clone /src/repo /repo"}}
+_TEST = {"tool": "bash", "args": {"command": "cd /repo && make test", "timeout_s": 600}}
+
+
+@extend_schema_view(post=extend_schema(
+    request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
+    summary="Longest-prefix lookup of a call after a history",
+    examples=[OpenApiExample("The second call of a rollout", request_only=True,
+                             value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1})]))
 class LookupView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/lookup"
 
@@ -112,8 +120,13 @@ class LookupView(LeanPostView):
         return orjson.dumps(body)
 
 
-@extend_schema_view(post=extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
-                                        summary="Record a call's result (idempotent)"))
+@extend_schema_view(post=extend_schema(
+    request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
+    summary="Record a call's result (idempotent)",
+    examples=[OpenApiExample("The result of a miss, executed by the client", request_only=True,
+                             value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1,
+                                    "result": {"stdout": "4 passed\n", "stderr": "", "exit_code": 0, "timed_out": False},
+                                    "exec_ms": 8250.0})]))
 class RecordView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/record"
     lane = "write"
