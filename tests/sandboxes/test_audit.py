@@ -1,0 +1,79 @@
+"""The determinism audit in tool-server mode: a real Celery worker re-executes sampled hits in
+real Docker sandboxes at the hit's parent state and compares."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import docker
+import pytest
+
+from cache.models import Divergence, Node
+from sandboxes.models import Sandbox
+from tvcache_site.celery import app as celery_app
+
+from .helpers import bash, run, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RANDOM = bash("head -c 8 /dev/urandom | od -An -tx1")
+
+
+def audit_sandboxes(task: str):
+    return Sandbox.objects.filter(task_id=task, pool="root", rollout=None)  # no pool warmed: the audits' own
+
+
+def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, docker_task, busybox, celery_worker):
+    task = docker_task("audited", audit_rate=1.0)
+    setup, read = bash("echo one > /f"), bash("cat /f")
+    for call in (setup, read, RANDOM):
+        assert run(api, task, "r1", call)["cached"] is False
+    first = Node.objects.get(task_id=task, call__args__command=RANDOM["args"]["command"])
+    for call in (setup, read, RANDOM):  # every hit is sampled, and audited by the worker
+        assert run(api, task, "r2", call)["cached"] is True
+    wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 3)
+
+    # The write and the read after it (replayed at their parent state) gave what the cache holds.
+    divergence = Divergence.objects.get(task_id=task)
+    assert (divergence.node_id, divergence.kind, divergence.tool, divergence.rollout_id) == (first.pk, "audit", "bash", "r2")
+    assert divergence.expected["stdout"] != divergence.observed["stdout"]
+    assert divergence.expected["exit_code"] == divergence.observed["exit_code"] == 0
+    assert Node.objects.filter(task_id=task, divergent=True).count() == 1
+
+    assert run(api, task, "r3", setup)["cached"] is True  # the rest of the graph is still served
+    again = run(api, task, "r3", RANDOM)  # this node no longer is: executed
+    assert (again["cached"], again["node_id"]) == (False, first.pk)
+    assert again["result"]["stdout"] != divergence.expected["stdout"]
+
+    stats = api.get(f"/api/v1/tasks/{task}/stats").json()["divergences"]
+    assert stats["count"] == 1 and stats["per_tool"][0]["divergent_nodes"] == 1
+    assert [row["node_id"] for row in stats["per_node"]] == [first.pk]
+    wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 4)  # r3's hit was audited too
+    for row in audit_sandboxes(task):  # each audit's sandbox is removed
+        with pytest.raises(docker.errors.NotFound):
+            busybox.api.inspect_container(row.ref)
+
+
+@contextmanager
+def broker_down():
+    """The project's Celery app pointed at a port nothing listens on, as if Redis were down; its
+    connection and producer pools are put back as they were afterwards."""
+    saved = celery_app.conf.broker_url, celery_app._pool, celery_app.amqp._producer_pool
+    celery_app.conf.broker_url, celery_app._pool, celery_app.amqp._producer_pool = "redis://127.0.0.1:9/0", None, None
+    try:
+        yield
+    finally:
+        celery_app.conf.broker_url, celery_app._pool, celery_app.amqp._producer_pool = saved
+
+
+def test_a_hit_whose_audit_cannot_be_queued_is_served(api, caplog):
+    api.put("/api/v1/tasks/files-audit", {"env": {"backend": "directory", "files": {"a.txt": "A"}}, "audit_rate": 1.0},
+            format="json")
+    read = {"tool": "read_file", "args": {"path": "a.txt"}}
+    assert run(api, "files-audit", "r1", read)["cached"] is False
+    with broker_down(), caplog.at_level(logging.WARNING, logger="tvcache.audit"):
+        hit = run(api, "files-audit", "r2", read)
+    assert (hit["cached"], hit["result"]) == (True, {"output": "A", "ok": True})
+    assert "could not queue the audit" in caplog.text
+    assert run(api, "files-audit", "r3", read)["cached"] is True  # and the broker is back for the rest
