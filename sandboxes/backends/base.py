@@ -55,6 +55,13 @@ class EngineUnavailable(SandboxError):
     code = "engine_unavailable"
 
 
+class SandboxTampered(SandboxError):
+    """The sandbox replaced files the service keeps in it (the shell session's) with links, FIFOs
+    or devices: it is retired, never read through."""
+
+    code = "sandbox_tampered"
+
+
 class SnapshotMissing(SandboxError):
     code = "snapshot_missing"
 
@@ -100,6 +107,12 @@ class Sandbox(ABC):
         """`execute`, and whether the call changed the sandbox's state where the backend can
         tell: False only when nothing changed. None: not observed, the tool's declaration holds."""
         return self.execute(tool, args), None
+
+    def state_fingerprint(self) -> str | None:
+        """A digest of the sandbox's state that another sandbox matches only in the same state
+        (overlay.StateFingerprint for docker; the files or the database's content for the others).
+        None where the backend cannot tell: nothing is then verified against it."""
+        return None
 
     @abstractmethod
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:

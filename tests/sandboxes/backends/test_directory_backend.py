@@ -170,3 +170,13 @@ def test_policy_and_fingerprint(directory_backend):
     assert directory_backend.tools["apply_patch"].mutates_state is True
     assert directory_backend.fingerprint_material(ENV)["tools_version"] >= 1
     assert directory_backend.health()["ok"] is True
+
+
+def test_the_state_fingerprint_follows_the_files_across_forks(directory_backend, tmp_path):
+    sandbox = directory_backend.start({"backend": "directory", "files": {"a.txt": "one"}}, labels={})
+    sandbox.execute("write_file", {"path": "d/b.txt", "content": "two"})
+    expected = sandbox.state_fingerprint()
+    fork = directory_backend.fork(sandbox.snapshot().ref, {"backend": "directory"}, labels={})
+    assert fork.state_fingerprint() == expected
+    fork.execute("write_file", {"path": "d/b.txt", "content": "TWO"})
+    assert fork.state_fingerprint() != expected

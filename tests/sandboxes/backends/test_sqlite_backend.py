@@ -125,3 +125,14 @@ def test_unknown_tool_and_bad_args(sandbox):
         sandbox.execute("read_file", {"path": "x"})
     with pytest.raises(InvalidToolArgs):
         sandbox.execute("query", {"statement": "SELECT 1"})
+
+
+def test_the_state_fingerprint_follows_the_rows_across_forks(sqlite_backend):
+    env = {"backend": "sqlite", "schema_sql": "CREATE TABLE t (x INTEGER)"}
+    sandbox = sqlite_backend.start(env, labels={})
+    sandbox.execute("execute", {"sql": "INSERT INTO t VALUES (1)"})
+    expected = sandbox.state_fingerprint()
+    fork = sqlite_backend.fork(sandbox.snapshot().ref, env, labels={})
+    assert fork.state_fingerprint() == expected
+    fork.execute("execute", {"sql": "INSERT INTO t VALUES (2)"})
+    assert fork.state_fingerprint() != expected
