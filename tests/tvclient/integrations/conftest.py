@@ -4,6 +4,7 @@ import uuid
 
 import pytest
 from tvclient import TVCacheClient
+from tvclient.integrations import _shared
 
 from cache.api.auth import token_create
 
@@ -15,6 +16,14 @@ def tvcache(live_server, transactional_db):
     with TVCacheClient(live_server.url, token) as client:
         client.url, client.token = live_server.url, token
         yield client
+
+
+@pytest.fixture(autouse=True)
+def _shared_clients_closed():
+    """The clients integrations share are per process: closed after each test, so that no
+    keep-alive connection holds a server thread (and its database session) open."""
+    yield
+    _shared.close_clients()
 
 
 @pytest.fixture

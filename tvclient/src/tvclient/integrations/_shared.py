@@ -43,6 +43,16 @@ def shared_client(url: str | None = None, token: str | None = None) -> TVCacheCl
         return client
 
 
+def close_clients() -> None:
+    """Close the process's shared clients (their keep-alive connections); later calls open new ones."""
+    with _lock:
+        clients = list(_clients.values())
+        _clients.clear()
+        _registered.clear()
+    for client in clients:
+        client.close()
+
+
 def ensure_task(
     client: TVCacheClient,
     task_id: str,
