@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from typing import Any, Mapping
 
@@ -96,6 +97,21 @@ def plain(value: Any) -> Any:
     if hasattr(value, "items"):
         return plain(dict(value.items()))
     return repr(value)
+
+
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,200}")
+_NOT_SLUG = re.compile(r"[^-a-zA-Z0-9_]+")
+
+
+def task_slug(name: str) -> str:
+    """A task id the service takes (a slug of at most 200 characters) for a framework's name.
+
+    A name that is one already stays as it is; any other is made one and given a digest of the
+    name, so that two names that slug alike ("a/b", "a.b") stay two tasks.
+    """
+    if _SLUG.fullmatch(name):
+        return name
+    return f"{_NOT_SLUG.sub('-', name).strip('-')[:180]}-{digest(name)[:16]}"
 
 
 def json_only(value: Any, what: str) -> Any:

@@ -93,7 +93,7 @@ class TVCacheTextEnv(BaseTextEnv):
     ) -> None:
         # No BaseTextEnv.__init__: turns, max_turns and tool groups are the wrapped env's.
         self.env = env
-        self.task_id = task_id
+        self.task_id = task_id = _shared.task_slug(task_id)
         read_only = frozenset(read_only)
         client = client or _shared.shared_client()
         if sandbox is None:

@@ -98,6 +98,7 @@ class _Trajectory:
     def __init__(self, tool: TVCacheTool, task_id: str, tools_kwargs: Any, ttl_s: float,
                  keeps_instances: bool = False) -> None:
         self.keeps_instances = keeps_instances
+        task_id = _shared.task_slug(task_id)
         self.create_kwargs: dict[str, Any] = {}
         # What the agent loop passed to execute(), but its AgentData only by weak reference:
         # the trajectory must not keep alive the object whose end ends it.
