@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import os
 import threading
 from abc import abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Coroutine, TypeVar
 
 from ..environment import ToolExecutionEnvironment
@@ -20,6 +21,8 @@ from ..executor import ToolCallExecutor
 from ..results import Call, ToolResult
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 THREADS_VARIABLE = "TVCACHE_ROLLOUT_THREADS"
 
@@ -81,7 +84,7 @@ class AsyncRollout:
         """`end()` from any thread (a finalizer, a timer), without waiting for it."""
         loop = self.loop
         if loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.end(), loop)
+            asyncio.run_coroutine_threadsafe(self.end(), loop).add_done_callback(_log_failure)
         elif not self.ended:
             self.ended = True
             threading.Thread(target=self._close, args=(None,), name="tvcache-end").start()
@@ -115,6 +118,11 @@ class AsyncRollout:
             self.executor.close()
 
 
+def _log_failure(ended: Future[None]) -> None:
+    if not ended.cancelled() and ended.exception() is not None:
+        logger.warning("a rollout did not end cleanly", exc_info=ended.exception())
+
+
 class LoopEnvironment(ToolExecutionEnvironment):
     """An environment whose sandbox is driven by coroutines on the framework's loop.
 
@@ -136,9 +144,14 @@ class LoopEnvironment(ToolExecutionEnvironment):
         return self._wait(self.aexecute(call))
 
     def stop(self) -> None:
-        if self._loop.is_closed():  # the framework has shut down: nothing left to stop on it
-            return
-        self._wait(self.astop())
+        if self._loop.is_closed() or not self._loop.is_running():
+            return  # the framework has shut down: nothing left to stop on it
+        try:
+            self._wait(self.astop())
+        except Exception:
+            # Freeing a sandbox that failed (the usual reason to stop one early) may fail too;
+            # that must not hide why the call failed, nor fail the rollout's end.
+            logger.warning("could not stop a sandbox", exc_info=True)
 
     def fork(self) -> ToolExecutionEnvironment:
         raise NotImplementedError("this framework's sandboxes cannot be forked")

@@ -37,7 +37,7 @@ from tinker_cookbook.tool_use.types import Tool, ToolInput, ToolResult
 from ..client import TVCacheClient
 from ..executor import ToolCallExecutor
 from ..results import Call
-from ..results import ToolResult as CallResult
+from ..results import ToolResult as RecordedResult
 from . import _shared
 from ._asyncio import AsyncRollout, LoopEnvironment
 
@@ -79,7 +79,7 @@ class _Sandbox(LoopEnvironment):
             self._sandbox = await self._rollout.make_sandbox()
             self._rollout.live_sandbox = self._sandbox
 
-    async def aexecute(self, call: Call) -> CallResult:
+    async def aexecute(self, call: Call) -> RecordedResult:
         name, args = call["tool"], call["args"]
         if name not in SANDBOX_CALLS:
             result = await self._rollout.tools[name].run(ToolInput(arguments=args, call_id=None))
@@ -141,7 +141,7 @@ class TVCacheRollout:
         if group is not None:
             group.rollouts.append(self)
 
-    async def call(self, call: Call) -> CallResult:
+    async def call(self, call: Call) -> RecordedResult:
         episode = _episode.get()
         if episode is not None:
             episode.add(self)
@@ -263,7 +263,7 @@ class TVCacheTool:
                           metrics=result["metrics"], metadata=result["metadata"])
 
 
-def _tool_result_json(result: ToolResult, name: str) -> CallResult:
+def _tool_result_json(result: ToolResult, name: str) -> RecordedResult:
     return _shared.json_only(
         {"messages": result.messages, "should_stop": result.should_stop,
          "metrics": result.metrics, "metadata": result.metadata},
