@@ -42,6 +42,10 @@ class Node(models.Model):
     result_bytes = models.PositiveIntegerField()
     exec_ms = models.FloatField()
     cum_exec_ms = models.FloatField()  # exec time of the state-changing path from the root
+    # The sandbox's StateFingerprint right after the call first ran (tool-server mode, state-changing
+    # calls): a sandbox materialized for this node must match it before a call runs in it.
+    state_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.full
+    state_shape = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.shape (replays)
     hit_count = models.PositiveIntegerField(default=0)
     last_hit_at = models.DateTimeField(null=True, blank=True)
     first_rollout_id = models.CharField(max_length=200, blank=True, default="")
@@ -168,6 +172,11 @@ class Rollout(models.Model):
     history = models.JSONField(default=list)  # tool-server mode keeps the rollout's calls
     started_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Known-state rule: after a call that timed out, was killed or after which the backend failed,
+    # the rollout's state is unknown. It leaves the shared graph: its later calls run in its own
+    # sandbox, uncached and unrecorded (DESIGN.md, "What a hit guarantees").
+    detached_at = models.DateTimeField(null=True, blank=True)
+    detached_reason = models.TextField(blank=True, default="", db_default="")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]

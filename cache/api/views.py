@@ -12,6 +12,7 @@ from rest_framework.views import APIView
 from cache import selectors, services
 from cache.errors import InvalidInput
 from cache.inputs import parse_call_context, parse_claim, parse_record, parse_resume
+from observability import metrics
 
 from . import serializers as s
 from .lean import LeanPostView
@@ -37,7 +38,7 @@ class TaskListView(APIView):
                                OpenApiParameter("limit", int, description=f"1 to {TASK_PAGE_MAX}, default {TASK_PAGE}"),
                                OpenApiParameter("offset", int)],
                    responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
-                   summary="List tasks with their totals, a page at a time (by id)")
+                   operation_id="v1_tasks_list", summary="List tasks with their totals, a page at a time (by id)")
     def get(self, request):
         try:
             limit = int(request.query_params.get("limit", TASK_PAGE))
@@ -88,6 +89,7 @@ class LookupView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/lookup"
 
     @staticmethod
+    @metrics.lookup_timed
     def answer(*, task_id: str, payload) -> bytes:
         context = parse_call_context(payload)
         answer = services.tcg_lookup(task_id=task_id, context=context, claim=parse_claim(payload, context),

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from cache.errors import NotFound
 from dashboard import broadcast
+from observability import metrics
 from cache.inputs import CallContext
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
@@ -186,6 +187,7 @@ def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit
                  node_id=node_id, hit=hit, seen=seen, saved_ms=saved_ms)
     broadcast.lookup(task_id, hit, oracle=seen, epoch=context.epoch, tool=call.tool, node_id=node_id,
                      saved_ms=saved_ms)
+    metrics.lookup_counted(tool=call.tool, hit=hit)
 
 
 def _exact_read(task: TaskHandle, context: CallContext, claim: bool) -> tuple[StateChain, tuple | None]:

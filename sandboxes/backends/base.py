@@ -12,12 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .hostfs import StateDigest
+
 # Every container, image, folder and file a backend creates carries this label, so reapers can
 # tell what is ours from whatever else shares the engine or the disk.
 OWNER_LABEL = "tvcache.owner"
 OWNER = "tvcache"
 # On snapshots: the sandbox they were taken from.
 SOURCE_LABEL = "tvcache.source"
+
 
 
 class SandboxError(Exception):
@@ -108,10 +111,10 @@ class Sandbox(ABC):
         tell: False only when nothing changed. None: not observed, the tool's declaration holds."""
         return self.execute(tool, args), None
 
-    def state_fingerprint(self) -> str | None:
-        """A digest of the sandbox's state that another sandbox matches only in the same state
-        (overlay.StateFingerprint for docker; the files or the database's content for the others).
-        None where the backend cannot tell: nothing is then verified against it."""
+    def state_fingerprint(self) -> StateDigest | None:
+        """Digests of the sandbox's state that another sandbox matches only in the same state
+        (hostfs.StateDigest: in full for a fork, in shape for a replay). None where the backend
+        cannot tell: nothing is then verified against it."""
         return None
 
     @abstractmethod

@@ -199,7 +199,7 @@ class DirectorySandbox(Sandbox):
             return None
         return path.read_bytes()
 
-    def state_fingerprint(self) -> str | None:
+    def state_fingerprint(self) -> hostfs.StateDigest | None:
         """Paths, types, modes, sizes and contents of the files (the tools show no file times)."""
         with self._lock:
             self._check_alive()
@@ -209,7 +209,8 @@ class DirectorySandbox(Sandbox):
                     str(self._files), max_entries=_FINGERPRINT_MAX_ENTRIES)})
             except hostfs.UnsafeEntry:
                 return None
-            return fingerprint.hexdigest()
+            digests = fingerprint.digests()
+            return hostfs.StateDigest(full=digests.full, shape=digests.full)  # contents come from the calls' arguments
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         with self._lock:

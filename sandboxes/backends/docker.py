@@ -51,6 +51,7 @@ from .base import (
     require_str,
 )
 from .config import DockerConfig
+from .hostfs import StateDigest
 from .overlay import LayerState, LayerTooLarge, LayerWatch, SessionTampered, restore_file_times, settle_after
 
 # Bump when the bash tool's behaviour changes: it is part of the env fingerprint.
@@ -294,7 +295,7 @@ class DockerSandbox(Sandbox):
             self._layer = self._layer_state()
             return result, None if self._layer is None else self._layer.digest != before.digest
 
-    def state_fingerprint(self) -> str | None:
+    def state_fingerprint(self) -> StateDigest | None:
         with self._lock:
             watch = self._layer_watch()
             if watch is None:

@@ -14,6 +14,7 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
@@ -108,6 +109,18 @@ def walk(root: str, *, max_entries: int) -> Iterator[tuple[str, os.stat_result]]
             os.close(fd)
 
 
+@dataclass(frozen=True, slots=True)
+class StateDigest:
+    """`full`: everything, contents included, for a fork (a copy must be exact). `shape`: all but
+    the contents of regular files, for a replay: a replay runs at another time, so contents that
+    embed absolute times (bytecode caches, archives, logs) differ as they would between two live
+    rollouts. Both see paths, types, modes, owners, sizes, link targets, the order of file
+    times and the shell session."""
+
+    full: str
+    shape: str
+
+
 class StateFingerprint:
     """A digest of a sandbox's state that two sandboxes reach alike only in the same state.
 
@@ -118,7 +131,7 @@ class StateFingerprint:
 
     def __init__(self, *, max_bytes: int, times: bool = True):
         self.max_bytes, self.times = max_bytes, times
-        self._entries: list[tuple[str, str, int]] = []  # (path, line without rank, mtime or -1)
+        self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
         self._session: list[bytes] = []
         self._read = 0
 
@@ -141,15 +154,18 @@ class StateFingerprint:
     def add_session(self, name: str, content: bytes) -> None:
         self._session.append(name.encode() + b"\0" + hashlib.sha256(content).digest())
 
-    def hexdigest(self) -> str:
-        times = sorted({mtime for _, _, mtime in self._entries if mtime >= 0})
+    def digests(self) -> StateDigest:
+        times = sorted({mtime for _, _, _, mtime in self._entries if mtime >= 0})
         rank = {mtime: index for index, mtime in enumerate(times)}
-        digest = hashlib.sha256()
-        for path, line, mtime in sorted(self._entries):
-            digest.update(f"{line}\0{rank.get(mtime, -1)}\n".encode("utf-8", "surrogateescape"))
+        full, shape = hashlib.sha256(), hashlib.sha256()
+        for path, line, content, mtime in sorted(self._entries):
+            common = f"{line}\0{rank.get(mtime, -1)}".encode("utf-8", "surrogateescape")
+            full.update(common + b"\0" + content.encode() + b"\n")
+            shape.update(common + b"\n")
         for session in self._session:
-            digest.update(session)
-        return digest.hexdigest()
+            full.update(session)
+            shape.update(session)
+        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest())
 
     def _add(self, fd: int, path: str, name: str) -> None:
         try:
@@ -157,19 +173,19 @@ class StateFingerprint:
         except FileNotFoundError:
             return  # deleted (a whiteout in a layer above): absent paths are not listed
         kind = stat.S_IFMT(st.st_mode)
-        detail, mtime = "", -1
+        detail, content, mtime = "", "", -1
         if stat.S_ISREG(st.st_mode):
             self._read += st.st_size
             if self._read > self.max_bytes:
                 raise UnsafeEntry(f"more than {self.max_bytes} bytes to fingerprint")
-            detail, mtime = _cached_digest(fd, name, st, self.max_bytes), st.st_mtime_ns if self.times else -1
+            content, mtime = _cached_digest(fd, name, st, self.max_bytes), st.st_mtime_ns if self.times else -1
         elif stat.S_ISLNK(st.st_mode):
             detail, mtime = os.readlink(name, dir_fd=fd), st.st_mtime_ns if self.times else -1
         elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
             detail = str(st.st_rdev)
         size = st.st_size if not stat.S_ISDIR(st.st_mode) else 0
         line = f"{path}\0{kind}\0{stat.S_IMODE(st.st_mode)}\0{st.st_uid}\0{st.st_gid}\0{size}\0{detail}"
-        self._entries.append((path, line, mtime))
+        self._entries.append((path, line, content, mtime))
 
 
 # Content digests by (device, inode, size, mtime, ctime): a file's ctime moves with every change

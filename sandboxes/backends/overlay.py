@@ -144,7 +144,7 @@ class LayerWatch:
         """Wait until a write would carry a later file time than any in `state`."""
         settle_after(state.newest_ns)
 
-    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int) -> str:
+    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int) -> hostfs.StateDigest:
         """The StateFingerprint of the sandbox: every path that a layer above the base image holds
         (its snapshots' layers and its own), read in the merged view."""
         paths: set[str] = set()
@@ -157,7 +157,7 @@ class LayerWatch:
         fingerprint.add_tree(self.merged, paths)
         for name, content in self.session():
             fingerprint.add_session(name, content)
-        return fingerprint.hexdigest()
+        return fingerprint.digests()
 
 
 def settle_after(newest_ns: int) -> None:

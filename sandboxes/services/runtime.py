@@ -8,7 +8,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from cache.errors import ApplicationError, InvalidInput, ServiceUnavailable
+from cache.errors import ApplicationError, Conflict, InvalidInput, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DockerConfig, SandboxConfig, backend_for
 from sandboxes.backends.base import (
     InvalidEnv,
@@ -16,6 +16,7 @@ from sandboxes.backends.base import (
     Sandbox,
     SandboxBackend,
     SandboxError,
+    SandboxTampered,
     ToolNotFound,
 )
 
@@ -91,4 +92,6 @@ def as_application_error(exc: SandboxError) -> ApplicationError:
     """Sandbox failures as API errors: the caller's fault is a 400, the machine's a 503."""
     if isinstance(exc, (ToolNotFound, InvalidToolArgs, InvalidEnv)):
         return InvalidInput(exc.message, code=exc.code, details=exc.details)
+    if isinstance(exc, SandboxTampered):  # the rollout's own doing: its sandbox is retired
+        return Conflict(exc.message, code=exc.code, details=exc.details)
     return ServiceUnavailable(exc.message, code=exc.code, details=exc.details)

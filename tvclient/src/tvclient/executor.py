@@ -96,6 +96,15 @@ def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]
     return positions
 
 
+class ReplayFailed(RuntimeError):
+    """A replayed call did not reproduce its recorded run (it timed out): the environment is in
+    no state the history describes."""
+
+
+def _timed_out(result: object) -> bool:
+    return isinstance(result, dict) and result.get("timed_out") is True
+
+
 class ToolCallExecutor:
     """Runs one rollout's tool calls through the cache, in environments the trainer owns.
 
@@ -136,6 +145,13 @@ class ToolCallExecutor:
     failed or timed out, drops the environment: the next miss rebuilds it. Counters: `audited`,
     `divergent` (audits the service found different), `audits_skipped`.
 
+    Known-state rule: a call whose environment raised or answered `timed_out`, and a replay
+    that failed, leave the environment in a state no history describes. The rollout then
+    leaves the shared graph (`detached`): its later calls run in its own environment as it is,
+    with no lookup and no record, so nothing it sees is filed under a state it may not have
+    reached, and no snapshot is taken of it. A failure to open the environment (a fork or a
+    start) runs no call, so the rollout stays on the graph and the next miss tries again.
+
     `snapshots` should be one store shared by all executors of the trainer process; without
     it the executor keeps a private store and stops its snapshots on close().
     """
@@ -173,6 +189,7 @@ class ToolCallExecutor:
         self.audited = 0
         self.divergent = 0
         self.audits_skipped = 0
+        self.detached = False
         self._background: _Background | None = None
 
     @property
@@ -192,6 +209,8 @@ class ToolCallExecutor:
 
     def execute(self, call: Call) -> ToolResult:
         call = _json_copy(call)
+        if self.detached:
+            return self._execute_detached(call)
         background = self._background
         if background is not None and background.call == call:
             # The rollout repeats the call it has just missed: once that is recorded, the
@@ -303,26 +322,37 @@ class ToolCallExecutor:
     def _resolve_miss(self, call: Call, lookup: LookupResult) -> tuple[ToolResult, bool | None]:
         restore_ms: float | None = None
         lease_id = lookup.resume.lease_id if lookup.resume is not None else None
+
+        def give_up() -> None:
+            if lookup.claim == "granted":  # rollouts waiting on this call execute it now
+                self._release_claim(self._history, call)
+            if lease_id is not None:
+                self._release(lease_id, restore_ms)
+
         try:
             self.flush()  # the previous miss's snapshot is taken before the environment moves on
             if self._env is None:
                 restore_ms, replay = self._open_env(lookup)
             else:
                 replay, self._pending = self._pending, []
+        except BaseException:  # no call ran: the next miss opens an environment again
+            self._drop_env()
+            give_up()
+            raise
+        try:
             for position in replay:
                 self._run(position, self._history[position])
                 self.replayed += 1
             executed = self._execute(list(self._history), call)
             self.executed += 1
-        except BaseException:
-            # After a failure the environment's state no longer follows the history; the
-            # next miss rebuilds it.
-            self._drop_env()
-            if lookup.claim == "granted":  # rollouts waiting on this call execute it now
-                self._release_claim(self._history, call)
-            if lease_id is not None:
-                self._release(lease_id, restore_ms)
+        except BaseException as exc:
+            self._detach(f"{type(exc).__name__}: {exc}")
+            give_up()
             raise
+        if _timed_out(executed.result):
+            self._detach("the call timed out")
+            give_up()
+            return executed.result, executed.mutated
         # The caller owns the result it gets back; the record sends a copy taken now.
         recorded = replace(executed, result=_json_copy(executed.result))
         claimed, done_recording = lookup.claim == "granted", threading.Event()
@@ -388,7 +418,22 @@ class ToolCallExecutor:
 
     def _run(self, position: int, call: Call) -> None:
         """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
-        self._keep_snapshot(self._record(self._execute(self._history[:position], call)))
+        executed = self._execute(self._history[:position], call)
+        if _timed_out(executed.result):
+            raise ReplayFailed(f"the replay of {call.get('tool')!r} timed out")
+        self._keep_snapshot(self._record(executed))
+
+    def _detach(self, reason: str) -> None:
+        """Take the rollout off the shared graph (the known-state rule, class docstring)."""
+        logger.info("rollout %s of task %s leaves the shared graph: %s", self.rollout_id, self.task_id, reason)
+        self.detached, self._pending = True, []
+
+    def _execute_detached(self, call: Call) -> ToolResult:
+        self.flush()
+        if self._env is None:
+            raise ReplayFailed("the rollout left the shared graph and its environment is gone: end the rollout")
+        self.executed += 1
+        return self._env.execute(call)
 
     def _execute(self, history: list[Call], call: Call) -> _Executed:
         assert self._env is not None
