@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('cache', '0005_divergence'),
+        ('cache', '0006_node_state_fingerprint_rollout_detached'),
     ]
 
     operations = [
