@@ -107,8 +107,10 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> s
         return SKIPPED
     backend = backend_named(handle.backend)
     writes = [item for item in history if handle.policy.for_tool(item.tool).mutates_state]
+    parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
+              .values("pk", "tool", "state_shape").first() if writes else None)
     try:
-        observed = _reexecute(task, backend, writes, call)
+        observed = _reexecute(task, backend, writes, call, parent, rollout[1])
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
         return INCONCLUSIVE
@@ -125,10 +127,13 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> s
     return DIVERGENT
 
 
-def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall) -> dict[str, Any] | None:
-    """The call's result in a fresh sandbox of the task after `writes`; None if a replayed call
-    left the state unknown (it timed out). A sandbox row accounts for the sandbox meanwhile (the
-    pools page shows it; the orphan reaper spares it)."""
+def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall, parent: dict | None,
+               rollout_id: str) -> dict[str, Any] | None:
+    """The call's result in a fresh sandbox of the task after `writes`; None if the replay did not
+    reach the parent node's state: a replayed call timed out, or the sandbox's state differs from
+    the one the parent recorded (a divergence of kind "state", recorded on the parent: the audited
+    node is not blamed for it). A sandbox row accounts for the sandbox meanwhile (the pools page
+    shows it; the orphan reaper spares it)."""
     row = Sandbox.objects.create(task=task, backend=backend.name, pool=Sandbox.Pool.ROOT, state=Sandbox.State.WARMING)
     started = time.perf_counter()
     try:
@@ -142,6 +147,23 @@ def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call
         for write in writes:
             if backend.audit_view(write.tool, sandbox.execute(write.tool, write.args)) is None:
                 return None
+        if not _reached(sandbox, parent, task, rollout_id):
+            return None
         return sandbox.execute(call.tool, call.args)
     finally:
         sandbox_stop(sandbox_id=row.pk)
+
+
+def _reached(sandbox, parent: dict | None, task: Task, rollout_id: str) -> bool:
+    """Whether the replayed sandbox is in the parent node's recorded state, where both are known
+    (a replay is compared by shape: it ran at another time, see StateDigest)."""
+    if parent is None or not parent["state_shape"]:
+        return True
+    state = sandbox.state_fingerprint()
+    if state is None or state.shape == parent["state_shape"]:
+        return True
+    divergence_record(task_id=task.pk, node_id=parent["pk"], tool=parent["tool"], kind=Divergence.Kind.STATE,
+                      expected={"fingerprint": parent["state_shape"]},
+                      observed={"fingerprint": state.shape, "sandbox": "audit", "why": "an audit's replay"},
+                      rollout_id=rollout_id)
+    return False

@@ -34,7 +34,9 @@ def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, dock
         assert run(api, task, "r2", call)["cached"] is True
     wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 3)
 
-    # The write and the read after it (replayed at their parent state) gave what the cache holds.
+    # The write and the read after it gave what the cache holds; the read's audit replayed the
+    # write and found the state the write's node recorded (no divergence of kind "state").
+    assert Node.objects.get(task_id=task, call__args__command="echo one > /f").state_shape
     divergence = Divergence.objects.get(task_id=task)
     assert (divergence.node_id, divergence.kind, divergence.tool, divergence.rollout_id) == (first.pk, "audit", "bash", "r2")
     assert divergence.expected["stdout"] != divergence.observed["stdout"]
@@ -53,6 +55,29 @@ def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, dock
     for row in audit_sandboxes(task):  # each audit's sandbox is removed
         with pytest.raises(docker.errors.NotFound):
             busybox.api.inspect_container(row.ref)
+
+
+def test_an_audit_whose_replay_misses_the_recorded_state_blames_the_write_not_the_audited_call(
+        api, docker_task, busybox, celery_worker):
+    task = docker_task("audited-state", audit_rate=1.0)
+    # A write of a random size: no replay of it reaches the state it left (odds 1 in 200,000).
+    write = bash("head -c $(( (RANDOM * 32768 + RANDOM) % 200000 + 1 )) /dev/zero > /g")
+    read = bash("echo hi")
+    for call in (write, read):
+        run(api, task, "r1", call)
+    for call in (write, read):
+        assert run(api, task, "r2", call)["cached"] is True
+    wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 2)
+    written = Node.objects.get(task_id=task, call__args__command=write["args"]["command"])
+    # The write's own audit compared its (empty) output: equal. The read's audit replayed the write
+    # and found another state than the write's node recorded: a divergence of kind "state" on the
+    # write; the read, never run in the recorded state, is not judged.
+    divergence = Divergence.objects.get(task_id=task)
+    assert (divergence.kind, divergence.node_id) == ("state", written.pk)
+    assert divergence.expected == {"fingerprint": written.state_shape}
+    assert not Node.objects.filter(task_id=task, divergent=True).exists()
+    assert run(api, task, "r3", write)["cached"] is True and run(api, task, "r3", read)["cached"] is True
+    wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 4)  # r3's audits, before teardown
 
 
 @contextmanager
