@@ -92,17 +92,18 @@ _outbox = _Outbox(capacity=1000)
 
 def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
     """Re-execute node `node_id`'s call at its parent state and compare: "equal", "divergent"
-    (recorded), "inconclusive" (the sandbox failed, or a call timed out) or "skipped" (the node,
-    the rollout or the task's keys are gone, or the node is divergent already)."""
+    (recorded), "inconclusive" (the sandbox failed, a call timed out, the replay missed the parent's
+    state) or "skipped" (the node, the rollout or the task's keys are gone, or the node is divergent
+    already)."""
     node = Node.objects.filter(task_id=task_id, pk=node_id, divergent=False).first()
     rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history", "rollout_id").first()
     task = Task.objects.filter(pk=task_id).first()
     if node is None or rollout is None or task is None or len(rollout[0]) < applied:
         return SKIPPED
-    history = tuple(ToolCall.from_json(item) for item in rollout[0][:applied])
+    history, rollout_id = tuple(ToolCall.from_json(item) for item in rollout[0][:applied]), rollout[1]
     call = ToolCall.from_json(node.call)
     handle = task_handle(task_id=task_id)
-    last = task_chain(handle, CallContext(history, call, rollout[1], 0, None)).steps[-1]
+    last = task_chain(handle, CallContext(history, call, rollout_id, 0, None)).steps[-1]
     if (last.anchor, last.digest) != (node.anchor_key, node.call_digest):  # the task changed since the hit
         return SKIPPED
     backend = backend_named(handle.backend)
@@ -110,30 +111,41 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> s
     parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
               .values("pk", "tool", "state_shape").first() if writes else None)
     try:
-        observed = _reexecute(task, backend, writes, call, parent, rollout[1])
+        run = _reexecute(task, backend, writes, call, parent, rollout_id, shape=node.mutates and bool(node.state_shape))
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
         return INCONCLUSIVE
-    expected = orjson.loads(node.result_json)
-    if observed is None:
-        return INCONCLUSIVE
-    seen, now = backend.audit_view(call.tool, expected), backend.audit_view(call.tool, observed)
-    if seen is None or now is None:
-        return INCONCLUSIVE
-    if canonical_json(seen) == canonical_json(now):
-        return EQUAL
+    outcome = INCONCLUSIVE if run is None else _compared(backend, node, *run)
+    if isinstance(outcome, str):
+        return outcome
     divergence_record(task_id=task_id, node_id=node_id, tool=call.tool, kind=Divergence.Kind.AUDIT,
-                      expected=expected, observed=observed, rollout_id=rollout[1])
+                      expected=outcome[0], observed=outcome[1], rollout_id=rollout_id)
     return DIVERGENT
 
 
+def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], shape: str | None) -> tuple | str:
+    """(expected, observed) where the re-execution differs from the node, else EQUAL or
+    INCONCLUSIVE. A state-changing call is also compared by the state it left (its shape: the
+    re-execution runs at another time), so that a write whose effect is random, not its output,
+    is found too."""
+    expected = orjson.loads(node.result_json)
+    seen, now = backend.audit_view(node.tool, expected), backend.audit_view(node.tool, observed)
+    if seen is None or now is None:
+        return INCONCLUSIVE
+    if canonical_json(seen) != canonical_json(now):
+        return expected, observed
+    if shape is not None and shape != node.state_shape:
+        return {"state_shape": node.state_shape, "result": expected}, {"state_shape": shape, "result": observed}
+    return EQUAL
+
+
 def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall, parent: dict | None,
-               rollout_id: str) -> dict[str, Any] | None:
-    """The call's result in a fresh sandbox of the task after `writes`; None if the replay did not
-    reach the parent node's state: a replayed call timed out, or the sandbox's state differs from
-    the one the parent recorded (a divergence of kind "state", recorded on the parent: the audited
-    node is not blamed for it). A sandbox row accounts for the sandbox meanwhile (the pools page
-    shows it; the orphan reaper spares it)."""
+               rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
+    """The call's result in a fresh sandbox of the task after `writes`, and with `shape` the shape
+    of the state it left; None if the replay did not reach the parent node's state: a replayed
+    call timed out, or the sandbox's state differs from the one the parent recorded (a divergence
+    of kind "state", recorded on the parent: the audited node is not judged). A sandbox row
+    accounts for the sandbox meanwhile (the pools page shows it; the orphan reaper spares it)."""
     row = Sandbox.objects.create(task=task, backend=backend.name, pool=Sandbox.Pool.ROOT, state=Sandbox.State.WARMING)
     started = time.perf_counter()
     try:
@@ -149,7 +161,9 @@ def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call
                 return None
         if not _reached(sandbox, parent, task, rollout_id):
             return None
-        return sandbox.execute(call.tool, call.args)
+        result = sandbox.execute(call.tool, call.args)
+        state = sandbox.state_fingerprint() if shape else None
+        return result, state.shape if state is not None else None
     finally:
         sandbox_stop(sandbox_id=row.pk)
 

@@ -57,10 +57,10 @@ def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, dock
             busybox.api.inspect_container(row.ref)
 
 
-def test_an_audit_whose_replay_misses_the_recorded_state_blames_the_write_not_the_audited_call(
+def test_a_write_whose_effect_is_random_is_found_divergent_and_nothing_below_it_is_served(
         api, docker_task, busybox, celery_worker):
     task = docker_task("audited-state", audit_rate=1.0)
-    # A write of a random size: no replay of it reaches the state it left (odds 1 in 200,000).
+    # A write of a random size: its output is always empty, the state it leaves is not (1 in 200,000).
     write = bash("head -c $(( (RANDOM * 32768 + RANDOM) % 200000 + 1 )) /dev/zero > /g")
     read = bash("echo hi")
     for call in (write, read):
@@ -69,15 +69,16 @@ def test_an_audit_whose_replay_misses_the_recorded_state_blames_the_write_not_th
         assert run(api, task, "r2", call)["cached"] is True
     wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 2)
     written = Node.objects.get(task_id=task, call__args__command=write["args"]["command"])
-    # The write's own audit compared its (empty) output: equal. The read's audit replayed the write
-    # and found another state than the write's node recorded: a divergence of kind "state" on the
-    # write; the read, never run in the recorded state, is not judged.
-    divergence = Divergence.objects.get(task_id=task)
-    assert (divergence.kind, divergence.node_id) == ("state", written.pk)
-    assert divergence.expected == {"fingerprint": written.state_shape}
-    assert not Node.objects.filter(task_id=task, divergent=True).exists()
-    assert run(api, task, "r3", write)["cached"] is True and run(api, task, "r3", read)["cached"] is True
-    wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 4)  # r3's audits, before teardown
+    # The write's audit: same output, another state. The read's: its replay of the write did not
+    # reach the state the write's node recorded, so the read itself is not judged.
+    kinds = dict(Divergence.objects.filter(task_id=task).values_list("kind", "node_id"))
+    assert kinds == {"audit": written.pk, "state": written.pk}
+    audited = Divergence.objects.get(task_id=task, kind="audit")
+    assert audited.expected["state_shape"] == written.state_shape != audited.observed["state_shape"]
+    assert list(Node.objects.filter(task_id=task, divergent=True).values_list("pk", flat=True)) == [written.pk]
+    # Neither the write nor anything after it is served any more.
+    assert run(api, task, "r3", write)["cached"] is False
+    assert run(api, task, "r3", read)["cached"] is False
 
 
 @contextmanager
