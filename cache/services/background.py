@@ -2,7 +2,7 @@
 
 A job is sent to the broker once the transaction that asked for it commits, from a thread of
 this process: the request that asked for it has done its work and answers at once, whether the
-broker takes the job, takes its time refusing it (Redis down: about 0.6 s of reconnect attempts)
+broker takes the job, takes its time refusing it (Redis down: 0.6 to 6 s of reconnect attempts)
 or is gone. A job the broker refuses runs on that thread instead. Embedded (no broker), Celery
 runs jobs in the caller as before.
 """
@@ -10,6 +10,7 @@ runs jobs in the caller as before.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,44 +19,52 @@ from django.db import connections, transaction
 log = logging.getLogger("tvcache.background")
 
 MAX_PENDING = 256  # jobs waiting for the sender threads; more are dropped (logged): see job_enqueue
-_sender = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tvcache-jobs")
 _pending = threading.BoundedSemaphore(MAX_PENDING)
+_senders: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
+_senders_lock = threading.Lock()
 
 
-def job_enqueue(task, *args, in_process: bool = True) -> None:
+def _sender() -> ThreadPoolExecutor:
+    global _senders, _pending
+    if _senders is None or _senders[0] != os.getpid():
+        with _senders_lock:
+            if _senders is None or _senders[0] != os.getpid():
+                _pending = threading.BoundedSemaphore(MAX_PENDING)
+                _senders = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="tvcache-jobs"))
+    return _senders[1]
+
+
+def job_enqueue(task, *args) -> None:
     """Queue the Celery task `task(*args)` after the current transaction commits (at once outside
-    one). Never raises and never blocks for the broker. A job the broker refuses runs here, unless
-    `in_process` is False (an audit: too heavy to run beside requests), then it is dropped (logged).
-    Jobs are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped when
+    one). Never raises and never blocks for the broker; a job the broker refuses runs here. Jobs
+    are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped when
     MAX_PENDING are waiting is redone by the periodic jobs (the reaper fails a sandbox row that
     never warmed)."""
-    transaction.on_commit(lambda: _submit(task, args, in_process))
+    transaction.on_commit(lambda: _submit(task, args))
 
 
-def _submit(task, args: tuple, in_process: bool) -> None:
+def _submit(task, args: tuple) -> None:
     if task.app.conf.task_always_eager:  # embedded: runs here, as Celery does without a broker
         try:
             task.apply_async(args)
         except Exception:
             log.exception("background job %s%r failed", task.name, args)
         return
+    sender = _sender()
     if not _pending.acquire(blocking=False):
         log.error("%d background jobs waiting: %s%r dropped", MAX_PENDING, task.name, args)
         return
     try:
-        _sender.submit(_send, task, args, in_process)
+        sender.submit(_send, task, args)
     except RuntimeError:  # the interpreter is shutting down
         _pending.release()
 
 
-def _send(task, args: tuple, in_process: bool) -> None:
+def _send(task, args: tuple) -> None:
     try:
         try:
             task.apply_async(args, retry=False)
         except Exception as exc:  # the broker is down or refused: do the work here
-            if not in_process:
-                log.warning("broker unavailable (%s): %s%r dropped", exc, task.name, args)
-                return
             log.warning("broker unavailable (%s): running %s%r in process", exc, task.name, args)
             result = task.apply(args)
             if result.failed():
