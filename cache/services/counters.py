@@ -7,7 +7,8 @@ statistics, and the hot path stays one indexed read (4x cheaper for PostgreSQL t
 
 A batch is written whole or not at all, so one row PostgreSQL refuses would lose everyone's
 counters: the edge (cache.inputs) keeps such keys out, the buffer drops any that still come
-(logged), and a flush that fails (PostgreSQL restarting) puts its counts back for the next one.
+(logged), and a flush that fails (PostgreSQL restarting) puts its counts back for the next one
+(one whose commit was lost with its connection may so count its batch twice: statistics).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from collections import defaultdict
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import transaction
 
 from cache.inputs import INT32, MAX_ID_LENGTH
 
@@ -176,9 +177,7 @@ def _flush_forever(interval: float) -> None:
         try:
             counters_flush()
         except Exception:  # the next interval retries; counters are never worth a crash
-            log.exception("counter flush failed")
-            # This thread's connection may have died with PostgreSQL: the next try opens another.
-            connections[DEFAULT_DB_ALIAS].close_if_unusable_or_obsolete()
+            log.exception("counter flush failed")  # a connection that died is dropped by the rollback
 
 
 @atexit.register
