@@ -87,9 +87,9 @@ _CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", 
 # One argument of execve is capped at 128 KiB by Linux.
 _MAX_COMMAND_BYTES = 128 * 1024 - 1
 _KILL_GRACE_S = 5.0
-# A layer measured faster than this is measured after every call; a slower one every
-# disk_check_s, stretched to this many times what its measure costs.
-_DISK_CHEAP_S = 0.01
+# A layer measured faster than this (some 5,000 entries) is measured after every call; a slower
+# one every disk_check_s, stretched to this many times what its measure costs.
+_DISK_CHEAP_S = 0.05
 _DISK_COST_FACTOR = 20
 _DISK_MAX_DEPTH = 128  # folders nested deeper count as over the quota: the measure cannot see them
 _DEATH_SETTLE_S = 0.25
@@ -142,9 +142,10 @@ class DockerEnv:
         parsed = cls(
             image=env.get("image") or config.default_image,
             network=env.get("network", False),
-            memory_mb=limits.get("memory_mb", config.memory_mb),
-            cpus=limits.get("cpus", config.cpus),
-            pids=limits.get("pids", config.pids),
+            # The defaults, within the maxima: an operator who lowers a maximum lowers the default.
+            memory_mb=limits.get("memory_mb", min(config.memory_mb, config.max_memory_mb)),
+            cpus=limits.get("cpus", min(config.cpus, config.max_cpus)),
+            pids=limits.get("pids", min(config.pids, config.max_pids)),
             workdir=env.get("workdir"),
             user=_user(env.get("user", config.user), config),
             ulimits=_ulimits(config),
