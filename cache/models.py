@@ -14,6 +14,10 @@ class Task(models.Model):
     env_fingerprint = models.CharField(max_length=64)
     tools = models.JSONField(default=dict)  # {name: {"mutates_state": bool, "cacheable": bool}}
     sandbox_budget = models.PositiveIntegerField()
+    # Determinism audit: the fraction of hits re-executed and compared (`Divergence`), and the
+    # tools the audit made uncacheable here (more than TVCACHE_AUDIT_MAX_DIVERGENT divergent nodes).
+    audit_rate = models.FloatField(default=0.02)
+    uncacheable_tools = models.JSONField(default=list)
     version = models.PositiveIntegerField(default=1)  # bumped by every update; hot paths check it
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -38,11 +42,18 @@ class Node(models.Model):
     result_bytes = models.PositiveIntegerField()
     exec_ms = models.FloatField()
     cum_exec_ms = models.FloatField()  # exec time of the state-changing path from the root
+    # The sandbox's StateFingerprint right after the call first ran (tool-server mode, state-changing
+    # calls): a sandbox materialized for this node must match it before a call runs in it.
+    state_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.full
+    state_shape = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.shape (replays)
     hit_count = models.PositiveIntegerField(default=0)
     last_hit_at = models.DateTimeField(null=True, blank=True)
     first_rollout_id = models.CharField(max_length=200, blank=True, default="")
     first_epoch = models.IntegerField(null=True, blank=True)
     pinned = models.BooleanField(default=False)
+    # A re-execution of the call at its parent state gave another result: the node is no longer
+    # served (its lookups answer as misses).
+    divergent = models.BooleanField(default=False, db_default=False)  # record.py inserts raw rows
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -84,6 +95,27 @@ class Snapshot(models.Model):
             models.UniqueConstraint(fields=["task", "ref"], name="snapshot_unique_ref"),
             models.UniqueConstraint(fields=["node"], condition=Q(status="live"), name="snapshot_one_live_per_node"),
         ]
+
+
+class Divergence(models.Model):
+    """A result or state that differed from what a node recorded."""
+
+    class Kind(models.TextChoices):
+        AUDIT = "audit"  # a sampled hit, re-executed at its parent state, gave another result
+        STATE = "state"  # a sandbox materialized for the node is not in the state the node recorded
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="divergences")
+    # Kept when the node is evicted with its subtree: the divergence happened all the same.
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="divergences")
+    tool = models.CharField(max_length=200)
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    expected = models.JSONField(null=True)
+    observed = models.JSONField(null=True)
+    rollout_id = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["task", "tool"], name="divergence_task_tool")]
 
 
 class Lease(models.Model):
@@ -137,6 +169,11 @@ class Rollout(models.Model):
     history = models.JSONField(default=list)  # tool-server mode keeps the rollout's calls
     started_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Known-state rule: after a call that timed out, was killed or after which the backend failed,
+    # the rollout's state is unknown. It leaves the shared graph: its later calls run in its own
+    # sandbox, uncached and unrecorded (DESIGN.md, "What a hit guarantees").
+    detached_at = models.DateTimeField(null=True, blank=True)
+    detached_reason = models.TextField(blank=True, default="", db_default="")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]

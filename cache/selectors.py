@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Max, Q, Sum
 
 from cache.errors import NotFound
-from cache.models import Node, Rollout, Snapshot, Task, ToolStat
+from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
 from cache.services.counters import counters_flush
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
+DIVERGENT_NODES_LISTED = 100
 
 
 def task_get(*, task_id: str) -> Task:
@@ -53,7 +54,35 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "rollouts": Rollout.objects.filter(task_id=task_id).count(),
         "per_epoch": per_epoch,
         "per_tool": per_tool,
+        "divergences": task_divergences(task_id=task_id),
     }
+
+
+def task_divergences(*, task_id: str) -> dict[str, Any]:
+    """What the determinism audit and state verification found: divergences in all, per tool
+    (with its divergent nodes and whether the audit made it uncacheable) and per node (the
+    most recent first)."""
+    uncacheable = Task.objects.filter(pk=task_id).values_list("uncacheable_tools", flat=True).first() or []
+    rows = Divergence.objects.filter(task_id=task_id)
+    counts = {r["tool"]: r for r in rows.values("tool").annotate(
+        count=Count("id"), audit=Count("id", filter=Q(kind=Divergence.Kind.AUDIT)),
+        state=Count("id", filter=Q(kind=Divergence.Kind.STATE)))}
+    divergent = dict(Node.objects.filter(task_id=task_id, divergent=True).values("tool").annotate(n=Count("id"))
+                     .values_list("tool", "n"))
+    per_tool = [{"tool": tool, "count": counts.get(tool, {}).get("count", 0),
+                 "audit": counts.get(tool, {}).get("audit", 0), "state": counts.get(tool, {}).get("state", 0),
+                 "divergent_nodes": divergent.get(tool, 0), "uncacheable": tool in uncacheable}
+                for tool in sorted({*counts, *divergent, *uncacheable})]
+    per_node = [
+        {"node_id": r["node_id"], "tool": r["node__tool"], "call": r["node__call"], "divergent": r["node__divergent"],
+         "count": r["count"], "audit": r["audit"], "state": r["state"], "last_at": r["last_at"]}
+        for r in rows.filter(node__isnull=False).values("node_id", "node__tool", "node__call", "node__divergent")
+        .annotate(count=Count("id"), audit=Count("id", filter=Q(kind=Divergence.Kind.AUDIT)),
+                  state=Count("id", filter=Q(kind=Divergence.Kind.STATE)), last_at=Max("created_at"))
+        .order_by("-last_at", "-node_id")[:DIVERGENT_NODES_LISTED]
+    ]
+    return {"count": sum(r["count"] for r in per_tool), "divergent_nodes": sum(divergent.values()),
+            "uncacheable_tools": list(uncacheable), "per_tool": per_tool, "per_node": per_node}
 
 
 def task_ids(*, search: str = ""):
@@ -93,7 +122,7 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
         nodes = nodes.filter(depth__lte=max_depth)
     live = set(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list("node_id", flat=True))
     rows = nodes.order_by("depth", "pk").values(
-        "id", "parent_id", "depth", "tool", "call", "mutates", "exec_ms", "hit_count", "pinned", "result_bytes",
+        "id", "parent_id", "depth", "tool", "call", "mutates", "exec_ms", "hit_count", "pinned", "divergent", "result_bytes",
         "first_rollout_id", "first_epoch",
     )[:limit]
     out_nodes = [{**row, "snapshot": row["id"] in live} for row in rows]

@@ -1,4 +1,5 @@
-"""The audit log of staff actions on the cache (evictions, pins, flushes, budgets, sandbox stops)."""
+"""The audit log of staff actions on the cache (evictions, pins, flushes, budgets, sandbox stops),
+and of what the service decides on its own (a tool the determinism audit made uncacheable)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class AuditEntry(models.Model):
         TASK_FLUSH = "task_flush", "Flush task"
         BUDGET_SET = "budget_set", "Set budget"
         SANDBOX_STOP = "sandbox_stop", "Stop sandbox"
+        TOOL_UNCACHEABLE = "tool_uncacheable", "Tool made uncacheable (audit)"
 
     class Outcome(models.TextChoices):
         OK = "ok"

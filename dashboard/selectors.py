@@ -26,6 +26,7 @@ TEXT_CHARS = 300
 RESULT_FOLD_CHARS = 4000
 RESULT_FOLD_LINES = 60
 ROLLOUTS_SHOWN = 100
+DIVERGENCES_SHOWN = 20  # per node, the most recent
 OVERVIEW_PAGE_SIZE = 50
 ZERO_RATES = {**dict.fromkeys(cache_selectors.COUNTERS, 0), "hit_rate": 0.0, "oracle_hit_rate": 0.0}
 
@@ -115,7 +116,10 @@ def task_detail(*, task_id: str) -> dict[str, Any]:
                     .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at")[:ROLLOUTS_SHOWN])
     for rollout in rollouts:
         rollout["misses"] = rollout["calls"] - rollout["hits"]
-    return {"task": task, "stats": stats, "tools": tools, "rollouts": rollouts,
+    divergences = stats["divergences"]
+    for row in divergences["per_node"]:
+        row["label"] = call_label(row["call"] or {})
+    return {"task": task, "stats": stats, "tools": tools, "rollouts": rollouts, "divergences": divergences,
             "epochs": [[e["epoch"], e["calls"], e["hits"], e["oracle_hits"]] for e in stats["per_epoch"]]}
 
 
@@ -251,6 +255,10 @@ def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
         "call_json": json.dumps(node.call, indent=2, ensure_ascii=False),
         "result": result_parts(node.result_json), "path": path, "children": node.children.count(),
         "snapshots": snapshots, "live_snapshot": next((s for s in snapshots if s.status == Snapshot.Status.LIVE), None),
+        "divergences": [{"kind": d.kind, "rollout_id": d.rollout_id, "created_at": d.created_at,
+                         "expected": json.dumps(d.expected, indent=2, ensure_ascii=False),
+                         "observed": json.dumps(d.observed, indent=2, ensure_ascii=False)}
+                        for d in node.divergences.order_by("-created_at", "-pk")[:DIVERGENCES_SHOWN]],
     }
 
 

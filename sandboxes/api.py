@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 from cache.api.lean import LeanPostView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
 from cache.errors import InvalidInput
+from observability import metrics
 from sandboxes import selectors, services
 
 ERRORS = {code: ErrorSerializer for code in (400, 401, 404, 409, 503)}
@@ -26,6 +27,9 @@ class CallResultSerializer(serializers.Serializer):
     cached = serializers.BooleanField()
     node_id = serializers.IntegerField(allow_null=True, help_text="null when the result was not cached (a timeout)")
     latency_ms = serializers.FloatField()
+    phases_ms = serializers.DictField(child=serializers.FloatField(), help_text=(
+        "where the call's time went: lookup, wait (for another rollout executing the same call), "
+        "materialize, replay, verify, exec, fingerprint, record, snapshot"))
     mutates = serializers.BooleanField(help_text="The call changed the rollout's state. False for a read-only tool, "
                                                  "and for a call the sandbox observed to change nothing.")
 
@@ -51,8 +55,10 @@ class RolloutCallView(LeanPostView):
         if not isinstance(epoch, int) or isinstance(epoch, bool):
             raise InvalidInput("'epoch' must be an integer.", details={"field": "epoch"})
         outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=payload["call"], epoch=epoch)
+        metrics.tool_call_observed(tool=payload["call"]["tool"], cached=outcome.cached, ms=outcome.latency_ms)
         return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
-                             "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates})
+                             "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates,
+                             "phases_ms": {k: round(v, 3) for k, v in outcome.phases_ms.items()}})
 
 
 class RolloutView(APIView):

@@ -29,6 +29,10 @@ class Sandbox(models.Model):
     rollout = models.ForeignKey("cache.Rollout", null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="sandboxes")
     applied = models.PositiveIntegerField(default=0)  # leading calls of the rollout's history it reflects
+    # Set (and committed) before a call runs in the sandbox, cleared once its outcome is stored: a
+    # sandbox found executing by its rollout's next call was cut off mid-call (a killed server)
+    # and may be ahead of the history, so it is retired.
+    executing = models.BooleanField(default=False, db_default=False)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     start_ms = models.FloatField(null=True, blank=True)  # start or fork latency
     error = models.TextField(blank=True, default="")

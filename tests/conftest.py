@@ -44,6 +44,19 @@ def _counters_flushed_on_read():
     counters._buffer.take()  # never flushed later into another database (the process's exit flush)
 
 
+@pytest.fixture(autouse=True)
+def _hits_unaudited_unless_asked():
+    """Hits are sampled for the determinism audit at random (2 % by default), which would add
+    `"audit": true` to one hit answer in fifty; tests that exercise the audit set the task's own
+    `audit_rate`."""
+    from django.conf import settings
+
+    default = settings.TVCACHE["DEFAULT_AUDIT_RATE"]
+    settings.TVCACHE["DEFAULT_AUDIT_RATE"] = 0.0
+    yield
+    settings.TVCACHE["DEFAULT_AUDIT_RATE"] = default
+
+
 @pytest.fixture
 def token(db) -> str:
     return token_create(name="trainer")

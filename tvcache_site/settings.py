@@ -5,9 +5,12 @@ service falls back to embedded defaults (in-process background work, an in-memor
 layer) and the run command says so at start. Tests and production set both.
 """
 
+import os
 from pathlib import Path
 
 import environ
+
+from observability.logs import logs_configure
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
@@ -48,6 +51,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, served from here (no CDN)
     "channels",
     "cache",
     "sandboxes",
@@ -56,6 +60,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "observability.logs.RequestIdMiddleware",  # first: every response carries X-Request-ID
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -109,6 +114,12 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Stateful tool-value cache: lookups and records for RL rollouts.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # /api/docs/ works without internet: Swagger UI's files come from drf-spectacular-sidecar
+    # (collectstatic, WhiteNoise), and no spec validator badge is fetched from validator.swagger.io.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "SWAGGER_UI_SETTINGS": {"deepLinking": True, "validatorUrl": None},
 }
 
 # Channels: Redis layer when Redis is configured, else in-memory (embedded mode only).
@@ -191,7 +202,6 @@ TVCACHE = {
     # ... until the container's layer holds this many files (listing it costs ~10 us per file).
     "DOCKER_OBSERVE_MAX_ENTRIES": env.int("TVCACHE_DOCKER_OBSERVE_MAX_ENTRIES", default=20_000),
     # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
-    "CACHE_TIMEOUTS": env.bool("TVCACHE_CACHE_TIMEOUTS", default=False),
     # Tool-server mode: a rollout that misses on a call another rollout is executing in the same
     # state waits for that result at most this long, then executes it too.
     "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),
@@ -207,12 +217,31 @@ TVCACHE = {
     "POOL_IDLE_S": env.float("TVCACHE_POOL_IDLE_S", default=600.0),
     # WARMING rows older than this belong to a worker that died: the reaper fails them.
     "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
+    # Determinism audit: the fraction of hits re-executed and compared, for a task that does not
+    # set its own `audit_rate`; a tool with more than AUDIT_MAX_DIVERGENT divergent nodes in a
+    # task becomes uncacheable for it.
+    "DEFAULT_AUDIT_RATE": env.float("TVCACHE_DEFAULT_AUDIT_RATE", default=0.02),
+    "AUDIT_MAX_DIVERGENT": env.int("TVCACHE_AUDIT_MAX_DIVERGENT", default=3),
 }
 
+# Metrics (/metrics, Prometheus text format): readable without a token from these addresses or
+# networks only (REMOTE_ADDR: behind a proxy, list the proxy). Every process of the service counts
+# into files under PROMETHEUS_MULTIPROC_DIR and a scrape adds them up (prometheus-client's
+# multiprocess mode: uvicorn runs several workers, a Celery worker forks sandboxes); empty = one
+# process, counts in memory. prometheus_client reads the variable when first imported: set here.
+METRICS_ALLOW = env.list("TVCACHE_METRICS_ALLOW", default=["127.0.0.0/8", "::1"])
+METRICS_DIR = env("PROMETHEUS_MULTIPROC_DIR", default=str(VAR_DIR / "metrics"))
+if METRICS_DIR:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = METRICS_DIR
+else:
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+# Logs: JSON lines on stderr (structlog), each with the request id of the request that wrote it.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {"json": {"()": "observability.logs.json_formatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},  # stderr
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="WARNING")},
     "loggers": {
         "tvcache": {"level": env("LOG_LEVEL", default="INFO")},
@@ -220,3 +249,4 @@ LOGGING = {
         "django.request": {"level": "ERROR"},
     },
 }
+logs_configure()  # structlog.get_logger() loggers and Python's warnings go through the same handler

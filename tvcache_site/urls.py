@@ -3,12 +3,15 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from tvcache_site.metrics import metrics_view
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("cache.api.urls")),
     path("api/v1/", include("sandboxes.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("metrics", metrics_view, name="metrics"),  # Prometheus; TVCACHE_METRICS_ALLOW only
     path("", include("dashboard.urls")),  # pages, login/logout, /dashboard-api/ (session auth)
 ]
 

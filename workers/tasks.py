@@ -46,3 +46,9 @@ def tables_vacuum() -> list[str]:
 @shared_task(acks_late=True)
 def claims_clear() -> int:
     return cache_services.claims_clear()
+
+
+@shared_task(acks_late=True, **RETRY)
+def hit_audit(task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
+    """Determinism audit of a sampled tool-server hit (sandboxes.services.audit)."""
+    return services.hit_audit(task_id=task_id, node_id=node_id, rollout_pk=rollout_pk, applied=applied)

@@ -40,6 +40,7 @@ from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
 from cache.errors import ApplicationError
+from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
 from .auth import trainer_for_key
 
@@ -193,12 +194,15 @@ class HotPath:
         return self.max_body is not None and length > self.max_body
 
     def respond(self, view: type[LeanPostView], *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes], request: Callable[[], object]) -> Answered:
+                read_body: Callable[[], bytes], request: Callable[[], object], incoming_id: str | None) -> Answered:
         """Status, headers, body and the time spent in database statements; `request` builds a
-        Django request for the 500 path."""
+        Django request for the 500 path. The request's id (`incoming_id`, the X-Request-ID header,
+        if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does."""
         db = connections[DEFAULT_DB_ALIAS]
         keep = view.lane != "tool"
         timer = _StatementTimer()
+        rid = request_id(incoming_id)
+        bound = request_id_bind(rid)
         _check_connection(db, keep=keep)
         try:
             with db.execute_wrapper(timer):
@@ -214,6 +218,8 @@ class HotPath:
             headers.append(("Content-Length", str(len(body))))
         finally:
             _check_connection(db, keep=keep)
+            request_id_unbind(bound)
+        headers.append((REQUEST_ID_HEADER, rid))
         return Answered(status, headers + self.headers, body, timer.seconds)
 
 
@@ -274,7 +280,8 @@ class HotPathApplication:
 
         answer = self.hot.respond(
             view, path_kwargs=path_kwargs, authorization=environ.get("HTTP_AUTHORIZATION", ""), read_body=read_body,
-            request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}))
+            request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}),
+            incoming_id=environ.get("HTTP_X_REQUEST_ID"))
         done = time.perf_counter()
         start_response(f"{answer.status} {HTTPStatus(answer.status).phrase}",
                        answer.headers + [server_timing(started, started, done, done, answer.db_s)])
@@ -324,7 +331,8 @@ class HotPathASGI:
             started = time.perf_counter()
             answer = self.hot.respond(view, path_kwargs=path_kwargs,
                                       authorization=headers.get(b"authorization", b"").decode("latin-1"),
-                                      read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")))
+                                      read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
+                                      incoming_id=headers.get(b"x-request-id", b"").decode("latin-1"))
             return answer, started, time.perf_counter()
 
         answer, started, done = await asyncio.get_running_loop().run_in_executor(self.executors[view.lane], respond)

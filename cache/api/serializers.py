@@ -17,6 +17,9 @@ class TaskPutSerializer(serializers.Serializer):
     env = serializers.DictField(help_text='{"backend": "docker"|"directory"|"sqlite"|"external", ...}')
     tools = serializers.DictField(child=ToolPolicySerializer(), required=False)
     sandbox_budget = serializers.IntegerField(min_value=0, required=False)
+    audit_rate = serializers.FloatField(min_value=0.0, max_value=1.0, required=False, help_text=(
+        "Determinism audit: the fraction of hits re-executed at their parent state and compared (default 0.02; "
+        "0 turns it off). Changing it keeps the graph."))
 
 
 class TaskSerializer(serializers.Serializer):
@@ -25,6 +28,10 @@ class TaskSerializer(serializers.Serializer):
     env_fingerprint = serializers.CharField()
     tools = serializers.DictField()
     sandbox_budget = serializers.IntegerField()
+    audit_rate = serializers.FloatField()
+    uncacheable_tools = serializers.ListField(child=serializers.CharField(), help_text=(
+        "Tools the determinism audit made uncacheable for this task (more than TVCACHE_AUDIT_MAX_DIVERGENT "
+        "divergent nodes); cleared when the task's graph is dropped."))
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
 
@@ -84,6 +91,10 @@ class LookupResponseSerializer(serializers.Serializer):
     replay = ToolCallSerializer(many=True, required=False, help_text="Misses: every state-changing call of the history.")
     claim = serializers.ChoiceField(choices=["granted", "in_flight"], required=False,
                                     help_text="Misses of lookups that asked for a claim.")
+    audit = serializers.BooleanField(required=False, help_text=(
+        "Hits only, present when true: the hit was sampled for the determinism audit. A client whose environment "
+        "is at the hit's parent state re-executes the call there and reports the result "
+        "(POST .../nodes/{node_id}/audit)."))
 
 
 class RecordSerializer(CallContextSerializer):
@@ -107,6 +118,15 @@ class SnapshotRegisterSerializer(serializers.Serializer):
     backend = serializers.CharField(max_length=40)
     size_bytes = serializers.IntegerField(min_value=0, required=False)
     create_ms = serializers.FloatField(min_value=0, required=False)
+
+
+class NodeAuditSerializer(serializers.Serializer):
+    result = serializers.JSONField(help_text="The call's result, re-executed at the node's parent state.")
+    rollout_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
+
+
+class NodeAuditedSerializer(serializers.Serializer):
+    divergent = serializers.BooleanField(help_text="The result differs from the node's: the node is no longer served.")
 
 
 class SnapshotRegisteredSerializer(serializers.Serializer):

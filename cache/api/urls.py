@@ -11,5 +11,6 @@ urlpatterns = [
     path("tasks/<slug:task_id>/stats", views.TaskStatsView.as_view()),
     path("tasks/<slug:task_id>/graph", views.GraphView.as_view()),
     path("tasks/<slug:task_id>/nodes/<int:node_id>/snapshots", views.SnapshotRegisterView.as_view()),
+    path("tasks/<slug:task_id>/nodes/<int:node_id>/audit", views.NodeAuditView.as_view()),
     path("leases/<str:lease_id>", views.LeaseView.as_view()),
 ]

@@ -12,6 +12,7 @@ from rest_framework.views import APIView
 from cache import selectors, services
 from cache.errors import InvalidInput
 from cache.inputs import parse_call_context, parse_claim, parse_record, parse_resume
+from observability import metrics
 
 from . import serializers as s
 from .lean import LeanPostView
@@ -37,7 +38,7 @@ class TaskListView(APIView):
                                OpenApiParameter("limit", int, description=f"1 to {TASK_PAGE_MAX}, default {TASK_PAGE}"),
                                OpenApiParameter("offset", int)],
                    responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
-                   summary="List tasks with their totals, a page at a time (by id)")
+                   operation_id="v1_tasks_list", summary="List tasks with their totals, a page at a time (by id)")
     def get(self, request):
         try:
             limit = int(request.query_params.get("limit", TASK_PAGE))
@@ -64,7 +65,8 @@ class TaskView(APIView):
         if "env" not in request.data:
             raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
         task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
-                                          sandbox_budget=request.data.get("sandbox_budget"))
+                                          sandbox_budget=request.data.get("sandbox_budget"),
+                                          audit_rate=request.data.get("audit_rate"))
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
@@ -87,14 +89,16 @@ class LookupView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/lookup"
 
     @staticmethod
+    @metrics.lookup_timed
     def answer(*, task_id: str, payload) -> bytes:
         context = parse_call_context(payload)
         answer = services.tcg_lookup(task_id=task_id, context=context, claim=parse_claim(payload, context),
                                      resume=parse_resume(payload))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
-            return b'{"hit":true,"node_id":%d,"mutates":%s,"result":%s}' % (
-                answer.node_id, b"true" if answer.mutates else b"false", answer.result_json.encode())
+            return b'{"hit":true,"node_id":%d,"mutates":%s,%s"result":%s}' % (
+                answer.node_id, b"true" if answer.mutates else b"false", b'"audit":true,' if answer.audit else b"",
+                answer.result_json.encode())
         match = answer.match
         resume = None
         if match.resume is not None:
@@ -142,6 +146,17 @@ class SnapshotRegisterView(APIView):
         snapshot, evicted = services.snapshot_register(task_id=task_id, node_id=node_id, **data)
         return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
                         status=status.HTTP_201_CREATED)
+
+
+class NodeAuditView(APIView):
+    @extend_schema(request=s.NodeAuditSerializer, responses={200: s.NodeAuditedSerializer, **ERRORS},
+                   summary="Report a client's re-execution of a hit (determinism audit); a differing result "
+                           "makes the node divergent: it is no longer served")
+    def post(self, request, task_id: str, node_id: int):
+        data = _valid(s.NodeAuditSerializer, request.data)
+        divergent = services.node_audit(task_id=task_id, node_id=node_id, result=data["result"],
+                                        rollout_id=data.get("rollout_id", ""))
+        return Response({"divergent": divergent})
 
 
 class LeaseView(APIView):

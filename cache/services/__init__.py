@@ -1,5 +1,6 @@
 """Writes to the tool call graphs. Plain functions named <entity>_<action>."""
 
+from .audit import divergence_record, node_audit
 from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
 from .maintenance import claims_clear, tables_vacuum
 from .record import RecordOutcome, node_record
@@ -12,6 +13,8 @@ __all__ = [
     "RecordOutcome",
     "TaskHandle",
     "claim_release",
+    "divergence_record",
+    "node_audit",
     "lease_release",
     "lookup_count",
     "node_record",

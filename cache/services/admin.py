@@ -54,6 +54,11 @@ def _entry(actor, action: str, task_id: str, target: str, outcome: str, details:
                                      target=target[:300], outcome=outcome, details=details)
 
 
+def system_entry(*, action: str, task_id: str, target: str, details: dict) -> AuditEntry:
+    """An entry for what the service decided on its own (no staff member acted)."""
+    return _entry("tvcache", action, task_id, target, AuditEntry.Outcome.OK, details)
+
+
 def _node_for_update(task_id: str, node_id: int) -> Node:
     node = Node.objects.select_for_update().filter(task_id=task_id, pk=node_id).first()
     if node is None:

@@ -5,6 +5,7 @@ Counters are batched (counters.py).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ from django.utils import timezone
 
 from cache.errors import NotFound
 from dashboard import broadcast
+from observability import metrics
 from cache.inputs import CallContext
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
@@ -37,6 +39,9 @@ from .tasks import TaskHandle, task_handle
 # a TTL, like a lease (LEASE_SQL): its commit does not wait for the WAL to reach the disk. A
 # PostgreSQL crash may lose the claims of its last few hundred ms; their calls may then run twice.
 # Counters go to the in-process buffer (counters.py), not to this query.
+#
+# A divergent node (the determinism audit found its call gives another result in the same state)
+# is not served: it answers like the node of an uncacheable tool (a miss with its match, no claim).
 READ_SQL = """
 WITH claimed AS (
     INSERT INTO cache_claim AS c (task_id, anchor_key, call_digest, holder, expires_at)
@@ -51,8 +56,8 @@ WITH claimed AS (
     WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
     RETURNING true AS granted
 )
-SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates,
-       CASE WHEN n.id IS NULL OR NOT %(cacheable)s THEN (
+SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent,
+       CASE WHEN n.id IS NULL OR n.divergent OR NOT %(cacheable)s THEN (
            SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
            FROM cache_node w
@@ -88,6 +93,7 @@ class LookupHit:
     result_json: str
     exec_ms: float
     mutates: bool  # False: the call left the state as it was (declared or observed read-only)
+    audit: bool = False  # sampled for the determinism audit (the task's audit_rate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +125,9 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
         chain, row = _exact_read(task, context, claim)
     if row is None:
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    _, node_id, result_json, exec_ms, mutates, writes, granted = row
+    _, node_id, result_json, exec_ms, mutates, divergent, writes, granted = row
     cacheable = task.policy.for_tool(context.call.tool).cacheable
-    hit = node_id is not None and cacheable
+    hit = node_id is not None and cacheable and not divergent
     last = chain.steps[-1]
     claimed = None
     if claim and node_id is None and cacheable:
@@ -133,7 +139,9 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
         lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=hit, seen=node_id is not None,
                      saved_ms=exec_ms or 0.0)
     if hit:
-        return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms, mutates=mutates)
+        # Sampled here, in process: the audit costs the hit path no statement.
+        audit = task.audit_rate > 0.0 and random.random() < task.audit_rate
+        return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms, mutates=mutates, audit=audit)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, _node_refs(writes or ()))
     full_replay = tuple(step.call for step in history.writes)
@@ -166,6 +174,7 @@ def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit
                  node_id=node_id, hit=hit, seen=seen, saved_ms=saved_ms)
     broadcast.lookup(task_id, hit, oracle=seen, epoch=context.epoch, tool=call.tool, node_id=node_id,
                      saved_ms=saved_ms)
+    metrics.lookup_counted(tool=call.tool, hit=hit)
 
 
 def _exact_read(task: TaskHandle, context: CallContext, claim: bool) -> tuple[StateChain, tuple | None]:

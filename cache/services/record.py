@@ -31,10 +31,11 @@ WITH parent AS (
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
-                            first_epoch, pinned, created_at)
+                            first_epoch, pinned, created_at, state_fingerprint, state_shape)
     VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
             %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
-            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now())
+            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
+            %(fingerprint)s, %(shape)s)
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms
 ), stat AS (
@@ -71,7 +72,9 @@ class RecordOutcome:
     evicted: list[str]
 
 
-def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
+def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = ("", "")) -> RecordOutcome:
+    """`state`: the sandbox's state fingerprint after the call, (full, shape), where the service
+    ran it: what a sandbox materialized for this node is checked against."""
     task = task_handle(task_id=task_id)
     context = record.context
     task.check_fingerprint(context.env_fingerprint)
@@ -101,6 +104,8 @@ def node_record(*, task_id: str, record: RecordInput) -> RecordOutcome:
         "own_cost": record.exec_ms if mutates else 0.0,
         "rollout": context.rollout_id,
         "epoch": context.epoch,
+        "fingerprint": state[0],
+        "shape": state[1],
     }
     with connection.cursor() as cursor:
         cursor.execute(INSERT_SQL, params)

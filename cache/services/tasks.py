@@ -9,8 +9,8 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from cache.errors import Conflict, InvalidInput, NotFound
-from cache.models import Node, Snapshot, Task
-from cache.tcg import TaskPolicy, env_fingerprint
+from cache.models import Divergence, Node, Snapshot, Task
+from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 from dashboard import broadcast
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
@@ -26,6 +26,7 @@ class TaskHandle:
     policy: TaskPolicy
     backend: str
     sandbox_budget: int
+    audit_rate: float = 0.0  # the fraction of hits sampled for the determinism audit
 
     def check_fingerprint(self, expected: str | None) -> None:
         if expected is not None and expected != self.fingerprint:
@@ -47,15 +48,17 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         return _handles[task_id]
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT version, env_fingerprint, tools::text, env->>'backend', sandbox_budget FROM cache_task WHERE id = %s",
+            "SELECT version, env_fingerprint, tools::text, env->>'backend', sandbox_budget, audit_rate,"
+            " uncacheable_tools::text FROM cache_task WHERE id = %s",
             [task_id],
         )
         row = cursor.fetchone()
     if row is None:
         _handles.pop(task_id, None)
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    version, fingerprint, tools, backend, budget = row
-    handle = TaskHandle(task_id, version, fingerprint, _policy(tools), backend or "external", budget)
+    version, fingerprint, tools, backend, budget, audit_rate, uncacheable = row
+    handle = TaskHandle(task_id, version, fingerprint, _policy(tools, uncacheable), backend or "external", budget,
+                        audit_rate)
     if len(_handles) >= MAX_CACHED_HANDLES:
         _handles.clear()
     _handles[task_id] = handle
@@ -63,8 +66,27 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
 
 
 @functools.lru_cache(maxsize=1024)
-def _policy(tools_json: str) -> TaskPolicy:
-    return TaskPolicy.from_json(orjson.loads(tools_json))
+def _policy(tools_json: str, uncacheable_json: str = "[]") -> TaskPolicy:
+    """The declared policy, less the caching of the tools the audit made uncacheable (they keep
+    their declared effect on the state)."""
+    return task_policy(orjson.loads(tools_json), orjson.loads(uncacheable_json))
+
+
+def task_policy(tools: dict, uncacheable: list[str]) -> TaskPolicy:
+    policy = TaskPolicy.from_json(tools)
+    if not uncacheable:
+        return policy
+    return TaskPolicy(tools={**policy.tools, **{
+        name: ToolPolicy(mutates_state=policy.for_tool(name).mutates_state, cacheable=False) for name in uncacheable}})
+
+
+def _validate_audit_rate(audit_rate: Any) -> float:
+    if audit_rate is None:
+        return settings.TVCACHE["DEFAULT_AUDIT_RATE"]
+    if isinstance(audit_rate, bool) or not isinstance(audit_rate, (int, float)) or not 0.0 <= audit_rate <= 1.0:
+        raise InvalidInput("'audit_rate' must be a number from 0 to 1.", code="invalid_payload",
+                           details={"field": "audit_rate"})
+    return float(audit_rate)
 
 
 def _validate_tools(tools: Any) -> dict:
@@ -105,11 +127,14 @@ def _fingerprint_material(env: dict) -> dict:
 
 
 @transaction.atomic
-def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any = None) -> tuple[Task, bool]:
+def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any = None,
+             audit_rate: Any = None) -> tuple[Task, bool]:
     """Create or update a task. A changed environment changes the fingerprint and drops the
-    task's old nodes: they can never hit again, and keeping them would only mislead the graph."""
+    task's old nodes: they can never hit again, and keeping them would only mislead the graph.
+    A changed `audit_rate` keeps them."""
     env = _validate_env(env)
     tools = _validate_tools(tools or {})
+    audit_rate = _validate_audit_rate(audit_rate)
     if sandbox_budget is None:
         sandbox_budget = settings.TVCACHE["DEFAULT_SANDBOX_BUDGET"]
     if not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool) or sandbox_budget < 0:
@@ -118,22 +143,27 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
         task = Task.objects.create(id=task_id, env=env, env_fingerprint=fingerprint, tools=tools,
-                                   sandbox_budget=sandbox_budget)
+                                   sandbox_budget=sandbox_budget, audit_rate=audit_rate)
         broadcast.task_changed(task_id, "created")
         return task, True
     if task.env_fingerprint != fingerprint or task.tools != tools:
         # A changed tool policy changes the state keys too (what counts as a write).
         _drop_nodes(task)
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
-    task.version += 1
+    task.audit_rate = audit_rate
+    task.version += 1  # every process re-reads its handle (keys, policy, audit rate)
     task.save()
     broadcast.task_changed(task_id, "updated")
     return task, False
 
 
 def _drop_nodes(task: Task) -> None:
+    """A new graph starts with a clean audit: its divergences and the tools they made uncacheable
+    were those of nodes that are gone (an environment or a policy that no longer holds)."""
     Snapshot.objects.filter(task=task).delete()
     Node.objects.filter(task=task).delete()
+    Divergence.objects.filter(task=task).delete()
+    task.uncacheable_tools = []
 
 
 @transaction.atomic
@@ -145,7 +175,7 @@ def task_flush(*, task_id: str) -> int:
     count = task.nodes.count()
     _drop_nodes(task)
     task.version += 1  # lookups holding the old handle re-read the task
-    task.save(update_fields=["version", "updated_at"])
+    task.save(update_fields=["version", "uncacheable_tools", "updated_at"])
     task.rollouts.all().delete()
     task.tool_stats.all().delete()
     return count

@@ -12,12 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .hostfs import StateDigest
+
 # Every container, image, folder and file a backend creates carries this label, so reapers can
 # tell what is ours from whatever else shares the engine or the disk.
 OWNER_LABEL = "tvcache.owner"
 OWNER = "tvcache"
 # On snapshots: the sandbox they were taken from.
 SOURCE_LABEL = "tvcache.source"
+
 
 
 class SandboxError(Exception):
@@ -53,6 +56,13 @@ class SandboxGone(SandboxError):
 
 class EngineUnavailable(SandboxError):
     code = "engine_unavailable"
+
+
+class SandboxTampered(SandboxError):
+    """The sandbox replaced files the service keeps in it (the shell session's) with links, FIFOs
+    or devices: it is retired, never read through."""
+
+    code = "sandbox_tampered"
 
 
 class SnapshotMissing(SandboxError):
@@ -143,6 +153,12 @@ class Sandbox(ABC):
         tell: False only when nothing changed. None: not observed, the tool's declaration holds."""
         return self.execute(tool, args), None
 
+    def state_fingerprint(self) -> StateDigest | None:
+        """Digests of the sandbox's state that another sandbox matches only in the same state
+        (hostfs.StateDigest: in full for a fork, in shape for a replay). None where the backend
+        cannot tell: nothing is then verified against it."""
+        return None
+
     @abstractmethod
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         """Freeze the current state into an immutable snapshot; the sandbox keeps running."""
@@ -206,6 +222,12 @@ class SandboxBackend(ABC):
     @abstractmethod
     def remove_sandbox(self, sandbox_id: str) -> None:
         """Stop and remove a sandbox by id, including one another process started. Idempotent."""
+
+    def audit_view(self, tool: str, result: Mapping[str, Any]) -> Any:
+        """What the determinism audit compares of a call's result (the recorded one and a
+        re-execution's); None when this result proves nothing either way. The whole result,
+        unless a backend knows better."""
+        return result
 
     def tool_spec(self, tool: str) -> ToolSpec:
         try:

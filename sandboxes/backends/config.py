@@ -53,6 +53,7 @@ class DockerConfig:
     # Tell read-only bash calls from their container's layer on the host (overlay.py).
     observe_writes: bool = True
     observe_max_entries: int = 20_000  # past this many files in a sandbox's layer, stop (overlay.py)
+    fingerprint_max_bytes: int = 512 << 20  # past this much changed content, a state is not fingerprinted
 
 
 @dataclass(frozen=True)

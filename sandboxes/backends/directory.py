@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from . import hostfs
 from .base import (
     SOURCE_LABEL,
     DiskQuotaExceeded,
@@ -189,6 +190,10 @@ def _write_seed(folder: Path, files: Mapping[str, str]) -> None:
         path.write_bytes(content.encode("utf-8"))
 
 
+_FINGERPRINT_MAX_BYTES = 256 << 20
+_FINGERPRINT_MAX_ENTRIES = 100_000
+
+
 class DirectorySandbox(Sandbox):
     def __init__(self, backend: DirectoryBackend, sandbox_id: str, folder: Path):
         self.sandbox_id = sandbox_id
@@ -234,6 +239,19 @@ class DirectorySandbox(Sandbox):
         if path is None or not path.is_file() or path.stat().st_size > self._backend.config.max_write_bytes:
             return None
         return path.read_bytes()
+
+    def state_fingerprint(self) -> hostfs.StateDigest | None:
+        """Paths, types, modes, sizes and contents of the files (the tools show no file times)."""
+        with self._lock:
+            self._check_alive()
+            fingerprint = hostfs.StateFingerprint(max_bytes=_FINGERPRINT_MAX_BYTES, times=False)
+            try:
+                fingerprint.add_tree(str(self._files), {path for path, _ in hostfs.walk(
+                    str(self._files), max_entries=_FINGERPRINT_MAX_ENTRIES)})
+            except hostfs.UnsafeEntry:
+                return None
+            digests = fingerprint.digests()
+            return hostfs.StateDigest(full=digests.full, shape=digests.full)  # contents come from the calls' arguments
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         with self._lock:

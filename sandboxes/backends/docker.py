@@ -55,6 +55,7 @@ from .base import (
     SandboxError,
     SandboxGone,
     SandboxOverQuota,
+    SandboxTampered,
     SnapshotInfo,
     SnapshotMissing,
     ToolSpec,
@@ -65,7 +66,8 @@ from .base import (
 )
 from .config import DockerConfig
 from .folders import TreeUsage, tree_usage
-from .overlay import LayerState, LayerTooLarge, LayerWatch
+from .hostfs import StateDigest
+from .overlay import LayerState, LayerTooLarge, LayerWatch, SessionTampered, restore_file_times, settle_after
 from .procs import host_sees, kill_call_tree
 
 log = logging.getLogger(__name__)
@@ -355,6 +357,7 @@ class DockerSandbox(Sandbox):
         self._lock = threading.Lock()
         self._watch: LayerWatch | None | object = _UNSET
         self._layer: LayerState | None = None  # the layer as the last observed call left it
+        self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
         self._stopped = False
         self._quota = _DiskQuota(backend.config)
         if self._quota.limit_bytes:
@@ -381,14 +384,30 @@ class DockerSandbox(Sandbox):
             self._layer = self._layer_state()
             return result, None if self._layer is None else self._layer.digest != before.digest
 
+    def state_fingerprint(self) -> StateDigest | None:
+        with self._lock:
+            watch = self._layer_watch()
+            if watch is None:
+                return None
+            try:
+                return watch.fingerprint(self._backend.base_layers(self.sandbox_id),
+                                         max_bytes=self._backend.config.fingerprint_max_bytes)
+            except SessionTampered as exc:
+                raise SandboxTampered(str(exc)) from None
+            except (LayerTooLarge, OSError):  # too large to fingerprint, or the container is going
+                return None
+
     def _layer_state(self) -> LayerState | None:
         """The layer as it is now; None when it is not observed: out of reach, gone (the container
-        is being removed), or too large to list per call (then never again)."""
+        is being removed), or too large to list per call (then never again). A sandbox that
+        replaced its session files with links or FIFOs raises SandboxTampered."""
         watch = self._layer_watch()
         if watch is None:
             return None
         try:
             return watch.state()
+        except SessionTampered as exc:
+            raise SandboxTampered(str(exc)) from None
         except LayerTooLarge:
             self._watch = None
         except OSError:
@@ -426,6 +445,7 @@ class DockerSandbox(Sandbox):
         config = self._backend.config
         api = self._backend.api
         self._raise_if_over_quota()
+        settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
         deadline = time.monotonic() + timeout_s
         argv = ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command]
         exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, argv)["Id"]
@@ -441,6 +461,7 @@ class DockerSandbox(Sandbox):
             raise EngineUnavailable(f"exec stream broke: {exc}") from exc
         finally:
             stream.close()
+            self._last_end_ns = time.time_ns()
         exit_code = self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S)
         if exit_code is None or exit_code >= 128:  # signalled: maybe by the container's death
             self._raise_if_gone()
@@ -555,9 +576,23 @@ class DockerSandbox(Sandbox):
             self._gone_if_missing(
                 self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag, pause=False, conf={"Labels": snapshot_labels}
             )
+            image = self._backend.api.inspect_image(ref)
+            self._restore_file_times(image)
             create_ms = (time.perf_counter() - started) * 1000
-            size = self._backend.api.inspect_image(ref)["Size"]
+            size = image["Size"]
         return SnapshotInfo(ref=ref, size_bytes=max(size - self._image_size, 0), create_ms=create_ms)
+
+    def _restore_file_times(self, image: Mapping[str, Any]) -> None:
+        """The commit kept whole seconds of every file time (overlay.restore_file_times): write
+        the exact ones into the new layer before any fork runs on it."""
+        watch = self._layer_watch()
+        target = ((image.get("GraphDriver") or {}).get("Data") or {}).get("UpperDir")
+        if watch is None or not target:
+            return
+        try:
+            restore_file_times(watch.upper, target, max_entries=self._backend.config.observe_max_entries)
+        except (OSError, LayerTooLarge):  # the fingerprint check catches a fork whose times differ
+            pass
 
     def stop(self) -> None:
         self._backend.disk_watch.discard(self)
@@ -577,6 +612,13 @@ class DockerBackend(SandboxBackend):
     name = "docker"
     tools = {"bash": ToolSpec(mutates_state=True)}
 
+    def audit_view(self, tool: str, result: Mapping[str, Any]) -> Any:
+        """What the agent reads of a bash call; a call that timed out was cut short at a moment
+        that proves nothing about the tool."""
+        if result.get("timed_out"):
+            return None
+        return {key: result.get(key) for key in ("stdout", "stderr", "exit_code")}
+
     def __init__(self, config: DockerConfig = DockerConfig()):
         self.config = config
         self.limiter = StartLimiter(config.max_concurrent_starts)
@@ -585,6 +627,7 @@ class DockerBackend(SandboxBackend):
         self.storage_quota: bool | None = None
         self._client: docker.DockerClient | None = None
         self._client_lock = threading.Lock()
+        self._base_layers: dict[str, frozenset[str]] = {}  # by image id: images never change
 
     @property
     def api(self) -> docker.APIClient:
@@ -642,6 +685,20 @@ class DockerBackend(SandboxBackend):
             image = self.api.inspect_image(container["Image"])
             shell = (image["Config"].get("Labels") or {}).get(SHELL_LABEL) or self._probe_shell(sandbox_id)
         return DockerSandbox(self, container["Id"], shell=shell, image_size=image["Size"])
+
+    def base_layers(self, container_id: str) -> frozenset[str]:
+        """The layer folders of the base image a sandbox runs on (below its snapshots' layers)."""
+        with engine_errors():
+            image_id = self.api.inspect_container(container_id)["Image"]
+        found = self._base_layers.get(image_id)
+        if found is None:
+            image = self.api.inspect_image(image_id)
+            while ((image["Config"].get("Labels") or {}).get(KIND_LABEL) == "snapshot" and image.get("Parent")):
+                image = self.api.inspect_image(image["Parent"])
+            data = (image.get("GraphDriver") or {}).get("Data") or {}
+            found = frozenset(d for d in [data.get("UpperDir"), *(data.get("LowerDir") or "").split(":")] if d)
+            self._base_layers[image_id] = found
+        return found
 
     def _probe_shell(self, container_id: str) -> str:
         exec_id = self.api.exec_create(container_id, ["/bin/sh", "-c", "command -v bash || true"])["Id"]

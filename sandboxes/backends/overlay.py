@@ -16,6 +16,18 @@ An unchanged listing lets a call that the tool declares state-changing (`bash`) 
 read-only: later calls match regardless of it (DESIGN.md, stateful prefix matching). Where the
 layer cannot be read (another storage driver, a remote engine, no permission) nothing is
 observed and the declaration stands.
+
+Every read of the layer and of the container's files goes through hostfs: the host never follows
+the sandbox's links, never opens its FIFOs or devices and never reads past a cap.
+
+Two more things live here, both about exactness across snapshots:
+- `docker commit` stores file times truncated to whole seconds (moby's tar headers), so a fork
+  of a build tree sees a source edited 0.3 s after its object as exactly as old as it, and `make`
+  says "up to date" where the original sandbox rebuilds. `restore_file_times` writes the exact
+  times from the container's upper directory into the committed layer, once per snapshot.
+- `fingerprint`: what a call left behind (paths, types, modes, owners, sizes, content
+  digests, link targets, the order of file times, and the shell session), comparable across
+  sandboxes, so a fork or a replay can be checked against the state its node recorded.
 """
 
 from __future__ import annotations
@@ -24,10 +36,13 @@ import ctypes
 import ctypes.util
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from . import hostfs
 
 _CLOCK_REALTIME_COARSE = 5  # Linux's clock id
 
@@ -48,6 +63,9 @@ def _coarse_tick_ns() -> int:
 _TICK_NS = _coarse_tick_ns()
 
 
+_SESSION_MAX_BYTES = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class LayerState:
     digest: bytes
@@ -58,14 +76,19 @@ class LayerTooLarge(Exception):
     """The layer holds more entries than a listing per call is worth."""
 
 
+class SessionTampered(Exception):
+    """The shell session's files are not regular files of sane size: the sandbox replaced them."""
+
+
 class LayerWatch:
     """Listing a layer costs about 10 us per entry here (0.3 ms for a small one, 14 ms at 2,000
     changed files, 210 ms at 20,000): past `max_entries` the sandbox is no longer observed."""
 
     def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], session: tuple[str, tuple[str, ...]],
-                 max_entries: int):
+                 max_entries: int, lowers: tuple[str, ...] = ()):
         self.upper, self.merged, self.host_files, self.max_entries = upper, merged, host_files, max_entries
         self.session_dir, self.session_files = session
+        self.lowers = lowers  # the layers under the upper one, top first (the init layer left out)
 
     @classmethod
     def of(cls, container: Mapping[str, Any], *, session: tuple[str, tuple[str, ...]],
@@ -78,46 +101,119 @@ class LayerWatch:
         upper, merged = data.get("UpperDir"), data.get("MergedDir")
         if driver.get("Name") != "overlay2" or not upper or not merged:
             return None
-        if not (os.access(upper, os.R_OK | os.X_OK) and os.access(os.path.join(merged, session[0]), os.R_OK | os.X_OK)):
+        if not (os.access(upper, os.R_OK | os.X_OK) and os.access(merged, os.R_OK | os.X_OK)):
             return None
+        lowers = tuple(d for d in (data.get("LowerDir") or "").split(":") if d and not d.endswith("-init/diff"))
         host_files = tuple(p for p in (container.get(k) for k in ("HostsPath", "ResolvConfPath", "HostnamePath")) if p)
-        return cls(upper, merged, host_files, session, max_entries)
+        return cls(upper, merged, host_files, session, max_entries, lowers)
 
     def state(self) -> LayerState:
         listing = hashlib.blake2b(digest_size=32)
-        newest = listed = 0
-        stack = [""]
-        while stack:
-            relative = stack.pop()
-            with os.scandir(os.path.join(self.upper, relative)) as entries:
-                found = sorted(entries, key=lambda entry: entry.name)
-            for entry in found:
-                path = f"{relative}/{entry.name}" if relative else entry.name
-                if path == self.session_dir:
+        newest = 0
+        try:
+            for path, st in hostfs.walk(self.upper, max_entries=self.max_entries):
+                if path == self.session_dir or path.startswith(self.session_dir + "/"):
                     continue
-                listed += 1
-                if listed > self.max_entries:
-                    raise LayerTooLarge(f"more than {self.max_entries} entries")
-                st = entry.stat(follow_symlinks=False)
                 newest = max(newest, st.st_ctime_ns)
                 listing.update(_line(path, st))
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(path)
-        for path in self.host_files:
-            st = os.stat(path)
+        except hostfs.UnsafeEntry as exc:
+            raise LayerTooLarge(str(exc)) from None
+        for path in self.host_files:  # the engine's own files (bind-mounted into the container)
+            st = os.stat(path, follow_symlinks=False)
             newest = max(newest, st.st_ctime_ns)
             listing.update(_line(path, st))
-        for name in self.session_files:
-            with open(os.path.join(self.merged, self.session_dir, name), "rb") as f:
-                listing.update(name.encode() + b"\0" + f.read() + b"\0")
+        for name, content in self.session():
+            listing.update(name.encode() + b"\0" + content + b"\0")
         return LayerState(listing.digest(), newest)
+
+    def session(self) -> list[tuple[str, bytes]]:
+        """The shell session's files, read without following the sandbox's links or blocking."""
+        try:
+            with hostfs.open_dir(self.merged, self.session_dir) as fd:
+                return [(name, hostfs.read_regular(fd, name, max_bytes=_SESSION_MAX_BYTES))
+                        for name in self.session_files]
+        except (hostfs.UnsafeEntry, NotADirectoryError, FileNotFoundError) as exc:
+            raise SessionTampered(f"the shell session's files were replaced: {exc}") from None
+        except OSError as exc:
+            if exc.errno == 40:  # ELOOP: a link where a folder or file was
+                raise SessionTampered(f"the shell session's files were replaced: {exc}") from None
+            raise
 
     @staticmethod
     def settle(state: LayerState) -> None:
         """Wait until a write would carry a later file time than any in `state`."""
-        wait_ns = state.newest_ns + _TICK_NS - time.time_ns()
-        if wait_ns > 0:
-            time.sleep(wait_ns / 1e9)
+        settle_after(state.newest_ns)
+
+    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int) -> hostfs.StateDigest:
+        """The StateFingerprint of the sandbox: every path that a layer above the base image holds
+        (its snapshots' layers and its own), read in the merged view."""
+        paths: set[str] = set()
+        for layer in self.lowers:
+            if layer not in base_layers:
+                paths |= _layer_paths(layer, self.max_entries)
+        paths |= _listed_paths(self.upper, self.max_entries)
+        paths = {p for p in paths if p != self.session_dir and not p.startswith(self.session_dir + "/")}
+        fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes)
+        fingerprint.add_tree(self.merged, paths)
+        for name, content in self.session():
+            fingerprint.add_session(name, content)
+        return fingerprint.digests()
+
+
+def settle_after(newest_ns: int) -> None:
+    """Sleep until the file-time clock has moved a tick past `newest_ns`, so that the next write
+    carries a later time than any before it, as it would have in a live rollout."""
+    wait_ns = newest_ns + _TICK_NS - time.time_ns()
+    if wait_ns > 0:
+        time.sleep(wait_ns / 1e9)
+
+
+# Paths of committed layers, which never change: listed once per process.
+_LAYER_PATHS: dict[str, frozenset[str]] = {}
+
+
+def _layer_paths(layer: str, max_entries: int) -> frozenset[str]:
+    found = _LAYER_PATHS.get(layer)
+    if found is None:
+        found = _LAYER_PATHS[layer] = frozenset(_listed_paths(layer, max_entries))
+        if len(_LAYER_PATHS) > 4096:
+            _LAYER_PATHS.clear()
+    return found
+
+
+def _listed_paths(layer: str, max_entries: int) -> set[str]:
+    try:
+        return {path for path, _ in hostfs.walk(layer, max_entries=max_entries)}
+    except hostfs.UnsafeEntry as exc:
+        raise LayerTooLarge(str(exc)) from None
+
+
+def restore_file_times(source: str, target: str, *, max_entries: int) -> int:
+    """Give the entries of committed layer `target` the exact times their originals carry in the
+    container's upper directory `source` (the commit kept whole seconds). Only where the target
+    still holds the same entry as committed (same type and size, time equal to the source's
+    truncated to the second); returns how many entries were restored."""
+    restored = 0
+    for path, st in hostfs.walk(source, max_entries=max_entries):
+        if st.st_mtime_ns % 1_000_000_000 == 0 or not (
+                stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            continue
+        parent, _, name = path.rpartition("/")
+        try:
+            with hostfs.open_dir(target, parent) as fd:
+                committed = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if (stat.S_IFMT(committed.st_mode) != stat.S_IFMT(st.st_mode)
+                        or committed.st_mtime_ns != st.st_mtime_ns // 1_000_000_000 * 1_000_000_000
+                        or (stat.S_ISREG(st.st_mode) and committed.st_size != st.st_size)):
+                    continue
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=fd, follow_symlinks=False)
+                restored += 1
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            if exc.errno != 40:
+                raise
+    return restored
 
 
 def _line(path: str, st: os.stat_result) -> bytes:

@@ -23,6 +23,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
+from .hostfs import StateDigest
 from .base import (
     SOURCE_LABEL,
     DiskQuotaExceeded,
@@ -166,6 +167,16 @@ class SqliteSandbox(Sandbox):
         with self._lock:
             self._check_alive()
             return run(self._db, sql, self._backend.config)
+
+    def state_fingerprint(self) -> StateDigest | None:
+        """The database's logical content (its SQL dump): file pages differ between equal copies."""
+        with self._lock:
+            self._check_alive()
+            digest = hashlib.sha256()
+            with closing(sqlite3.connect(self._db.resolve().as_uri() + "?mode=ro", uri=True)) as connection:
+                for line in connection.iterdump():
+                    digest.update(line.encode("utf-8", "surrogatepass") + b"\n")
+            return StateDigest(full=digest.hexdigest(), shape=digest.hexdigest())
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         with self._lock:

@@ -1,12 +1,15 @@
 """Managed sandboxes: pools and pre-forks, tool-server mode, and reaping. Written against the
 backend interface (`sandboxes.backends.base`), never against one backend."""
 
+from .audit import hit_audit, hit_audit_enqueue
 from .pools import pool_request, sandbox_acquire, sandbox_stop, sandbox_warm, step_announce
 from .reaper import orphans_reap, sandboxes_reap, snapshots_collect, tasks_release
 from .toolserver import CallOutcome, rollout_call, rollout_end
 
 __all__ = [
     "CallOutcome",
+    "hit_audit",
+    "hit_audit_enqueue",
     "orphans_reap",
     "pool_request",
     "rollout_call",

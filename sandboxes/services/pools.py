@@ -18,10 +18,11 @@ from django.utils import timezone
 
 from cache.models import Snapshot, Task
 from dashboard import broadcast
+from observability import metrics
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
-from .runtime import backend_named, forget, is_managed, labels, remember
+from .runtime import backend_named, forget, is_managed, labels, remember, sandbox_config
 
 log = logging.getLogger("tvcache.sandboxes")
 
@@ -90,6 +91,7 @@ def sandbox_warm(*, sandbox_id: int) -> None:
             return
         set_state(current, Sandbox.State.READY, ref=sandbox.sandbox_id, ready_at=timezone.now(),
                   start_ms=(time.perf_counter() - started) * 1000)
+    metrics.sandbox_started(backend=row.backend, forked=row.pool == Sandbox.Pool.FORK, path="pool", ms=current.start_ms)
 
 
 def sandbox_acquire(*, task_id: str, snapshot_id: int | None, rollout_pk: int) -> Sandbox | None:
@@ -104,8 +106,11 @@ def sandbox_acquire(*, task_id: str, snapshot_id: int | None, rollout_pk: int) -
     return row
 
 
-def idle_deadline():
-    return timezone.now() + timedelta(seconds=settings.TVCACHE["ROLLOUT_IDLE_S"])
+def idle_deadline(*, busy: bool = False):
+    """When a leased sandbox left idle is reaped; `busy`: a call runs in it now, so past the
+    longest call a tool may make as well (a call is never reaped mid-run)."""
+    longest = sandbox_config().docker.max_timeout_s if busy else 0.0
+    return timezone.now() + timedelta(seconds=settings.TVCACHE["ROLLOUT_IDLE_S"] + longest)
 
 
 def sandbox_stop(*, sandbox_id: int) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from cache.errors import ApplicationError, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
+from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
@@ -18,6 +18,7 @@ from sandboxes.backends.base import (
     Sandbox,
     SandboxBackend,
     SandboxError,
+    SandboxTampered,
     ToolNotFound,
 )
 
@@ -107,4 +108,6 @@ def as_application_error(exc: SandboxError) -> ApplicationError:
         return PayloadTooLarge(exc.message, code=exc.code, details=exc.details)
     if isinstance(exc, (ToolNotFound, InvalidToolArgs, InvalidEnv)):
         return InvalidInput(exc.message, code=exc.code, details=exc.details)
+    if isinstance(exc, SandboxTampered):  # the rollout's own doing: its sandbox is retired
+        return Conflict(exc.message, code=exc.code, details=exc.details)
     return ServiceUnavailable(exc.message, code=exc.code, details=exc.details)

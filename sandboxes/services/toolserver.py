@@ -8,6 +8,19 @@ The rollout's history holds the calls that changed its state: a hit on a read-on
 miss that the sandbox observed to change nothing (a `cat` in a docker sandbox), is left out, so
 the rollout's later calls match those of rollouts that did not make it.
 
+Known-state rule (DESIGN.md): a call that timed out, was killed, or after which the backend failed
+leaves the sandbox in an unknown state. Its rollout is detached: it leaves the shared graph and
+its later calls run in its own sandbox, uncached and unrecorded, so nothing it sees is ever filed
+under a state key it may not have reached. A sandbox is marked `executing` (committed) before a
+call runs in it; a rollout that finds its sandbox still marked (the server was killed mid-call)
+retires it, since it may be ahead of the history.
+
+Verify, don't trust: a sandbox materialized for a node (a fork, a pre-fork, a replay) is compared
+with the state fingerprint the node's call left behind before the new call runs in it. A mismatch
+is a divergence (counted per task, tool and node); the sandbox is retired and the state rebuilt
+by a replay from the root; if that does not match either, the call is answered uncached and the
+rollout detached.
+
 Rollouts of a task run in parallel and start alike, so they often miss on the same call in the
 same state at the same moment. Only one of them executes it (single flight): the others wait for
 its result and are answered from the cache, and their sandboxes catch up on their next miss.
@@ -19,7 +32,7 @@ import hashlib
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -29,14 +42,17 @@ from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
-from cache.models import Rollout, Snapshot, Task
-from cache.services import (LookupHit, LookupMiss, TaskHandle, lease_release, lookup_count, node_record, snapshot_register,
-                            task_handle, tcg_lookup)
+from cache.models import Divergence, Node, Rollout, Snapshot, Task
+from cache.services import (LookupHit, LookupMiss, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
+                            snapshot_register, task_handle, tcg_lookup)
 from cache.tcg import TaskPolicy, ToolCall
+from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
-from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
+from sandboxes.backends.base import (InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
+                                     SnapshotMissing, ToolNotFound)
 from sandboxes.models import Sandbox
 
+from .audit import hit_audit_enqueue
 from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_stop, set_state
 from .runtime import as_application_error, backend_named, forget, handle, labels, remember
 
@@ -47,7 +63,8 @@ log = logging.getLogger("tvcache.toolserver")
 # fork a snapshot (its lookups then lease none).
 CLAIM_SQL = """
 SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL,
-       EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased')
+       EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased'),
+       detached_at IS NOT NULL
 FROM cache_rollout r WHERE task_id = %s AND rollout_id = %s
 """
 
@@ -70,6 +87,23 @@ class CallOutcome:
     node_id: int | None
     latency_ms: float
     mutates: bool  # the call changed the rollout's state (it is part of the history now)
+    phases_ms: dict[str, float] = field(default_factory=dict)  # where the time went (Phases)
+
+
+class Phases:
+    """Where a call's time goes: lookup, wait (single flight), materialize (start or fork),
+    replay, verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - started) * 1000
 
 
 @dataclass
@@ -82,7 +116,9 @@ class _Run:
     rollout: Rollout
     row: Sandbox
     sandbox: SandboxHandle
+    phases: Phases
     restore_ms: float | None = None  # set when it was forked from a snapshot on the critical path
+    diverged: str = ""  # why the sandbox does not reach the recorded state (then nothing is recorded)
 
 
 def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 0) -> CallOutcome:
@@ -95,19 +131,27 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    rollout, history, has_sandbox = _rollout_claimed(task_id, rollout_id, epoch)
+    rollout, history, has_sandbox, detached = _rollout_claimed(task_id, rollout_id, epoch)
+    phases = Phases()
     try:
+        if detached:
+            with phases.timed("exec"):
+                result = _serve_detached(handle, rollout, call)
+            return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True, phases.ms)
         context = CallContext(history, call, rollout_id, epoch, None)
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
-        answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
-        with _single_flight(handle, context, answer, resume=not has_sandbox) as flight:
+        with phases.timed("lookup"):
+            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
+        with _single_flight(handle, context, answer, resume=not has_sandbox, phases=phases) as flight:
             answer = flight.answer
             if isinstance(answer, LookupHit):
                 lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
                              saved_ms=answer.exec_ms)
                 result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
-                mutates = answer.mutates
+                mutates, on_graph = answer.mutates, True
+                if answer.audit:  # sampled: a worker re-executes it at this state and compares
+                    hit_audit_enqueue(task_id=task_id, node_id=node_id, rollout_pk=rollout.pk, applied=len(history))
             else:
                 lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
                              saved_ms=0.0)
@@ -115,19 +159,20 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
                 if task is None:  # deleted since the lookup
                     raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
                 backend = backend_named(task.env.get("backend", "external"))
-                result, node_id, mutates = _serve_miss(task, backend, rollout, context, answer,
-                                                       recorded=flight.release)
+                result, node_id, mutates, on_graph = _serve_miss(task, backend, rollout, context, answer,
+                                                                 recorded=flight.release, phases=phases)
                 cached = False
-        if mutates:
+        if mutates and on_graph:
             _append(rollout, call, len(history))
     finally:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout.pk])
-    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates)
+    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, phases.ms)
 
 
-def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...], bool]:
-    """The rollout (created on its first call) with its history and whether it has a sandbox,
+def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...], bool, bool]:
+    """The rollout (created on its first call) with its history, whether it has a sandbox and
+    whether it is detached (known-state rule),
     claimed by this call: one call of a rollout at a time, since a second one would run in the same sandbox and leave it ahead of
     the history. It is refused (409), never queued: the client broke the order."""
     with connection.cursor() as cursor:
@@ -139,7 +184,7 @@ def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout
             row = cursor.fetchone()
     if row is None:  # the task was deleted
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
-    pk, claimed, history, finished, has_sandbox = row
+    pk, claimed, history, finished, has_sandbox, detached = row
     if not claimed:
         raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
                        code="rollout_busy")
@@ -148,7 +193,7 @@ def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout
             cursor.execute("SELECT pg_advisory_unlock(%s)", [pk])
         raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
     rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
-    return rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), has_sandbox
+    return rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), has_sandbox, detached
 
 
 class _Flight:
@@ -171,15 +216,17 @@ class _Flight:
 
 
 @contextmanager
-def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool):
+def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool, phases: Phases):
     """Lead the execution of a miss, or wait while another rollout executes the same call in the
     same state and take its result. A leader that fails or times out records nothing: the next
     waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
     flight = _Flight(None, answer)
-    if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable:
+    # Not for a node that exists (a divergent one): its call is executed by every rollout anyway.
+    if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable and not answer.seen:
         digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
         flight.key = int.from_bytes(digest[:8], "big", signed=True)
         deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
+        waited = time.perf_counter()
         while not flight.try_lead():
             flight.waited = True
             if time.monotonic() > deadline:  # a leader stuck this long: execute alongside it
@@ -192,6 +239,8 @@ def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool)
             flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
             if isinstance(flight.answer, LookupHit):
                 flight.release()
+        if flight.waited:
+            phases.ms["wait"] = (time.perf_counter() - waited) * 1000
     try:
         yield flight
     finally:
@@ -210,45 +259,102 @@ def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
             raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
-def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded) -> tuple[Any, int | None, bool]:
-    """The call executed in the rollout's sandbox: its result, node and whether it changed the state."""
+def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
+                phases: Phases) -> tuple[Any, int | None, bool, bool]:
+    """The call executed in the rollout's sandbox: its result, node, whether it changed the state,
+    and whether the rollout is still on the shared graph (False: it was detached)."""
     restore_ms = None
     try:
-        run = _rollout_sandbox(task, backend, rollout, context, answer)
+        run = _rollout_sandbox(task, backend, rollout, context, answer, phases)
         restore_ms = run.restore_ms
     finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
         if answer.lease_id:
             lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
+    _mark_executing(run)
     try:
-        result, exec_ms, observed = _execute(run, context.call)
-    except SandboxGone as exc:
-        _retire(run, exc.message)
+        with phases.timed("exec"):
+            result, exec_ms, observed = _execute(run, context.call)
+    except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
+        _retire(run.row, run.backend, exc.message)
         raise as_application_error(exc) from None
-    except SandboxError as exc:  # refused before it ran (bad arguments): the sandbox is as it was
+    except (ToolNotFound, InvalidToolArgs) as exc:  # refused before it ran: the sandbox is as it was
+        _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
+    except SandboxError as exc:  # failed once the call may have run (a broken stream, a tampered sandbox)
+        _detach(run, f"{exc.code}: {exc.message}", retire=isinstance(exc, SandboxTampered))
+        raise as_application_error(exc) from None
+    if result.get("timed_out") or run.diverged:
+        _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")
+        return result, None, True, False
     try:
-        node_id, snapshot_wanted = None, False
         mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
-        if not (result.get("timed_out") and not settings.TVCACHE["CACHE_TIMEOUTS"]):
-            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed))
-            node_id, snapshot_wanted = outcome.node_id, outcome.snapshot_wanted
+        with phases.timed("fingerprint"):
+            state = run.sandbox.state_fingerprint() if mutates else None
+        with phases.timed("record"):
+            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
+                                  state=(state.full, state.shape) if state else ("", ""))
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
-        if snapshot_wanted:
-            _snapshot(run, node_id)
-        Sandbox.objects.filter(pk=run.row.pk).update(applied=len(context.history) + int(mutates),
-                                                     lease_expires_at=idle_deadline())
+        if outcome.snapshot_wanted:
+            with phases.timed("snapshot"):
+                _snapshot(run, outcome.node_id)
+        _executed(run, applied=len(context.history) + int(mutates))
+    except SandboxTampered as exc:
+        _detach(run, f"{exc.code}: {exc.message}", retire=True)
+        raise as_application_error(exc) from None
     except BaseException:
-        _retire(run, "failed after its call ran: its state is ahead of the rollout's history")
+        _retire(run.row, run.backend, "failed after its call ran: its state is ahead of the rollout's history")
         raise
-    return result, node_id, mutates
+    return result, outcome.node_id, mutates, True
 
 
-def _retire(run: _Run, reason: str) -> None:
-    """Take the sandbox away from the rollout; its next call materializes a new one."""
-    set_state(run.row, Sandbox.State.FAILED, rollout=None, error=reason)
-    forget(run.row.backend, run.row.ref)
+def _serve_detached(task: TaskHandle, rollout: Rollout, call: ToolCall) -> Any:
+    """A detached rollout's call: in its own sandbox as it is, uncached and unrecorded."""
+    row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
+    if row is None:
+        raise Conflict("The rollout's sandbox is in an unknown state and gone (an earlier call timed out, was killed "
+                       "or failed mid-way): end the rollout.", code="rollout_state_unknown")
+    backend = backend_named(task.backend)
+    Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=idle_deadline(busy=True))
     try:
-        run.backend.remove_sandbox(run.row.ref)
+        result = handle(backend, row.ref).execute(call.tool, call.args)
+    except SandboxGone as exc:
+        _retire(row, backend, exc.message)
+        raise as_application_error(exc) from None
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+    Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=idle_deadline())
+    return result
+
+
+def _mark_executing(run: _Run) -> None:
+    """Committed before the call runs: a server killed before `_executed` leaves the mark, and
+    the rollout's next call retires the sandbox instead of trusting it. The idle deadline moves
+    past the longest call, so a long call is never reaped mid-run."""
+    Sandbox.objects.filter(pk=run.row.pk).update(executing=True, lease_expires_at=idle_deadline(busy=True))
+
+
+def _executed(run: _Run, *, applied: int) -> None:
+    Sandbox.objects.filter(pk=run.row.pk).update(executing=False, applied=applied, lease_expires_at=idle_deadline())
+    run.row.applied = applied
+
+
+def _detach(run: _Run, reason: str, *, retire: bool = False) -> None:
+    """Take the rollout off the shared graph (known-state rule). It keeps its sandbox, unless the
+    sandbox cannot be trusted with another call; nothing is snapshotted from it."""
+    log.info("rollout %s of task %s detached: %s", run.rollout.rollout_id, run.task.pk, reason)
+    Rollout.objects.filter(pk=run.rollout.pk).update(detached_at=timezone.now(), detached_reason=reason[:2000])
+    if retire:
+        _retire(run.row, run.backend, reason)
+    else:
+        Sandbox.objects.filter(pk=run.row.pk).update(executing=False, lease_expires_at=idle_deadline())
+
+
+def _retire(row: Sandbox, backend: SandboxBackend, reason: str) -> None:
+    """Take the sandbox away from the rollout; its next call materializes a new one."""
+    set_state(row, Sandbox.State.FAILED, rollout=None, error=reason)
+    forget(row.backend, row.ref)
+    try:
+        backend.remove_sandbox(row.ref)
     except SandboxError:  # the orphan reaper removes it later
         pass
 
@@ -259,24 +365,48 @@ def _execute(run: _Run, call: ToolCall) -> tuple[dict, float, bool | None]:
     return result, (time.perf_counter() - started) * 1000, observed
 
 
-def _rollout_sandbox(task, backend, rollout, context: CallContext, answer) -> _Run:
-    """The rollout's sandbox brought up to date with its history (everything before the call)."""
+def _rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases) -> _Run:
+    """The rollout's sandbox brought up to date with its history (everything before the call) and
+    checked against the state its history's node recorded."""
     policy = TaskPolicy.from_json(task.tools)
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
     history = context.history
+    if row is not None and row.executing:
+        _retire(row, backend, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
+        row = None
     if row is not None:
         try:
-            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
             pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
-            _replay(run, pending, history)
-            return run
+            if not pending or _replay_verified(run, pending, context, answer):
+                return run
+            _retire(row, backend, f"diverged from its history: {run.diverged}")
+            return _from_root(task, backend, policy, rollout, context, answer, phases)
         except SandboxGone:  # died between calls: materialize a new one below
             set_state(row, Sandbox.State.FAILED, rollout=None, error="gone between calls")
     try:
-        run = _materialize(task, backend, policy, rollout, answer)
-        _replay(run, run_replay(answer, run), history)
+        with phases.timed("materialize"):
+            run = _materialize(task, backend, policy, rollout, answer, phases)
+        replay = run_replay(answer, run)
+        if (replay or run.row.pool == Sandbox.Pool.FORK) and not _replay_verified(run, replay, context, answer):
+            _retire(run.row, backend, f"diverged from its history: {run.diverged}")
+            run = _from_root(task, backend, policy, rollout, context, answer, phases)
     except SandboxError as exc:
         raise as_application_error(exc) from None
+    return run
+
+
+def _from_root(task, backend, policy, rollout, context: CallContext, answer, phases: Phases) -> _Run:
+    """A fresh sandbox and a replay of the whole history, after another sandbox diverged. If this
+    one does not reach the recorded state either, `diverged` says so and the call is answered
+    uncached."""
+    with phases.timed("materialize"):
+        row = _start_leased(task, backend, rollout, None)
+    if row is None:
+        raise SandboxGone("could not start a fresh sandbox")
+    run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+    if answer.full_replay:
+        _replay_verified(run, answer.full_replay, context, answer)
     return run
 
 
@@ -287,7 +417,7 @@ def run_replay(answer, run: _Run) -> tuple[ToolCall, ...]:
     return answer.full_replay
 
 
-def _materialize(task, backend, policy, rollout, answer) -> _Run:
+def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> _Run:
     resume = answer.match.resume
     snapshot = None
     if resume is not None:
@@ -300,10 +430,10 @@ def _materialize(task, backend, policy, rollout, answer) -> _Run:
             restore_ms = row.start_ms if row is not None else None
         if row is not None:
             prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
-            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), restore_ms)
+            return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases, restore_ms)
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
         task, backend, rollout, None)
-    return _Run(task, backend, policy, rollout, row, handle(backend, row.ref))
+    return _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
 
 
 def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
@@ -325,15 +455,40 @@ def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
     remember(backend, sandbox)
     set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
               start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
+    metrics.sandbox_started(backend=backend.name, forked=snapshot is not None, path="critical", ms=row.start_ms)
     return row
 
 
-def _replay(run: _Run, calls, history) -> None:
-    """Re-execute state-changing calls whose results are known, to rebuild the state."""
-    for call in calls:
-        run.sandbox.execute(call.tool, call.args)
-    Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
-    run.row.applied = len(history)
+def _replay_verified(run: _Run, calls, context: CallContext, answer) -> bool:
+    """Re-execute state-changing calls whose results are known, to rebuild the state, and compare
+    the sandbox with the fingerprint the history's last node recorded. False (and `diverged` set,
+    a divergence recorded) when a replayed call timed out or the state differs."""
+    history = context.history
+    with run.phases.timed("replay"):
+        for call in calls:
+            if run.sandbox.execute(call.tool, call.args).get("timed_out"):
+                run.diverged = f"the replay of {call.tool} timed out"
+                break
+    if not run.diverged:
+        Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
+        run.row.applied = len(history)
+    node = answer.match.node
+    if node is None or answer.match.matched != len(history):
+        return not run.diverged  # no node holds the whole history's state: nothing to compare with
+    # A bare fork must be an exact copy; a replay ran at another time (StateDigest).
+    column = "state_shape" if calls else "state_fingerprint"
+    with run.phases.timed("verify"):
+        expected, tool = Node.objects.filter(pk=node.node_id).values_list(column, "tool").first() or ("", "")
+        state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
+    actual = (state.shape if calls else state.full) if state else None
+    if actual is not None and actual != expected:
+        run.diverged = f"its state ({column}) {actual[:12]} is not node {node.node_id}'s {expected[:12]}"
+    if run.diverged:
+        divergence_record(task_id=run.task.pk, node_id=node.node_id, tool=tool, kind=Divergence.Kind.STATE,
+                          expected={"fingerprint": expected},
+                          observed={"fingerprint": actual, "sandbox": run.row.pool, "why": run.diverged},
+                          rollout_id=run.rollout.rollout_id)
+    return not run.diverged
 
 
 def _snapshot(run: _Run, node_id: int) -> None:
@@ -344,6 +499,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
     except SandboxError as exc:
         log.warning("snapshot of sandbox %s failed: %s", run.row.ref, exc)
         return
+    metrics.snapshot_committed(backend=run.backend.name, ms=info.create_ms)
     try:
         snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
                                               backend=run.backend.name, size_bytes=info.size_bytes,

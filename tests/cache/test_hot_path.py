@@ -32,7 +32,7 @@ R = call("read", path="f")
 
 
 def wsgi(app, method: str, path: str, body: bytes = b"", token: str | None = None, host: str = "127.0.0.1:8000",
-         content_length: bool = True):
+         content_length: bool = True, request_id: str | None = "test-request-1"):
     environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": "", "SCRIPT_NAME": "",
                "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8000", "SERVER_PROTOCOL": "HTTP/1.1",
                "HTTP_HOST": host, "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
@@ -41,6 +41,8 @@ def wsgi(app, method: str, path: str, body: bytes = b"", token: str | None = Non
         environ["CONTENT_LENGTH"] = str(len(body))
     if token is not None:
         environ["HTTP_AUTHORIZATION"] = token
+    if request_id is not None:
+        environ["HTTP_X_REQUEST_ID"] = request_id
     answer = {}
 
     def start_response(status, headers, exc_info=None):
@@ -53,12 +55,14 @@ def wsgi(app, method: str, path: str, body: bytes = b"", token: str | None = Non
 
 
 def asgi(app, method: str, path: str, body: bytes = b"", token: str | None = None, host: str = "127.0.0.1:8000",
-         content_length: bool = True):
+         content_length: bool = True, request_id: str | None = "test-request-1"):
     headers = [(b"host", host.encode()), (b"content-type", b"application/json")]
     if content_length:
         headers.append((b"content-length", str(len(body)).encode()))
     if token is not None:
         headers.append((b"authorization", token.encode()))
+    if request_id is not None:
+        headers.append((b"x-request-id", request_id.encode()))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
              "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
@@ -154,6 +158,16 @@ def test_answers_equal_djangos(door, toy_task, auth):
     assert both("GET", f"{task}/lookup", token=auth)[0] == 405
     assert both("POST", f"{task}/lookup", body(history=[], call=R), token=auth, host="evil.example")[0] == 400
     assert both("POST", f"{task}/lookup/", body(history=[], call=R), token=auth)[0] == 404
+
+
+def test_the_hot_path_echoes_the_request_id_or_makes_one(door, toy_task, auth):
+    send, fast, _, _ = door
+    lookup = f"/api/v1/tasks/{toy_task}/lookup"
+    for incoming, echoed in (("trace-7f3a:1", "trace-7f3a:1"), (None, None), ("has space", None), ("x" * 129, None)):
+        status, headers, _ = send(fast, "POST", lookup, body(history=[], call=R), token=auth, request_id=incoming)
+        ids = [v for k, v in headers if k == "x-request-id"]
+        assert status == 200 and len(ids) == 1
+        assert ids[0] == echoed if echoed else re.fullmatch(r"[0-9a-f]{32}", ids[0])  # a sane one is made
 
 
 def test_a_chunked_body_reaches_django(toy_task, auth):

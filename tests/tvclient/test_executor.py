@@ -354,10 +354,34 @@ def test_lease_is_released_when_execution_fails(service, client, held):
     (release,) = service.requests("release")
     assert release.path == "/api/v1/leases/9"
     assert ("restore_ms" in release.params) is held
-    # The failed environment is dropped and stopped; the failed call is not in the history.
-    assert executor.env is None and executor.history == ()
-    assert all(not env.running for env in factory.made)
+    # An environment that raised is in an unknown state: the rollout leaves the shared graph and
+    # goes on in it (known-state rule); the failed call is not in the history.
+    assert executor.detached and executor.env is not None and executor.history == ()
     assert service.requests("record") == []
+    # Its later calls run in that environment, with no lookup and no record.
+    lookups = len(service.requests("lookup"))
+    assert executor.execute(call("set", key="k", value=1)) is not None
+    assert len(service.requests("lookup")) == lookups and service.requests("record") == []
+    executor.close()
+    assert all(not env.running for env in factory.made)
+
+
+def test_a_timed_out_call_takes_the_rollout_off_the_shared_graph(service, client):
+    class SlowEnv(InMemoryEnvironment):
+        def execute(self, call):
+            if call["tool"] == "slow":
+                self.data["partial"] = True
+                return {"timed_out": True}
+            return super().execute(call)
+
+    executor = ToolCallExecutor(client, TASK, SlowEnv)
+    service.script("lookup", miss(replay=[], resume=None))
+    assert executor.execute(call("slow")) == {"timed_out": True}
+    assert executor.detached and service.requests("record") == []
+    lookups = len(service.requests("lookup"))
+    executor.execute(call("get", key="partial"))
+    assert len(service.requests("lookup")) == lookups and service.requests("record") == []
+    executor.close()
 
 
 def test_failed_lease_release_does_not_fail_the_call(service, client, caplog):

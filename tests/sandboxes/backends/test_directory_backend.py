@@ -233,3 +233,13 @@ def test_a_full_disk_is_a_clear_error(tmp_path):
             backend.start({"backend": "directory", "files": {"b": "x" * 100_000}}, labels={})
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_the_state_fingerprint_follows_the_files_across_forks(directory_backend, tmp_path):
+    sandbox = directory_backend.start({"backend": "directory", "files": {"a.txt": "one"}}, labels={})
+    sandbox.execute("write_file", {"path": "d/b.txt", "content": "two"})
+    expected = sandbox.state_fingerprint()
+    fork = directory_backend.fork(sandbox.snapshot().ref, {"backend": "directory"}, labels={})
+    assert fork.state_fingerprint() == expected
+    fork.execute("write_file", {"path": "d/b.txt", "content": "TWO"})
+    assert fork.state_fingerprint() != expected

@@ -342,3 +342,68 @@ def test_debian_image_runs_bash_with_the_same_session_semantics(docker_client, d
     assert bash(sandbox, 'echo "${BASH_VERSION:+bash} $PWD $MSG"')["stdout"] == 'bash /usr/lib a "b" c\n'
     fork = docker_backend.fork(sandbox.snapshot().ref, env, labels=test_labels)
     assert bash(fork, 'echo "$PWD $MSG"; python3 -c "print(6*7)"')["stdout"] == '/usr/lib a "b" c\n42\n'
+
+
+def mtimes(sandbox: DockerSandbox, *paths: str) -> list[str]:
+    return bash(sandbox, "stat -c %y " + " ".join(paths))["stdout"].split("\n")[:-1]
+
+
+def test_a_fork_keeps_exact_file_times_so_make_sees_the_same_order(docker_backend, sandbox, test_labels):
+    # The c-build divergence: an object built, then its source edited within the same second.
+    # docker commit keeps whole seconds, so in a fork both were equally old and `make` said
+    # "up to date" where the original sandbox rebuilt.
+    bash(sandbox, "mkdir -p /w && cd /w && echo obj > calc.o && sleep 0.3 && echo src > calc.c")
+    before = mtimes(sandbox, "/w/calc.o", "/w/calc.c")
+    fork = docker_backend.fork(sandbox.snapshot().ref, ENV, labels=test_labels)
+    assert mtimes(fork, "/w/calc.o", "/w/calc.c") == before  # to the nanosecond (busybox's -nt reads seconds)
+
+
+def test_a_fork_of_a_fork_keeps_exact_times_too(docker_backend, sandbox, test_labels):
+    bash(sandbox, "echo a > /a")
+    first = docker_backend.fork(sandbox.snapshot().ref, ENV, labels=test_labels)
+    bash(first, "echo b > /b; sleep 0.2; echo c > /c")
+    before = mtimes(first, "/a", "/b", "/c")
+    second = docker_backend.fork(first.snapshot().ref, ENV, labels=test_labels)
+    assert mtimes(second, "/a", "/b", "/c") == before
+
+
+def test_the_state_fingerprint_matches_across_forks_and_replays_and_differs_with_the_state(docker_backend, sandbox,
+                                                                                          test_labels):
+    steps = ["mkdir -p /w && cd /w && echo one > a && export X=1", "echo two > b; sleep 0.05; echo three > c",
+             "rm /w/a; chmod 600 /w/b; ln -s b /w/link"]
+    for step in steps:
+        bash(sandbox, step)
+    expected = sandbox.state_fingerprint()
+    assert expected is not None
+    fork = docker_backend.fork(sandbox.snapshot().ref, ENV, labels=test_labels)
+    assert fork.state_fingerprint() == expected
+    replayed = docker_backend.start(ENV, labels=test_labels)
+    for step in steps:
+        bash(replayed, step)
+    assert replayed.state_fingerprint().shape == expected.shape
+    # A replay runs at another time: contents that embed it (or chance) differ, as between two live rollouts.
+    bash(sandbox, "cat /proc/sys/kernel/random/uuid > /w/stamp")
+    bash(replayed, "cat /proc/sys/kernel/random/uuid > /w/stamp")
+    assert replayed.state_fingerprint().shape == sandbox.state_fingerprint().shape
+    assert replayed.state_fingerprint().full != sandbox.state_fingerprint().full
+    # A fork that then diverges, in content, in the order of times, or in the session, no longer matches.
+    for change in ["echo TWO > /w/b", "touch /w/b", "cd /", "export X=2"]:
+        other = docker_backend.fork(sandbox.snapshot().ref, ENV, labels=test_labels)
+        bash(other, change)
+        assert other.state_fingerprint().full != expected.full, change
+        assert other.state_fingerprint().shape != expected.shape, change
+
+
+def test_a_sandbox_that_replaces_its_session_files_is_refused_without_hanging(docker_backend, test_labels):
+    from sandboxes.backends.base import SandboxTampered
+
+    for trap in ["rm -f /.tvcache/cwd; mkfifo /.tvcache/cwd", "rm -f /.tvcache/cwd; ln -s /proc/kmsg /.tvcache/cwd",
+                 "rm -f /.tvcache/env.sh; ln -s /dev/zero /.tvcache/env.sh",
+                 "rm -rf /.tvcache; ln -s /etc /.tvcache"]:
+        sandbox = docker_backend.start(ENV, labels=test_labels)
+        started = time.monotonic()
+        with pytest.raises(SandboxTampered):
+            # The call's own shell blocks on the FIFO inside the container until its timeout kills it;
+            # the host never blocks on it.
+            sandbox.execute_observed("bash", {"command": trap, "timeout_s": 3})
+        assert time.monotonic() - started < 60, trap

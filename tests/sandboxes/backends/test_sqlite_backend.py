@@ -167,3 +167,14 @@ def test_the_caps_are_part_of_the_fingerprint(tmp_path):
     small = SqliteBackend(tmp_path / "a", SqliteConfig(max_db_bytes=64 * 1024)).fingerprint_material(ENV)
     large = SqliteBackend(tmp_path / "b", SqliteConfig()).fingerprint_material(ENV)
     assert small["seed_sha256"] == large["seed_sha256"] and small != large
+
+
+def test_the_state_fingerprint_follows_the_rows_across_forks(sqlite_backend):
+    env = {"backend": "sqlite", "schema_sql": "CREATE TABLE t (x INTEGER)"}
+    sandbox = sqlite_backend.start(env, labels={})
+    sandbox.execute("execute", {"sql": "INSERT INTO t VALUES (1)"})
+    expected = sandbox.state_fingerprint()
+    fork = sqlite_backend.fork(sandbox.snapshot().ref, env, labels={})
+    assert fork.state_fingerprint() == expected
+    fork.execute("execute", {"sql": "INSERT INTO t VALUES (2)"})
+    assert fork.state_fingerprint() != expected

@@ -4,7 +4,7 @@ from .client import AsyncTVCacheClient, TVCacheClient
 from .environment import ToolExecutionEnvironment
 from .envs import FolderEnvironment, InMemoryEnvironment, UnknownTool
 from .errors import TVCacheError, TVCacheUnavailable
-from .executor import AsyncToolCallExecutor, ToolCallExecutor
+from .executor import AsyncToolCallExecutor, ReplayFailed, ToolCallExecutor
 from .results import (
     Call,
     CallResult,
@@ -31,6 +31,7 @@ __all__ = [
     "TVCacheClient",
     "TVCacheError",
     "TVCacheUnavailable",
+    "ReplayFailed",
     "ToolCallExecutor",
     "ToolExecutionEnvironment",
     "ToolResult",

@@ -71,8 +71,11 @@ class TVCacheClient:
         env: Mapping[str, Any],
         tools: Tools | None = None,
         sandbox_budget: int | None = None,
+        audit_rate: float | None = None,
     ) -> dict[str, Any]:
-        return self._send(operations.put_task(task_id, env, tools, sandbox_budget))
+        """`audit_rate`: the fraction of hits sampled for the determinism audit (0 to 1; the
+        service's default, 0.02, when None)."""
+        return self._send(operations.put_task(task_id, env, tools, sandbox_budget, audit_rate))
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         return self._send(operations.get_task(task_id))
@@ -135,6 +138,13 @@ class TVCacheClient:
         return self._send(
             operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms)
         )
+
+    def report_audit(
+        self, task_id: str, node_id: int, result: ToolResult, *, rollout_id: str | None = None
+    ) -> bool:
+        """Report a hit's call re-executed at the hit's parent state (determinism audit).
+        True: the result differs from the node's, which the service no longer serves."""
+        return self._send(operations.report_audit(task_id, node_id, result, rollout_id))
 
     def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
         self._send(operations.release_lease(lease_id, restore_ms))
@@ -207,8 +217,11 @@ class AsyncTVCacheClient:
         env: Mapping[str, Any],
         tools: Tools | None = None,
         sandbox_budget: int | None = None,
+        audit_rate: float | None = None,
     ) -> dict[str, Any]:
-        return await self._send(operations.put_task(task_id, env, tools, sandbox_budget))
+        return await self._send(
+            operations.put_task(task_id, env, tools, sandbox_budget, audit_rate)
+        )
 
     async def get_task(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.get_task(task_id))
@@ -266,6 +279,11 @@ class AsyncTVCacheClient:
         return await self._send(
             operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms)
         )
+
+    async def report_audit(
+        self, task_id: str, node_id: int, result: ToolResult, *, rollout_id: str | None = None
+    ) -> bool:
+        return await self._send(operations.report_audit(task_id, node_id, result, rollout_id))
 
     async def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
         await self._send(operations.release_lease(lease_id, restore_ms))

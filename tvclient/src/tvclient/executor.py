@@ -96,6 +96,15 @@ def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]
     return positions
 
 
+class ReplayFailed(RuntimeError):
+    """A replayed call did not reproduce its recorded run (it timed out): the environment is in
+    no state the history describes."""
+
+
+def _timed_out(result: object) -> bool:
+    return isinstance(result, dict) and result.get("timed_out") is True
+
+
 class ToolCallExecutor:
     """Runs one rollout's tool calls through the cache, in environments the trainer owns.
 
@@ -123,6 +132,25 @@ class ToolCallExecutor:
     and a rollout that misses on a call another rollout is executing in the same state waits
     for its record and takes the hit instead of executing it too. Rollouts of one task start
     alike, so without it their first calls run once per rollout.
+
+    Determinism audit: the service marks a sampled fraction of hits (the task's `audit_rate`)
+    for audit. The executor re-executes such a hit in its own environment only where that is
+    exact: the hit is read-only (`mutates: false`) and the environment is open at the current
+    history (no state-changing hit pending replay), so it is at the hit's parent state and the
+    call leaves it there. It reports the result to the service, which compares it with the
+    node's and stops serving a node that differs. The rollout still gets the cached result.
+    A state-changing hit, or one with no environment at its state, is not audited here (it
+    would need a fork at the parent state): `audits_skipped` counts them. An audited call that
+    changed the environment, or may have (not observed and not declared read-only), or that
+    failed or timed out, drops the environment: the next miss rebuilds it. Counters: `audited`,
+    `divergent` (audits the service found different), `audits_skipped`.
+
+    Known-state rule: a call whose environment raised or answered `timed_out`, and a replay
+    that failed, leave the environment in a state no history describes. The rollout then
+    leaves the shared graph (`detached`): its later calls run in its own environment as it is,
+    with no lookup and no record, so nothing it sees is filed under a state it may not have
+    reached, and no snapshot is taken of it. A failure to open the environment (a fork or a
+    start) runs no call, so the rollout stays on the graph and the next miss tries again.
 
     `snapshots` should be one store shared by all executors of the trainer process; without
     it the executor keeps a private store and stops its snapshots on close().
@@ -158,6 +186,10 @@ class ToolCallExecutor:
         self.waited = 0
         self.record_failures = 0
         self.background_wait_ms = 0.0
+        self.audited = 0
+        self.divergent = 0
+        self.audits_skipped = 0
+        self.detached = False
         self._background: _Background | None = None
 
     @property
@@ -177,6 +209,8 @@ class ToolCallExecutor:
 
     def execute(self, call: Call) -> ToolResult:
         call = _json_copy(call)
+        if self.detached:
+            return self._execute_detached(call)
         background = self._background
         if background is not None and background.call == call:
             # The rollout repeats the call it has just missed: once that is recorded, the
@@ -187,6 +221,8 @@ class ToolCallExecutor:
         lookup = self._lookup(call)
         if lookup.hit:
             self._note_hit(call, lookup.mutates)
+            if lookup.audit:
+                self._audit(call, lookup)
             return cast(ToolResult, lookup.result)  # a hit always carries its result
         self.misses += 1
         result, changed = self._resolve_miss(call, lookup)
@@ -251,29 +287,72 @@ class ToolCallExecutor:
             self._pending.append(len(self._history))
         self._history.append(call)
 
+    def _audit(self, call: Call, lookup: LookupResult) -> None:
+        """Re-execute a sampled read-only hit in the environment, if it is at the hit's parent
+        state, and report the result (see the class docstring)."""
+        if lookup.mutates or self._env is None or self._pending or lookup.node_id is None:
+            self.audits_skipped += 1
+            return
+        self.flush()  # the environment may still be forking for the last miss's snapshot
+        env = self._env
+        try:
+            fresh, mutated = env.execute_observed(call)
+        except Exception as exc:
+            logger.warning("audit of %s failed in the environment: %s", call, exc)
+            self._drop_env()  # its state is unknown now
+            self.audits_skipped += 1
+            return
+        timed_out = isinstance(fresh, dict) and fresh.get("timed_out") is True
+        if mutated or (mutated is None and env.mutates_state(call)) or timed_out:
+            self._drop_env()  # it may have moved past the history
+        if timed_out:  # cut short: proves nothing about the tool
+            self.audits_skipped += 1
+            return
+        try:
+            divergent = self._client.report_audit(
+                self.task_id, lookup.node_id, _json_copy(fresh), rollout_id=self.rollout_id
+            )
+        except TVCacheError as exc:
+            self.record_failures += 1
+            logger.warning("could not report the audit of %s: %s", call, exc)
+            return
+        self.audited += 1
+        self.divergent += int(divergent)
+
     def _resolve_miss(self, call: Call, lookup: LookupResult) -> tuple[ToolResult, bool | None]:
         restore_ms: float | None = None
         lease_id = lookup.resume.lease_id if lookup.resume is not None else None
+
+        def give_up() -> None:
+            if lookup.claim == "granted":  # rollouts waiting on this call execute it now
+                self._release_claim(self._history, call)
+            if lease_id is not None:
+                self._release(lease_id, restore_ms)
+
         try:
             self.flush()  # the previous miss's snapshot is taken before the environment moves on
             if self._env is None:
                 restore_ms, replay = self._open_env(lookup)
             else:
                 replay, self._pending = self._pending, []
+        except BaseException:  # no call ran: the next miss opens an environment again
+            self._drop_env()
+            give_up()
+            raise
+        try:
             for position in replay:
                 self._run(position, self._history[position])
                 self.replayed += 1
             executed = self._execute(list(self._history), call)
             self.executed += 1
-        except BaseException:
-            # After a failure the environment's state no longer follows the history; the
-            # next miss rebuilds it.
-            self._drop_env()
-            if lookup.claim == "granted":  # rollouts waiting on this call execute it now
-                self._release_claim(self._history, call)
-            if lease_id is not None:
-                self._release(lease_id, restore_ms)
+        except BaseException as exc:
+            self._detach(f"{type(exc).__name__}: {exc}")
+            give_up()
             raise
+        if _timed_out(executed.result):
+            self._detach("the call timed out")
+            give_up()
+            return executed.result, executed.mutated
         # The caller owns the result it gets back; the record sends a copy taken now.
         recorded = replace(executed, result=_json_copy(executed.result))
         claimed, done_recording = lookup.claim == "granted", threading.Event()
@@ -339,7 +418,22 @@ class ToolCallExecutor:
 
     def _run(self, position: int, call: Call) -> None:
         """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
-        self._keep_snapshot(self._record(self._execute(self._history[:position], call)))
+        executed = self._execute(self._history[:position], call)
+        if _timed_out(executed.result):
+            raise ReplayFailed(f"the replay of {call.get('tool')!r} timed out")
+        self._keep_snapshot(self._record(executed))
+
+    def _detach(self, reason: str) -> None:
+        """Take the rollout off the shared graph (the known-state rule, class docstring)."""
+        logger.info("rollout %s of task %s leaves the shared graph: %s", self.rollout_id, self.task_id, reason)
+        self.detached, self._pending = True, []
+
+    def _execute_detached(self, call: Call) -> ToolResult:
+        self.flush()
+        if self._env is None:
+            raise ReplayFailed("the rollout left the shared graph and its environment is gone: end the rollout")
+        self.executed += 1
+        return self._env.execute(call)
 
     def _execute(self, history: list[Call], call: Call) -> _Executed:
         assert self._env is not None

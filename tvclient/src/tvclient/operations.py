@@ -80,8 +80,9 @@ def put_task(
     env: Mapping[str, Any],
     tools: Mapping[str, Mapping[str, bool]] | None,
     sandbox_budget: int | None,
+    audit_rate: float | None = None,
 ) -> Operation[dict[str, Any]]:
-    body = _without_none(env=dict(env), tools=tools, sandbox_budget=sandbox_budget)
+    body = _without_none(env=dict(env), tools=tools, sandbox_budget=sandbox_budget, audit_rate=audit_rate)
     return Operation("PUT", _task_path(task_id), _object, body=body)
 
 
@@ -146,6 +147,18 @@ def register_snapshot(
     body = _without_none(ref=ref, backend=backend, size_bytes=size_bytes, create_ms=create_ms)
     path = f"{_task_path(task_id)}/nodes/{_segment(node_id)}/snapshots"
     return Operation("POST", path, _parse_with(SnapshotRegistration), body=body)
+
+
+def report_audit(
+    task_id: str, node_id: int, result: ToolResult, rollout_id: str | None
+) -> Operation[bool]:
+    body = _without_none(result=result, rollout_id=rollout_id)
+    return Operation(
+        "POST",
+        f"{_task_path(task_id)}/nodes/{_segment(node_id)}/audit",
+        lambda payload: bool(_object(payload)["divergent"]),
+        body=body,
+    )
 
 
 def release_lease(lease_id: int | str, restore_ms: float | None) -> Operation[None]:

@@ -52,6 +52,9 @@ class LookupResult:
     # Misses of lookups with claim=True: "granted" (this rollout executes and records the call) or
     # "in_flight" (another rollout is executing it in this state: look up again shortly).
     claim: str | None = None
+    # Hits: sampled for the determinism audit (the task's audit_rate). An executor whose
+    # environment is at the hit's parent state re-executes the call and reports the result.
+    audit: bool = False
     # The service's own time on the lookup in ms (its Server-Timing header), None if it did not
     # say: the rest of the round trip is the network and the client.
     server_ms: float | None = field(default=None, compare=False)
@@ -60,7 +63,7 @@ class LookupResult:
     def from_json(cls, data: Mapping[str, Any]) -> LookupResult:
         if data["hit"]:
             return cls(hit=True, node_id=data["node_id"], result=data["result"],
-                       mutates=bool(data.get("mutates", True)))
+                       mutates=bool(data.get("mutates", True)), audit=bool(data.get("audit", False)))
         resume = data.get("resume")
         return cls(
             hit=False,

@@ -1,0 +1,79 @@
+"""The determinism audit (DESIGN.md, "What a hit guarantees, and what it assumes").
+
+A sampled fraction of hits (`Task.audit_rate`, sampled by the lookup in process) is re-executed
+at the hit's parent state: by a worker in tool-server mode (`sandboxes.services.audit`), by the
+client's own environment in client mode (`node_audit`). A result that differs from the node's is a
+divergence: the node stops being served, and a tool with more than AUDIT_MAX_DIVERGENT divergent
+nodes in a task stops being cached for that task (written to the audit log). A sandbox
+materialized for a node whose state fingerprint differs from the node's is a divergence too
+(kind "state"); it says nothing about the node's result, so the node stays served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from django.conf import settings
+from django.db import transaction
+
+from cache.errors import NotFound
+from cache.models import Divergence, Node, Task
+from cache.tcg import canonical_json
+from dashboard import broadcast
+from dashboard.models import AuditEntry
+
+from .admin import system_entry
+
+
+def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str, expected: Any, observed: Any,
+                      rollout_id: str = "") -> Divergence:
+    """Store a divergence. Kind "audit" also marks the node divergent (no longer served) and,
+    past the task's limit of divergent nodes for the tool, makes the tool uncacheable."""
+    if kind not in Divergence.Kind.values:
+        raise ValueError(f"unknown divergence kind {kind!r}")
+    with transaction.atomic():
+        # The task's row first: divergences of one task are counted one after the other, so that
+        # two at once cannot each see the other's node uncounted.
+        task = Task.objects.select_for_update().filter(pk=task_id).first()
+        if task is None:
+            raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+        if node_id is not None and not Node.objects.filter(task_id=task_id, pk=node_id).exists():
+            node_id = None  # evicted meanwhile: the divergence still happened
+        divergence = Divergence.objects.create(task=task, node_id=node_id, tool=tool, kind=kind, expected=expected,
+                                               observed=observed, rollout_id=rollout_id[:200])
+        if kind == Divergence.Kind.AUDIT and node_id is not None:
+            if Node.objects.filter(pk=node_id, divergent=False).update(divergent=True):
+                broadcast.node_changed(task_id, node_id, divergent=True)
+            _limit_tool(task, tool)
+    return divergence
+
+
+def _limit_tool(task: Task, tool: str) -> None:
+    limit = settings.TVCACHE["AUDIT_MAX_DIVERGENT"]
+    if tool in task.uncacheable_tools:
+        return
+    divergent = Node.objects.filter(task_id=task.pk, tool=tool, divergent=True).count()
+    if divergent <= limit:
+        return
+    task.uncacheable_tools = [*task.uncacheable_tools, tool]
+    task.version += 1  # every process re-reads the task's policy before its next lookup
+    task.save(update_fields=["uncacheable_tools", "version", "updated_at"])
+    system_entry(action=AuditEntry.Action.TOOL_UNCACHEABLE, task_id=task.pk, target=f"task {task.pk} / tool {tool}",
+                 details={"tool": tool, "divergent_nodes": divergent, "limit": limit})
+    broadcast.task_changed(task.pk, "uncacheable")
+
+
+def node_audit(*, task_id: str, node_id: int, result: Any, rollout_id: str = "") -> bool:
+    """A client's re-execution of a hit at its parent state: whether it differs from the node's
+    result (the whole result, as canonical JSON); a difference is recorded."""
+    row = Node.objects.filter(task_id=task_id, pk=node_id).values_list("tool", "result_json").first()
+    if row is None:
+        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node",
+                       details={"task_id": task_id, "node_id": node_id})
+    tool, result_json = row
+    if canonical_json(result).decode() == result_json:
+        return False
+    divergence_record(task_id=task_id, node_id=node_id, tool=tool, kind=Divergence.Kind.AUDIT,
+                      expected=orjson.loads(result_json), observed=result, rollout_id=rollout_id)
+    return True

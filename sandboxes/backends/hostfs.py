@@ -1,0 +1,227 @@
+"""Reading a sandbox's files from the host without trusting them.
+
+Everything under a container's layer or a folder sandbox was written by untrusted code, as root
+on the host's side. The host therefore never follows a link in it, never opens anything but a
+regular file, never blocks on an open (a FIFO), and never reads more than a cap: every path is
+walked one component at a time from a directory fd with O_NOFOLLOW, files are opened
+O_NONBLOCK and checked with fstat before a byte is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
+_CHUNK = 1 << 20
+
+
+class UnsafeEntry(OSError):
+    """The entry is not what the host may read: a link, a FIFO, a device, or too large."""
+
+
+@contextmanager
+def open_dir(root: str, relative: str = "") -> Iterator[int]:
+    """A directory fd for `root`/`relative`, walked component by component without following links.
+    `root` itself is the host's own path (trusted); `relative` is the sandbox's."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for part in _parts(relative):
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def read_regular(dir_fd: int, name: str, *, max_bytes: int) -> bytes:
+    """The content of regular file `name` in `dir_fd`, at most `max_bytes` (UnsafeEntry beyond)."""
+    fd = _open_regular(dir_fd, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise UnsafeEntry(f"{name}: {size} bytes, more than {max_bytes}")
+        data = os.read(fd, max_bytes + 1)
+        if len(data) > max_bytes:
+            raise UnsafeEntry(f"{name}: more than {max_bytes} bytes")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_file(root: str, relative: str, *, max_bytes: int) -> bytes:
+    parent, _, name = relative.rpartition("/")
+    with open_dir(root, parent) as fd:
+        return read_regular(fd, name, max_bytes=max_bytes)
+
+
+def digest_regular(dir_fd: int, name: str, *, max_bytes: int) -> str:
+    """sha256 of regular file `name`, read in chunks, at most `max_bytes`."""
+    fd = _open_regular(dir_fd, name)
+    try:
+        digest, read = hashlib.sha256(), 0
+        while chunk := os.read(fd, _CHUNK):
+            read += len(chunk)
+            if read > max_bytes:
+                raise UnsafeEntry(f"{name}: more than {max_bytes} bytes")
+            digest.update(chunk)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def walk(root: str, *, max_entries: int) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative path, lstat) of every entry under `root`, parents before children, names sorted.
+    Directories are entered through fds opened with O_NOFOLLOW, so a directory swapped for a link
+    while the walk runs ends that branch instead of leading out of the tree."""
+    count = 0
+    stack: list[tuple[str, int]] = [("", os.open(root, _DIR_FLAGS))]
+    try:
+        while stack:
+            relative, fd = stack.pop()
+            try:
+                names = sorted(os.listdir(fd))
+                for name in names:
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    count += 1
+                    if count > max_entries:
+                        raise UnsafeEntry(f"more than {max_entries} entries")
+                    path = f"{relative}/{name}" if relative else name
+                    yield path, st
+                    if stat.S_ISDIR(st.st_mode):
+                        try:
+                            stack.append((path, os.open(name, _DIR_FLAGS, dir_fd=fd)))
+                        except (FileNotFoundError, NotADirectoryError, OSError):
+                            continue
+            finally:
+                os.close(fd)
+    finally:
+        for _, fd in stack:
+            os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class StateDigest:
+    """`full`: everything, contents included, for a fork (a copy must be exact). `shape`: all but
+    the contents of regular files, for a replay: a replay runs at another time, so contents that
+    embed absolute times (bytecode caches, archives, logs) differ as they would between two live
+    rollouts. Both see paths, types, modes, owners, sizes, link targets, the order of file
+    times and the shell session."""
+
+    full: str
+    shape: str
+
+
+class StateFingerprint:
+    """A digest of a sandbox's state that two sandboxes reach alike only in the same state.
+
+    Lines of (path, type, mode, owner, size, content digest or link target, rank of its file
+    time), sorted by path; ranks order the regular files' and links' modification times (equal
+    times share a rank), so a fork whose times kept their order matches, and one where a source
+    became as old as its object does not."""
+
+    def __init__(self, *, max_bytes: int, times: bool = True):
+        self.max_bytes, self.times = max_bytes, times
+        self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
+        self._session: list[bytes] = []
+        self._read = 0
+
+    def add_tree(self, root: str, paths: set[str]) -> None:
+        by_parent: dict[str, list[str]] = {}
+        for path in paths:
+            parent, _, name = path.rpartition("/")
+            by_parent.setdefault(parent, []).append(name)
+        for parent in sorted(by_parent):
+            try:
+                with open_dir(root, parent) as fd:
+                    for name in sorted(by_parent[parent]):
+                        self._add(fd, f"{parent}/{name}" if parent else name, name)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # the folder is gone (a whiteout above it): its paths are absent
+            except OSError as exc:
+                if exc.errno != 40:  # ELOOP: a link replaced the folder; nothing under it is listed
+                    raise
+
+    def add_session(self, name: str, content: bytes) -> None:
+        self._session.append(name.encode() + b"\0" + hashlib.sha256(content).digest())
+
+    def digests(self) -> StateDigest:
+        times = sorted({mtime for _, _, _, mtime in self._entries if mtime >= 0})
+        rank = {mtime: index for index, mtime in enumerate(times)}
+        full, shape = hashlib.sha256(), hashlib.sha256()
+        for path, line, content, mtime in sorted(self._entries):
+            common = f"{line}\0{rank.get(mtime, -1)}".encode("utf-8", "surrogateescape")
+            full.update(common + b"\0" + content.encode() + b"\n")
+            shape.update(common + b"\n")
+        for session in self._session:
+            full.update(session)
+            shape.update(session)
+        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest())
+
+    def _add(self, fd: int, path: str, name: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return  # deleted (a whiteout in a layer above): absent paths are not listed
+        kind = stat.S_IFMT(st.st_mode)
+        detail, content, mtime = "", "", -1
+        if stat.S_ISREG(st.st_mode):
+            self._read += st.st_size
+            if self._read > self.max_bytes:
+                raise UnsafeEntry(f"more than {self.max_bytes} bytes to fingerprint")
+            content, mtime = _cached_digest(fd, name, st, self.max_bytes), st.st_mtime_ns if self.times else -1
+        elif stat.S_ISLNK(st.st_mode):
+            detail, mtime = os.readlink(name, dir_fd=fd), st.st_mtime_ns if self.times else -1
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            detail = str(st.st_rdev)
+        size = st.st_size if not stat.S_ISDIR(st.st_mode) else 0
+        line = f"{path}\0{kind}\0{stat.S_IMODE(st.st_mode)}\0{st.st_uid}\0{st.st_gid}\0{size}\0{detail}"
+        self._entries.append((path, line, content, mtime))
+
+
+# Content digests by (device, inode, size, mtime, ctime): a file's ctime moves with every change
+# and no program can set it, so an unchanged key is an unchanged file.
+_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
+_DIGESTS_MAX = 200_000
+
+
+def _cached_digest(fd: int, name: str, st: os.stat_result, max_bytes: int) -> str:
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    found = _DIGESTS.get(key)
+    if found is None:
+        found = digest_regular(fd, name, max_bytes=max_bytes)
+        if len(_DIGESTS) >= _DIGESTS_MAX:
+            _DIGESTS.clear()
+        _DIGESTS[key] = found
+    return found
+
+
+def _open_regular(dir_fd: int, name: str) -> int:
+    if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        raise UnsafeEntry(f"{name}: not a regular file")  # never open a device or a FIFO at all
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (getattr(os, "ELOOP", 40), getattr(os, "ENXIO", 6)):
+            raise UnsafeEntry(f"{name}: not a regular file") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeEntry(f"{name}: not a regular file")
+    return fd
+
+
+def _parts(relative: str) -> list[str]:
+    parts = [part for part in relative.split("/") if part and part != "."]
+    if ".." in parts:
+        raise UnsafeEntry(f"{relative!r} leaves its root")
+    return parts

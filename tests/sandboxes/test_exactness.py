@@ -1,0 +1,91 @@
+"""Exact under the real world (issue 15): timeouts, kills, tampering, a killed server and sandboxes
+that do not reach their recorded state never produce a wrong hit. Real Docker, real PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.models import Divergence, Node, Rollout
+from sandboxes.models import Sandbox
+
+from .helpers import bash, run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# The same call for every rollout; it takes 0 or 3 s at random, and times out after 1 s.
+SLOW_OR_NOT = bash("echo a > /f; sleep $((RANDOM % 2 * 3)); echo b >> /f", timeout_s=1)
+
+
+def test_a_timed_out_call_never_files_later_results_under_the_completed_state(api, docker_task):
+    # Tried until the first rollout's call times out (the case that poisoned the key): then its
+    # `cat /f` (file holds "a") was recorded under the completed call's state key ("a b").
+    for attempt in range(10):
+        task = docker_task(f"timeouts-{attempt}")
+        first = run(api, task, "r0", SLOW_OR_NOT)
+        if first["result"]["timed_out"]:
+            break
+    else:
+        pytest.fail("the first call never timed out in 10 tries")
+    outcomes = {"r0": first}
+    for rollout in [f"r{i}" for i in range(1, 12)]:
+        outcomes[rollout] = run(api, task, rollout, SLOW_OR_NOT)
+    wrong, shared = 0, 0
+    for rollout, outcome in outcomes.items():
+        read = run(api, task, rollout, bash("cat /f"))
+        expected = "a\n" if outcome["result"]["timed_out"] else "a\nb\n"
+        wrong += read["result"]["stdout"] != expected
+        shared += read["cached"]
+    assert wrong == 0
+    assert shared > 0  # completed rollouts still share hits
+    assert Rollout.objects.get(task_id=task, rollout_id="r0").detached_at is not None
+    # The timed-out rollout goes on in its own sandbox, uncached and unrecorded.
+    nodes = Node.objects.filter(task_id=task).count()
+    assert run(api, task, "r0", bash("echo c >> /f; cat /f"))["result"]["stdout"] == "a\nc\n"
+    assert Node.objects.filter(task_id=task).count() == nodes
+
+
+def test_a_replay_that_does_not_reach_the_recorded_state_is_a_divergence_and_never_recorded(api, docker_task):
+    grow = bash("head -c $((RANDOM % 1000 + 1)) /dev/zero > /blob")  # a nondeterministic write
+    size = bash("wc -c < /blob")
+    for attempt in range(5):  # until the replay draws another size than the recorded one (999 in 1,000)
+        task = docker_task(f"diverges-{attempt}")
+        run(api, task, "r1", grow)
+        recorded = run(api, task, "r1", size)["result"]["stdout"]
+        assert run(api, task, "r2", grow)["cached"] is True  # r2 has no sandbox yet
+        # r2's next call is a miss: its sandbox is rebuilt by a replay, which writes another size.
+        answer = run(api, task, "r2", bash("wc -c < /blob; echo seen"))
+        if answer["result"]["stdout"].split("\n")[0] + "\n" != recorded:
+            break
+    assert answer["cached"] is False and answer["node_id"] is None
+    divergences = Divergence.objects.filter(task_id=task, kind=Divergence.Kind.STATE)
+    assert divergences.count() >= 1 and divergences.first().tool == "bash"
+    assert Rollout.objects.get(task_id=task, rollout_id="r2").detached_at is not None
+    # Another rollout on the same path never sees r2's result, and r1's state is served as before.
+    assert run(api, task, "r3", grow)["cached"] is True
+    assert run(api, task, "r3", size)["result"]["stdout"] == recorded
+    stats = api.get(f"/api/v1/tasks/{task}/stats").json()
+    assert [t["state"] for t in stats["divergences"]["per_tool"] if t["tool"] == "bash"][0] >= 1
+
+
+def test_a_sandbox_cut_off_mid_call_is_retired_not_trusted(api, docker_task, busybox):
+    # A server killed between running a call and storing its outcome left the mark: the sandbox may
+    # be ahead of the history (here: a file the history never wrote).
+    task = docker_task("cut-off")
+    run(api, task, "r", bash("echo 1 > /state"))
+    row = Sandbox.objects.get(rollout__rollout_id="r", state="leased")
+    exec_id = busybox.api.exec_create(row.ref, ["sh", "-c", "echo ahead > /extra"])["Id"]
+    busybox.api.exec_start(exec_id)
+    Sandbox.objects.filter(pk=row.pk).update(executing=True)
+    answer = run(api, task, "r", bash("cat /state; cat /extra 2>&1"))
+    assert answer["result"]["stdout"].startswith("1\n") and "ahead" not in answer["result"]["stdout"]
+    assert Sandbox.objects.get(pk=row.pk).state == "failed"
+
+
+def test_a_sandbox_that_replaces_its_session_files_gets_a_clear_error_not_a_hang(api, docker_task):
+    task = docker_task("tampered")
+    response = api.post(f"/api/v1/tasks/{task}/rollouts/r/calls",
+                        {"call": bash("rm -f /.tvcache/cwd; mkfifo /.tvcache/cwd", timeout_s=2)}, format="json")
+    assert response.status_code == 409 and response.json()["error"]["code"] == "sandbox_tampered"
+    again = api.post(f"/api/v1/tasks/{task}/rollouts/r/calls", {"call": bash("true")}, format="json")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "rollout_state_unknown"
+    assert not Node.objects.filter(task_id=task).exists()
