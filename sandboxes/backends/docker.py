@@ -89,9 +89,9 @@ _CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", 
 # One argument of execve is capped at 128 KiB by Linux.
 _MAX_COMMAND_BYTES = 128 * 1024 - 1
 _KILL_GRACE_S = 5.0
-# A layer measured faster than this (some 5,000 entries) is measured after every call; a slower
-# one every disk_check_s, stretched to this many times what its measure costs.
-_DISK_CHEAP_S = 0.05
+# A layer of fewer entries than this (a measure of some 50 ms) is measured after every call; a
+# larger one every disk_check_s, stretched to this many times what its measure costs.
+_DISK_CHEAP_ENTRIES = 5_000
 _DISK_COST_FACTOR = 20
 _DISK_MAX_DEPTH = 128  # folders nested deeper count as over the quota: the measure cannot see them
 _DEATH_SETTLE_S = 0.25
@@ -479,15 +479,24 @@ class DockerSandbox(Sandbox):
         processes are out of this host's view (a remote engine), the container is killed instead:
         nothing inside it is trusted to do the killing."""
         api = self._backend.api
-        pid = self._gone_if_missing(api.exec_inspect, exec_id).get("Pid") or 0
         init_pid = self._gone_if_missing(api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
         if host_sees(self.sandbox_id, init_pid):
+            pid = self._exec_pid(exec_id, time.monotonic() + _KILL_GRACE_S)
             if pid:
                 kill_call_tree(pid, self.sandbox_id)
             return
         log.warning("container %s: its processes are out of this host's view; killing the container to end a call",
                     self.sandbox_id[:12])
         self._gone_if_missing(api.kill, self.sandbox_id)
+
+    def _exec_pid(self, exec_id: str, deadline: float) -> int:
+        """The call's host pid; 0 once it has ended. On a loaded engine a call can still be starting
+        when its deadline passes: until it runs, its pid is 0 and it has no exit code."""
+        while True:
+            state = self._gone_if_missing(self._backend.api.exec_inspect, exec_id)
+            if state.get("Pid") or state.get("ExitCode") is not None or time.monotonic() > deadline:
+                return state.get("Pid") or 0
+            time.sleep(0.01)
 
     def _exit_code(self, exec_id: str, deadline: float) -> int | None:
         # The stream can end a moment before the engine records the exit code.
@@ -526,14 +535,15 @@ class DockerSandbox(Sandbox):
         """Measures the container's layer when it is due (after every call while that is cheap).
         Past the quota the container is killed and SandboxOverQuota raised, now and by every later
         call; it is removed at once unless a call runs (that call removes it as it fails)."""
-        if not self._quota.measure(self, after_call=after_call):
+        if self._quota.measure(self, after_call=after_call):
+            log.warning("container %s is over its disk quota: %s", self.sandbox_id[:12], self._quota.breach)
+            with engine_errors():
+                try:
+                    self._backend.api.kill(self.sandbox_id)
+                except docker.errors.APIError:  # not running, or gone already
+                    pass
+        if self._quota.breach is None:  # else found now, or by the watch while the call ran
             return
-        log.warning("container %s is over its disk quota: %s", self.sandbox_id[:12], self._quota.breach)
-        with engine_errors():
-            try:
-                self._backend.api.kill(self.sandbox_id)
-            except docker.errors.APIError:  # not running, or gone already
-                pass
         if after_call:  # the caller holds the lock
             self._raise_if_over_quota()
         elif self._lock.acquire(blocking=False):
@@ -722,7 +732,9 @@ class DockerBackend(SandboxBackend):
                 "confinement": spec.confinement()}
 
     def health(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {"max_concurrent_starts": self.limiter.capacity, "starts_in_flight": self.limiter.in_flight}
+        facts: dict[str, Any] = {"max_concurrent_starts": self.limiter.capacity, "starts_in_flight": self.limiter.in_flight,
+                                 # True: the engine enforces it (overlay size); False: the layer is watched
+                                 "disk_quota_mb": self.config.disk_mb, "storage_quota": self.storage_quota}
         try:
             with engine_errors():
                 version = self.api.version()
@@ -868,7 +880,6 @@ class _DiskQuota:
         self.breach: str | None = None
         self.usage: TreeUsage | None = None
         self._layer: str | None | object = _UNSET
-        self._cost_s = 0.0
         self._due = 0.0
         self._lock = threading.Lock()
 
@@ -878,7 +889,8 @@ class _DiskQuota:
             return False
         with self._lock:
             started = time.monotonic()
-            if self.breach is not None or (started < self._due and not (after_call and self._cost_s < _DISK_CHEAP_S)):
+            cheap = self.usage is None or self.usage.entries < _DISK_CHEAP_ENTRIES
+            if self.breach is not None or (started < self._due and not (after_call and cheap)):
                 return False
             if self._layer is _UNSET:
                 self._layer = sandbox.layer_dir()
@@ -889,8 +901,8 @@ class _DiskQuota:
                                    max_depth=_DISK_MAX_DEPTH)
             except FileNotFoundError:  # the container was removed
                 return False
-            self._cost_s = time.monotonic() - started
-            self._due = time.monotonic() + max(self.interval_s, _DISK_COST_FACTOR * self._cost_s)
+            cost_s = time.monotonic() - started
+            self._due = time.monotonic() + max(self.interval_s, _DISK_COST_FACTOR * cost_s)
             self.usage, self.breach = usage, self._breach(usage)
             return self.breach is not None
 
