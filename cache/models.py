@@ -63,6 +63,9 @@ class Node(models.Model):
         indexes = [
             models.Index(fields=["task", "state_key"], condition=Q(mutates=True), name="node_write_state"),
             models.Index(fields=["task", "depth"], name="node_task_depth"),
+            # Lookups check that no divergent state-changing node lies on the history (lookup.py).
+            models.Index(fields=["task", "state_key"], condition=Q(mutates=True, divergent=True),
+                         name="node_divergent_state"),
         ]
 
     def __str__(self) -> str:

@@ -43,10 +43,22 @@ def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str
         divergence = Divergence.objects.create(task=task, node_id=node_id, tool=tool, kind=kind, expected=expected,
                                                observed=observed, rollout_id=rollout_id[:200])
         if kind == Divergence.Kind.AUDIT and node_id is not None:
-            if Node.objects.filter(pk=node_id, divergent=False).update(divergent=True):
-                broadcast.node_changed(task_id, node_id, divergent=True)
+            _mark(task, node_id)
             _limit_tool(task, tool)
     return divergence
+
+
+def _mark(task: Task, node_id: int) -> None:
+    """The node is no longer served. Below a state-changing one nothing is (lookup.py): the task's
+    version moves so that every process's handle learns that lookups must check for it."""
+    mutates = Node.objects.filter(pk=node_id, divergent=False).values_list("mutates", flat=True).first()
+    if mutates is None:  # divergent already
+        return
+    Node.objects.filter(pk=node_id).update(divergent=True)
+    if mutates:
+        task.version += 1
+        task.save(update_fields=["version", "updated_at"])
+    broadcast.node_changed(task.pk, node_id, divergent=True)
 
 
 def _limit_tool(task: Task, tool: str) -> None:

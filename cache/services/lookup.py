@@ -42,7 +42,14 @@ from .tasks import TaskHandle, task_handle
 #
 # A divergent node (the determinism audit found its call gives another result in the same state)
 # is not served: it answers like the node of an uncacheable tool (a miss with its match, no claim).
-READ_SQL = """
+# Neither is a node below a divergent state-changing node (`tainted`): the state after such a call
+# is not a function of the history, so a rollout that ran it itself may be anywhere. The probe
+# is in the statement only for a task that has such a node (READ_SQL_BELOW_DIVERGENT; its handle
+# says so, and marking one moves the task's version): elsewhere it costs nothing, and where it is
+# it goes through an index of divergent state-changing nodes only (node_divergent_state; ~10 us a
+# hit). The miss's match keeps the nodes below: their snapshots hold the state the rollouts that
+# hit the call saw.
+_READ_SQL = """
 WITH claimed AS (
     INSERT INTO cache_claim AS c (task_id, anchor_key, call_digest, holder, expires_at)
     SELECT t.id, %(anchor)s::varchar, %(digest)s::varchar, %(holder)s::varchar,
@@ -56,8 +63,8 @@ WITH claimed AS (
     WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
     RETURNING true AS granted
 )
-SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent,
-       CASE WHEN n.id IS NULL OR n.divergent OR NOT %(cacheable)s THEN (
+SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
+       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN (
            SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
            FROM cache_node w
@@ -65,8 +72,14 @@ SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent,
        EXISTS (SELECT FROM claimed)
 FROM cache_task t
 LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
+{below}
 WHERE t.id = %(task)s
 """
+READ_SQL = _READ_SQL.format(tainted="false", below="")
+READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(tainted="x.tainted", below="""CROSS JOIN LATERAL (
+    SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
+        SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
+                                   AND d.state_key = ANY(string_to_array(%(keys)s, ','))) END AS tainted) x""")
 
 # A lease is only granted on a snapshot that is still live (FOR SHARE orders it against eviction).
 # Its commit does not wait for the WAL to reach the disk (synchronous_commit off for this one
@@ -187,7 +200,7 @@ def _exact_read(task: TaskHandle, context: CallContext, claim: bool) -> tuple[St
               # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
               "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)}
     with prepared_cursor() as cursor:
-        cursor.execute(READ_SQL, params)
+        cursor.execute(READ_SQL_BELOW_DIVERGENT if task.divergent_writes else READ_SQL, params)
         return chain, cursor.fetchone()
 
 

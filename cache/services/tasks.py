@@ -27,6 +27,7 @@ class TaskHandle:
     backend: str
     sandbox_budget: int
     audit_rate: float = 0.0  # the fraction of hits sampled for the determinism audit
+    divergent_writes: bool = False  # some state-changing node is divergent: lookups check their history
 
     def check_fingerprint(self, expected: str | None) -> None:
         if expected is not None and expected != self.fingerprint:
@@ -49,16 +50,17 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT version, env_fingerprint, tools::text, env->>'backend', sandbox_budget, audit_rate,"
-            " uncacheable_tools::text FROM cache_task WHERE id = %s",
+            " uncacheable_tools::text, EXISTS (SELECT FROM cache_node n WHERE n.task_id = t.id AND n.mutates"
+            " AND n.divergent) FROM cache_task t WHERE id = %s",
             [task_id],
         )
         row = cursor.fetchone()
     if row is None:
         _handles.pop(task_id, None)
         raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-    version, fingerprint, tools, backend, budget, audit_rate, uncacheable = row
+    version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes = row
     handle = TaskHandle(task_id, version, fingerprint, _policy(tools, uncacheable), backend or "external", budget,
-                        audit_rate)
+                        audit_rate, divergent_writes)
     if len(_handles) >= MAX_CACHED_HANDLES:
         _handles.clear()
     _handles[task_id] = handle

@@ -111,23 +111,25 @@ def walk(root: str, *, max_entries: int) -> Iterator[tuple[str, os.stat_result]]
 
 @dataclass(frozen=True, slots=True)
 class StateDigest:
-    """`full`: everything, contents included, for a fork (a copy must be exact). `shape`: all but
-    the contents of regular files, for a replay: a replay runs at another time, so contents that
-    embed absolute times (bytecode caches, archives, logs) differ as they would between two live
-    rollouts. Both see paths, types, modes, owners, sizes, link targets, the order of file
-    times and the shell session."""
+    """`full`: everything, contents and the order of file times included, for a fork: a copy
+    must be exact (and keeps exact times, overlay.restore_file_times). `shape`: paths, types,
+    modes, owners, sizes, link targets and the shell session, for a replay. A replay runs at
+    another time and another pace: contents that embed the time (bytecode caches, archives,
+    logs) differ, and so does which writes of one call share a clock tick (a loop of 25 `git
+    commit`s), exactly as they would between two live rollouts. Replayed calls run a clock tick
+    apart, so the order of times between calls is the live one (the `make` case); within a call
+    it is as (non)deterministic as the call itself, which the determinism audit samples."""
 
     full: str
     shape: str
 
 
 class StateFingerprint:
-    """A digest of a sandbox's state that two sandboxes reach alike only in the same state.
-
-    Lines of (path, type, mode, owner, size, content digest or link target, rank of its file
-    time), sorted by path; ranks order the regular files' and links' modification times (equal
-    times share a rank), so a fork whose times kept their order matches, and one where a source
-    became as old as its object does not."""
+    """Digests of a sandbox's state (StateDigest) that two sandboxes reach alike only in the
+    same state. Lines of (path, type, mode, owner, size, link target), sorted by path; the full
+    digest adds content digests and ranks of the regular files' and links' modification times
+    (equal times share a rank), so a fork whose times kept their order matches, and one where a
+    source became as old as its object does not."""
 
     def __init__(self, *, max_bytes: int, times: bool = True):
         self.max_bytes, self.times = max_bytes, times
@@ -159,9 +161,9 @@ class StateFingerprint:
         rank = {mtime: index for index, mtime in enumerate(times)}
         full, shape = hashlib.sha256(), hashlib.sha256()
         for path, line, content, mtime in sorted(self._entries):
-            common = f"{line}\0{rank.get(mtime, -1)}".encode("utf-8", "surrogateescape")
-            full.update(common + b"\0" + content.encode() + b"\n")
-            shape.update(common + b"\n")
+            encoded = line.encode("utf-8", "surrogateescape")
+            full.update(encoded + f"\0{content}\0{rank.get(mtime, -1)}\n".encode())
+            shape.update(encoded + b"\n")
         for session in self._session:
             full.update(session)
             shape.update(session)

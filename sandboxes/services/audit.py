@@ -3,13 +3,17 @@ own at the hit's parent state (a fresh sandbox of the task, then the state-chang
 rollout's history before the hit) and compares the results (`SandboxBackend.audit_view`); a
 difference is recorded by `cache.services.divergence_record`. The sandbox is removed afterwards.
 
-The rollout that hit is never delayed: the audit is queued once the hit's transaction commits,
-and a broker that cannot take it costs only that audit (logged).
+The rollout that hit is never delayed: once the hit's transaction commits, the audit goes to an
+outbox that a thread of its own sends to the broker; a broker that cannot take it costs only that
+audit (logged).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 import time
 from typing import Any
 
@@ -35,60 +39,113 @@ EQUAL, DIVERGENT, INCONCLUSIVE, SKIPPED = "equal", "divergent", "inconclusive", 
 
 def hit_audit_enqueue(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> None:
     """Have a worker audit the hit of node `node_id` by the rollout whose history's first `applied`
-    calls led to it, once the current transaction commits. Never raises."""
-    from workers.tasks import hit_audit as audit_task
-
-    def send() -> None:
-        try:
-            audit_task.apply_async((task_id, node_id, rollout_pk, applied), retry=False)
-        except Exception as exc:  # the broker is down: this hit goes unaudited, the call is served
-            log.warning("could not queue the audit of node %s of task %s: %s", node_id, task_id, exc)
-
+    calls led to it, once the current transaction commits. Never raises, never waits."""
     try:
-        transaction.on_commit(send)
+        transaction.on_commit(lambda: _outbox.put((task_id, node_id, rollout_pk, applied)))
     except Exception as exc:
         log.warning("could not queue the audit of node %s of task %s: %s", node_id, task_id, exc)
 
 
+class _Outbox:
+    """Audits on their way to the broker, sent by a thread of its own: a hit never waits for
+    Redis (a publish to a broker that is down took 6.6 s here before it failed, however told not
+    to retry). A broker that is down costs the audits it cannot take (logged); so does an outbox
+    that is full, and a process that exits before its outbox is empty: audits are samples."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        self.pid: int | None = None
+        self.jobs: queue.Queue = queue.Queue(maxsize=capacity)
+
+    def put(self, job: tuple) -> None:
+        self._started()
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            log.warning("audit outbox full (broker slow or down): the audit of node %s of task %s is dropped",
+                        job[1], job[0])
+
+    def _started(self) -> None:
+        if self.pid == os.getpid():
+            return
+        with self.lock:
+            if self.pid != os.getpid():  # first use, or a forked child: a thread of its own
+                self.jobs = queue.Queue(maxsize=self.capacity)
+                threading.Thread(target=self._send, args=(self.jobs,), name="tvcache-audit-outbox", daemon=True).start()
+                self.pid = os.getpid()
+
+    @staticmethod
+    def _send(jobs: queue.Queue) -> None:
+        from workers.tasks import hit_audit as audit_task
+
+        while True:
+            job = jobs.get()
+            try:
+                audit_task.apply_async(job, retry=False)
+            except Exception as exc:  # the broker is down: this hit goes unaudited
+                log.warning("could not queue the audit of node %s of task %s: %s", job[1], job[0], exc)
+
+
+_outbox = _Outbox(capacity=1000)
+
+
 def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
     """Re-execute node `node_id`'s call at its parent state and compare: "equal", "divergent"
-    (recorded), "inconclusive" (the sandbox failed, or a call timed out) or "skipped" (the node,
-    the rollout or the task's keys are gone, or the node is divergent already)."""
+    (recorded), "inconclusive" (the sandbox failed, a call timed out, the replay missed the parent's
+    state) or "skipped" (the node, the rollout or the task's keys are gone, or the node is divergent
+    already)."""
     node = Node.objects.filter(task_id=task_id, pk=node_id, divergent=False).first()
     rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history", "rollout_id").first()
     task = Task.objects.filter(pk=task_id).first()
     if node is None or rollout is None or task is None or len(rollout[0]) < applied:
         return SKIPPED
-    history = tuple(ToolCall.from_json(item) for item in rollout[0][:applied])
+    history, rollout_id = tuple(ToolCall.from_json(item) for item in rollout[0][:applied]), rollout[1]
     call = ToolCall.from_json(node.call)
     handle = task_handle(task_id=task_id)
-    last = task_chain(handle, CallContext(history, call, rollout[1], 0, None)).steps[-1]
+    last = task_chain(handle, CallContext(history, call, rollout_id, 0, None)).steps[-1]
     if (last.anchor, last.digest) != (node.anchor_key, node.call_digest):  # the task changed since the hit
         return SKIPPED
     backend = backend_named(handle.backend)
     writes = [item for item in history if handle.policy.for_tool(item.tool).mutates_state]
+    parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
+              .values("pk", "tool", "state_shape").first() if writes else None)
     try:
-        observed = _reexecute(task, backend, writes, call)
+        run = _reexecute(task, backend, writes, call, parent, rollout_id, shape=node.mutates and bool(node.state_shape))
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
         return INCONCLUSIVE
-    expected = orjson.loads(node.result_json)
-    if observed is None:
-        return INCONCLUSIVE
-    seen, now = backend.audit_view(call.tool, expected), backend.audit_view(call.tool, observed)
-    if seen is None or now is None:
-        return INCONCLUSIVE
-    if canonical_json(seen) == canonical_json(now):
-        return EQUAL
+    outcome = INCONCLUSIVE if run is None else _compared(backend, node, *run)
+    if isinstance(outcome, str):
+        return outcome
     divergence_record(task_id=task_id, node_id=node_id, tool=call.tool, kind=Divergence.Kind.AUDIT,
-                      expected=expected, observed=observed, rollout_id=rollout[1])
+                      expected=outcome[0], observed=outcome[1], rollout_id=rollout_id)
     return DIVERGENT
 
 
-def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall) -> dict[str, Any] | None:
-    """The call's result in a fresh sandbox of the task after `writes`; None if a replayed call
-    left the state unknown (it timed out). A sandbox row accounts for the sandbox meanwhile (the
-    pools page shows it; the orphan reaper spares it)."""
+def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], shape: str | None) -> tuple | str:
+    """(expected, observed) where the re-execution differs from the node, else EQUAL or
+    INCONCLUSIVE. A state-changing call is also compared by the state it left (its shape: the
+    re-execution runs at another time), so that a write whose effect is random, not its output,
+    is found too."""
+    expected = orjson.loads(node.result_json)
+    seen, now = backend.audit_view(node.tool, expected), backend.audit_view(node.tool, observed)
+    if seen is None or now is None:
+        return INCONCLUSIVE
+    if canonical_json(seen) != canonical_json(now):
+        return expected, observed
+    if shape is not None and shape != node.state_shape:
+        return {"state_shape": node.state_shape, "result": expected}, {"state_shape": shape, "result": observed}
+    return EQUAL
+
+
+def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall, parent: dict | None,
+               rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
+    """The call's result in a fresh sandbox of the task after `writes`, and with `shape` the shape
+    of the state it left; None if the replay did not reach the parent node's state: a replayed
+    call timed out, or the sandbox's state differs from the one the parent recorded (a divergence
+    of kind "state", recorded on the parent: the audited node is not judged). A sandbox row
+    accounts for the sandbox meanwhile (the pools page shows it; the orphan reaper spares it)."""
     row = Sandbox.objects.create(task=task, backend=backend.name, pool=Sandbox.Pool.ROOT, state=Sandbox.State.WARMING)
     started = time.perf_counter()
     try:
@@ -102,6 +159,25 @@ def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call
         for write in writes:
             if backend.audit_view(write.tool, sandbox.execute(write.tool, write.args)) is None:
                 return None
-        return sandbox.execute(call.tool, call.args)
+        if not _reached(sandbox, parent, task, rollout_id):
+            return None
+        result = sandbox.execute(call.tool, call.args)
+        state = sandbox.state_fingerprint() if shape else None
+        return result, state.shape if state is not None else None
     finally:
         sandbox_stop(sandbox_id=row.pk)
+
+
+def _reached(sandbox, parent: dict | None, task: Task, rollout_id: str) -> bool:
+    """Whether the replayed sandbox is in the parent node's recorded state, where both are known
+    (a replay is compared by shape: it ran at another time, see StateDigest)."""
+    if parent is None or not parent["state_shape"]:
+        return True
+    state = sandbox.state_fingerprint()
+    if state is None or state.shape == parent["state_shape"]:
+        return True
+    divergence_record(task_id=task.pk, node_id=parent["pk"], tool=parent["tool"], kind=Divergence.Kind.STATE,
+                      expected={"fingerprint": parent["state_shape"]},
+                      observed={"fingerprint": state.shape, "sandbox": "audit", "why": "an audit's replay"},
+                      rollout_id=rollout_id)
+    return False

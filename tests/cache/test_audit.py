@@ -86,6 +86,24 @@ def test_a_client_report_that_differs_makes_the_node_a_miss(api):
     assert api.get("/api/v1/tasks/client/graph").json()["nodes"][1]["divergent"] is True
 
 
+def test_nothing_below_a_divergent_state_changing_node_is_served(api, django_assert_num_queries):
+    put(api, "below")
+    w2 = call("write", path="g", content="2")
+    write = record(api, "below", [], W, {"ok": True})["node_id"]
+    record(api, "below", [W], R, {"output": "1"})
+    record(api, "below", [W, R], w2, {"ok": True})
+    other = record(api, "below", [], w2, {"ok": True})["node_id"]
+    assert audit(api, "below", write, {"ok": False}).json() == {"divergent": True}
+    # The state after the write is not a function of the history any more: a rollout that ran it
+    # itself may hold anything, so the read after it and everything deeper is executed again.
+    lookup(api, "below", [], w2)
+    with django_assert_num_queries(1):
+        deeper = lookup(api, "below", [W, R], w2)
+    assert deeper["hit"] is False and deeper["matched"] == 2  # the match (and its snapshots) stays
+    assert lookup(api, "below", [W], R)["hit"] is False
+    assert lookup(api, "below", [], w2)["node_id"] == other  # another branch is served
+
+
 def test_the_audit_endpoint_refuses_bad_input(api):
     put(api, "bad")
     node = record(api, "bad", [], W, {"ok": True})["node_id"]

@@ -172,3 +172,33 @@ def test_pools_page_renders_the_sandboxes_apps_overview(user_client, tree, toy_t
     assert all(f'<td class="n">{n}</td>' in row for n in (1, 3, 2, 4))  # warming, ready, leased, stopping
     overview = user_client.get("/")
     assert next(t for t in overview.context["tasks"] if t["id"] == toy_task)["sandboxes"] == 6  # not the stopping ones
+
+
+def test_task_and_node_pages_show_divergences_per_tool_and_per_node(user_client, tree, toy_task, api, settings):
+    from cache.services import divergence_record
+
+    settings.TVCACHE = {**settings.TVCACHE, "AUDIT_MAX_DIVERGENT": 0}
+    response = api.post(f"/api/v1/tasks/{toy_task}/nodes/{tree['ls']}/audit",
+                        {"result": {"stdout": "other listing\n", "stderr": "", "exit_code": 0, "timed_out": False},
+                         "rollout_id": "r9"}, format="json")
+    assert response.json() == {"divergent": True}
+    divergence_record(task_id=toy_task, node_id=tree["make"], tool="bash", kind="state", expected={"files": 3},
+                      observed={"files": 4})
+
+    page = user_client.get(f"/tasks/{toy_task}/")
+    assert page.context["divergences"]["per_tool"] == [
+        {"tool": "bash", "count": 2, "audit": 1, "state": 1, "divergent_nodes": 1, "uncacheable": True}]
+    rows = {row["node_id"]: row for row in page.context["divergences"]["per_node"]}
+    assert rows[tree["ls"]]["label"] == "bash: ls -la" and rows[tree["ls"]]["divergent"] is True
+    assert rows[tree["make"]]["state"] == 1 and rows[tree["make"]]["divergent"] is False
+    html = page.content.decode()
+    assert 'id="divergence-tools"' in html and "made uncacheable by the audit" in html
+    assert f'href="/tasks/{toy_task}/nodes/{tree["ls"]}/"' in html
+
+    node = user_client.get(f"/tasks/{toy_task}/nodes/{tree['ls']}/")
+    html = node.content.decode()
+    assert "no: divergent" in html and 'id="node-divergences"' in html
+    assert "other listing" in html and "r9" in html
+    assert "no: divergent" not in user_client.get(f"/tasks/{toy_task}/nodes/{tree['make']}/").content.decode()
+    audit_log = user_client.get("/audit/").content.decode()
+    assert "Tool made uncacheable (audit)" in audit_log

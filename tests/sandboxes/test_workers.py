@@ -3,7 +3,6 @@ pre-forks, eviction, reaping."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import docker
@@ -16,18 +15,9 @@ from sandboxes.backends.base import SandboxGone
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import backend_named, labels
 
-from .helpers import bash, run
+from .helpers import bash, run, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError("condition not reached in time")
 
 
 def test_announced_step_warms_roots_and_the_first_miss_takes_one(api, docker_task, celery_worker):

@@ -22,6 +22,7 @@ ROUTES = [
     ("snapshot", "POST", re.compile(r"^/api/v1/tasks/[^/]+/nodes/\d+/snapshots$")),
     ("release", "DELETE", re.compile(r"^/api/v1/leases/[^/]+$")),
     ("release_claim", "POST", re.compile(r"^/api/v1/tasks/[^/]+/claims/release$")),
+    ("audit", "POST", re.compile(r"^/api/v1/tasks/[^/]+/nodes/\d+/audit$")),
 ]
 
 

@@ -494,3 +494,71 @@ def test_snapshot_another_rollout_registered_first_is_dropped_and_the_call_succe
                    status=409)
     assert executor.execute(call("set", key="a", value="1")) is not None
     assert len(store) == 0
+
+
+def audited_hit(result, *, mutates: bool, node_id: int = 1):
+    return {**hit(result, node_id=node_id), "mutates": mutates, "audit": True}
+
+
+def test_a_sampled_read_only_hit_is_re_executed_in_the_open_environment_and_reported(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, rollout_id="r1")
+    set_a, get_a = call("set", key="a", value="1"), call("get", key="a")
+    service.script("lookup", miss(replay=[]))
+    executor.execute(set_a)  # opens the environment
+    service.script("lookup", audited_hit({"value": "1"}, mutates=False, node_id=5))
+    service.script("audit", {"divergent": False})
+    assert executor.execute(get_a) == {"value": "1"}
+    service.script("lookup", audited_hit({"value": "stale"}, mutates=False, node_id=6))
+    service.script("audit", {"divergent": True})
+    assert executor.execute(get_a) == {"value": "stale"}  # the hit's answer; the service stops serving it
+
+    reports = service.requests("audit")
+    assert [seen.path for seen in reports] == [f"/api/v1/tasks/{TASK}/nodes/5/audit", f"/api/v1/tasks/{TASK}/nodes/6/audit"]
+    assert reports[0].body == {"result": {"value": "1"}, "rollout_id": "r1"}
+    assert (executor.audited, executor.divergent, executor.audits_skipped) == (2, 1, 0)
+    (env,) = factory.made
+    assert env.executions == 3 and executor.env is env  # read-only: the environment stays
+
+
+def test_sampled_hits_are_not_audited_where_the_environment_is_not_at_their_state(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, rollout_id="r1")
+    set_a, append_b = call("set", key="a", value="1"), call("append", key="a", value="b")
+    service.script("lookup", audited_hit({"value": "1"}, mutates=False))
+    executor.execute(call("get", key="a"))  # no environment yet
+    service.script("lookup", miss(replay=[]))
+    executor.execute(set_a)
+    service.script("lookup", audited_hit({"value": "1b"}, mutates=True))
+    executor.execute(append_b)  # changes the state: re-executing it would need a fork at its parent state
+    service.script("lookup", audited_hit({"value": "1b"}, mutates=False))
+    executor.execute(call("get", key="a"))  # the environment is behind by the append
+
+    assert service.requests("audit") == []
+    assert (executor.audited, executor.audits_skipped) == (0, 3)
+    assert factory.made[0].executions == 1
+
+
+def test_an_audited_call_that_changed_the_environment_drops_it(service, client):
+    factory = Factory()
+    executor = ToolCallExecutor(client, TASK, factory, rollout_id="r1")
+    service.script("lookup", miss(replay=[]))
+    executor.execute(call("set", key="a", value="1"))
+    # The service holds the set of b as read-only (observed to change nothing elsewhere); here it
+    # changes the environment, which is then ahead of the history.
+    service.script("lookup", audited_hit({"value": "2"}, mutates=False))
+    service.script("audit", {"divergent": False})
+    executor.execute(call("set", key="b", value="2"))
+    assert executor.env is None and factory.made[0].running is False
+    assert executor.audited == 1
+
+
+def test_an_audit_the_service_cannot_take_leaves_the_hit(service, client, caplog):
+    executor = ToolCallExecutor(client, TASK, Factory(), rollout_id="r1")
+    service.script("lookup", miss(replay=[]))
+    executor.execute(call("set", key="a", value="1"))
+    service.script("lookup", audited_hit({"value": "1"}, mutates=False))
+    service.script("audit", {"error": {"code": "unknown_node", "message": "gone", "details": None}}, status=404)
+    assert executor.execute(call("get", key="a")) == {"value": "1"}
+    assert executor.record_failures == 1 and executor.audited == 0
+    assert "could not report the audit" in caplog.text

@@ -1,6 +1,7 @@
 """tvclient against a live tvcache server (real HTTP, real PostgreSQL)."""
 
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -115,3 +116,36 @@ def test_rollouts_missing_on_the_same_call_at_once_execute_it_once(client):
     assert sum(executor.executed for _, executor in runs) == 2
     assert sum(executor.waited for _, executor in runs) >= 3
     assert client.stats("kv-flight")["hits"] == 6
+
+
+class DiceEnvironment(InMemoryEnvironment):
+    """The key-value store plus `roll`, a read-only tool whose answer is random: not deterministic."""
+
+    def execute(self, call):
+        if call["tool"] == "roll":
+            self.executions += 1
+            return {"value": uuid.uuid4().hex}
+        return super().execute(call)
+
+    def mutates_state(self, call) -> bool:
+        return call["tool"] not in {*self.READ_ONLY, "roll"}
+
+
+def test_a_sampled_hit_re_executed_by_the_client_is_found_divergent_and_no_longer_served(client):
+    task = client.put_task("dice", env={"backend": "external", "dice": 1},
+                           tools={"get": {"mutates_state": False}, "roll": {"mutates_state": False}}, audit_rate=1.0)
+    assert task["audit_rate"] == 1.0
+    set_a, get_a, roll = ({"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "get", "args": {"key": "a"}},
+                          {"tool": "roll", "args": {}})
+    store = SnapshotStore()
+    first, _ = run(client, "dice", DiceEnvironment, [set_a, roll], rollout_id="r1", epoch=0, snapshots=store)
+    # r2's get misses and opens its environment at [set a]: the roll's hit is audited there.
+    second, ex2 = run(client, "dice", DiceEnvironment, [set_a, get_a, roll], rollout_id="r2", epoch=0,
+                      snapshots=store)
+    assert second[2] == first[1]  # the hit's answer
+    assert (ex2.audited, ex2.divergent, ex2.audits_skipped) == (1, 1, 1)  # the hit of `set a` changes state
+    third, ex3 = run(client, "dice", DiceEnvironment, [set_a, roll], rollout_id="r3", epoch=0, snapshots=store)
+    assert third[1] != first[1] and ex3.misses == 1  # no longer served
+    divergences = client.stats("dice")["divergences"]
+    assert divergences["count"] == 1 and divergences["per_tool"][0]["tool"] == "roll"
+    store.close()
