@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hostfs
 from .base import OWNER, OWNER_LABEL, DiskQuotaExceeded, OwnedResource, PathTooLong, labels_match
 
 _ID = re.compile(r"[0-9a-f]{32}")
@@ -116,76 +117,25 @@ class TreeUsage:
     too_deep: bool = False  # folders nested deeper than the walk goes: bytes and entries undercount
 
 
-# O_DIRECTORY: never opens a FIFO or a device; O_NOFOLLOW: never goes through a link.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
 def tree_usage(root: str | Path, *, stop_bytes: int | None = None, stop_entries: int | None = None,
                max_depth: int = 128) -> TreeUsage:
-    """What a folder holds, walked through folder descriptors (lstat, openat with O_NOFOLLOW): a
-    tree that another party changes meanwhile (a sandbox's layer) can never lead the walk through
-    a link or out of `root`. Stops early, with what it counted, once past `stop_bytes` or
-    `stop_entries`; folders deeper than `max_depth` (one descriptor each) are not entered."""
-    tally = _Tally(stop_bytes, stop_entries)
-    root_fd = os.open(root, _DIR_FLAGS)
-    stack = [(root_fd, tally.scan(root_fd))]
-    try:
-        while stack and not tally.stopped:
-            fd, subfolders = stack[-1]
-            name = next(subfolders, None)
-            if name is None:
-                os.close(fd)
-                stack.pop()
-                continue
-            if len(stack) > max_depth:
-                tally.too_deep = True
-                continue
-            try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except OSError:  # gone, or swapped for something else since it was listed
-                continue
-            try:
-                stack.append((child, tally.scan(child)))
-            except BaseException:
-                os.close(child)
-                raise
-    finally:
-        for fd, _ in stack:
-            os.close(fd)
-    return TreeUsage(tally.bytes, tally.entries, tally.too_deep)
-
-
-class _Tally:
-    def __init__(self, stop_bytes: int | None, stop_entries: int | None):
-        self.stop_bytes, self.stop_entries = stop_bytes, stop_entries
-        self.bytes = self.entries = 0
-        self.too_deep = False
-        self._linked: set[tuple[int, int]] = set()
-
-    @property
-    def stopped(self) -> bool:
-        return (self.stop_bytes is not None and self.bytes > self.stop_bytes) or (
-            self.stop_entries is not None and self.entries > self.stop_entries)
-
-    def scan(self, fd: int) -> Iterator[str]:
-        """Counts the folder's entries; returns the names of its subfolders."""
-        subfolders = []
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    self.entries += 1
-                    if stat.S_ISDIR(st.st_mode):
-                        subfolders.append(entry.name)
-                    elif st.st_nlink < 2 or (st.st_dev, st.st_ino) not in self._linked:
-                        if st.st_nlink > 1:
-                            self._linked.add((st.st_dev, st.st_ino))
-                        self.bytes += st.st_size
-                    if self.stopped:
-                        break
-        except FileNotFoundError:  # removed while it was being listed
-            pass
-        return iter(subfolders)
+    """What a folder holds, walked by hostfs.walk (descriptors, lstat, O_NOFOLLOW): a tree that
+    another party changes meanwhile (a sandbox's layer) can never lead the walk through a link or
+    out of `root`. Stops early, with what it counted, once past `stop_bytes` or `stop_entries`;
+    folders deeper than `max_depth` are not entered."""
+    total = entries = 0
+    linked: set[tuple[int, int]] = set()
+    skipped: list[str] = []
+    walker = hostfs.walk(str(root), max_depth=max_depth, too_deep=skipped.append)
+    for _, st in walker:
+        entries += 1
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if st.st_nlink < 2 or (st.st_dev, st.st_ino) not in linked:
+            if st.st_nlink > 1:
+                linked.add((st.st_dev, st.st_ino))
+            total += st.st_size
+        if (stop_bytes is not None and total > stop_bytes) or (stop_entries is not None and entries > stop_entries):
+            walker.close()
+            break
+    return TreeUsage(total, entries, bool(skipped))
