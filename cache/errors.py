@@ -26,6 +26,13 @@ class InvalidInput(ApplicationError):
     code = "invalid_payload"
 
 
+class Forbidden(ApplicationError):
+    """Allowed to no caller of this service: more than the operator grants."""
+
+    status = 403
+    code = "forbidden"
+
+
 class PayloadTooLarge(ApplicationError):
     status = 413
     code = "payload_too_large"

@@ -185,6 +185,31 @@ TVCACHE = {
     "DOCKER_MEMORY_MB": env.int("TVCACHE_DOCKER_MEMORY_MB", default=512),
     "DOCKER_CPUS": env.float("TVCACHE_DOCKER_CPUS", default=1.0),
     "DOCKER_PIDS": env.int("TVCACHE_DOCKER_PIDS", default=256),
+    # Containers are confined by these, whatever a task's env asks (a task above a maximum, naming
+    # another image or asking for network without the grant is refused with a 403).
+    "DOCKER_MAX_MEMORY_MB": env.int("TVCACHE_DOCKER_MAX_MEMORY_MB", default=4096),
+    "DOCKER_MAX_CPUS": env.float("TVCACHE_DOCKER_MAX_CPUS", default=4.0),
+    "DOCKER_MAX_PIDS": env.int("TVCACHE_DOCKER_MAX_PIDS", default=1024),
+    # Images tasks may name (comma-separated); empty: the base images `manage.py build_images` builds.
+    # Snapshot images (tvcache/snapshot:*) never, whatever the list says.
+    "DOCKER_IMAGES": env.list("TVCACHE_DOCKER_IMAGES", default=[]),
+    "DOCKER_ALLOW_NETWORK": env.bool("TVCACHE_DOCKER_ALLOW_NETWORK", default=False),
+    # "uid[:gid]" sandboxes run as when their task names none; empty: the image's user (root). A
+    # non-root user here is a floor: tasks may name another non-root user, never root.
+    "DOCKER_USER": env("TVCACHE_DOCKER_USER", default=""),
+    # ulimits of every sandbox process (0: not set). nproc counts a uid's processes host-wide.
+    "DOCKER_ULIMIT_NOFILE": env.int("TVCACHE_DOCKER_ULIMIT_NOFILE", default=4096),
+    "DOCKER_ULIMIT_NPROC": env.int("TVCACHE_DOCKER_ULIMIT_NPROC", default=0),
+    "DOCKER_ULIMIT_FSIZE_MB": env.int("TVCACHE_DOCKER_ULIMIT_FSIZE_MB", default=0),  # 0: the disk quota
+    # Disk quota of a sandbox's own layer (0: none): past it the sandbox is removed and its call
+    # answers 413 disk_quota_exceeded. Measured on the host after calls and every DISK_CHECK_S.
+    "DOCKER_DISK_MB": env.int("TVCACHE_DOCKER_DISK_MB", default=4096),
+    "DOCKER_DISK_MAX_FILES": env.int("TVCACHE_DOCKER_DISK_MAX_FILES", default=500_000),
+    "DOCKER_DISK_CHECK_S": env.float("TVCACHE_DOCKER_DISK_CHECK_S", default=2.0),
+    # Folder sandboxes: their files together; sqlite sandboxes: one value or row, and the database.
+    "DIRECTORY_MAX_MB": env.int("TVCACHE_DIRECTORY_MAX_MB", default=256),
+    "SQLITE_MAX_VALUE_BYTES": env.int("TVCACHE_SQLITE_MAX_VALUE_BYTES", default=4 * 1024 * 1024),
+    "SQLITE_MAX_DB_MB": env.int("TVCACHE_SQLITE_MAX_DB_MB", default=256),
     # A bash call that changed nothing in its container (read from the container's layer on the
     # host) counts as read-only in tool-server mode. Off: every bash call changes state.
     "DOCKER_OBSERVE_WRITES": env.bool("TVCACHE_DOCKER_OBSERVE_WRITES", default=True),

@@ -49,7 +49,7 @@ from cache.services.background import job_enqueue
 from cache.tcg import TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
-from sandboxes.backends.base import (InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
+from sandboxes.backends.base import (DiskQuotaExceeded, InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
                                      SnapshotMissing, ToolNotFound)
 from sandboxes.models import Sandbox
 
@@ -278,7 +278,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         _retire(run.row, run.backend, exc.message)
         raise as_application_error(exc) from None
-    except (ToolNotFound, InvalidToolArgs) as exc:  # refused before it ran: the sandbox is as it was
+    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
     except SandboxError as exc:  # failed once the call may have run (a broken stream, a tampered sandbox)
