@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "channels",
     "cache",
     "sandboxes",
+    "upstreams",
     "workers",
     "dashboard",
 ]
