@@ -220,3 +220,12 @@ def test_a_response_has_verl_tools_timing_fields(api, verl_tool, proxy):
     answer = close(shell, "z1")
     assert set(answer) == {"observations", "dones", "valids", "processing_time_ms", "queue_time_ms"}
     assert isinstance(answer["processing_time_ms"], float) and isinstance(answer["queue_time_ms"], float)
+
+
+def test_a_trajectorys_actions_in_one_request_are_served_in_order(api, verl_tool, proxy):
+    shell = proxy("order", url=verl_tool.url, task_fields=["task_id"], action_pattern=BASH)
+    extra = [{"task_id": "t1"}] * 3
+    first = batch(shell, ["o1", "o2", "o1"], ["<bash>echo 1 > a</bash>", "<bash>echo 1 > a</bash>",
+                                               "<bash>cat a</bash>"], extra)
+    assert [answer[0]["obs"].split("\n")[0] for answer in first] == ["", "", "1"]
+    assert verl_tool.actions_received("o2") == []  # o1's write, in the graph by then

@@ -62,20 +62,21 @@ def _spec(upstream: Upstream, values: dict) -> tuple[dict, dict]:
     return env, tools
 
 
-def task_ensure(*, upstream: Upstream, values: dict) -> TaskHandle:
+def task_ensure(*, upstream: Upstream, values: dict, fresh: bool = False) -> TaskHandle:
     """The task the values name, created on first sight and brought to the upstream's current
     configuration (which drops a graph made under another one). One read of the task per
-    process and configuration; none after."""
+    process and configuration, none after; `fresh` reads it again (it was found deleted)."""
     task_id = task_id_for(upstream, values)
     env, tools = _spec(upstream, values)
     spec = canonical_json([env, tools])
-    if _known.get(task_id) != spec:
+    if fresh or _known.get(task_id) != spec:
         _task_made_sure(task_id, env, tools, spec)
     try:
-        return task_handle(task_id=task_id, cached=True)
+        return task_handle(task_id=task_id, cached=not fresh)
     except NotFound:  # deleted since this process made sure of it
-        _task_made_sure(task_id, env, tools, spec)
-        return task_handle(task_id=task_id)
+        if fresh:
+            raise
+        return task_ensure(upstream=upstream, values=values, fresh=True)
 
 
 def _task_made_sure(task_id: str, env: dict, tools: dict, spec: bytes) -> None:

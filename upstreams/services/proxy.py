@@ -31,7 +31,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from cache.errors import Conflict, PayloadTooLarge
+from cache.errors import Conflict, NotFound, PayloadTooLarge
 from cache.inputs import CallContext, RecordInput
 from cache.models import Rollout
 from cache.services import (Flight, LookupHit, LookupMiss, TaskHandle, lookup_count, node_record, rollout_claim,
@@ -166,17 +166,28 @@ class _Batch:
             row.rollout.delete()
             row = None
         if row is None:
-            slot.task = task_ensure(upstream=self.upstream, values=values or dict.fromkeys(self.upstream.task_fields))
-            claim = rollout_claim(task_id=slot.task.task_id, rollout_id=item.trajectory_id)
+            values = values or dict.fromkeys(self.upstream.task_fields)
+            slot.task = task_ensure(upstream=self.upstream, values=values)
+            try:
+                claim = self._claim_rollout(slot)
+            except NotFound:  # the task was deleted since this process made sure of it
+                slot.task = task_ensure(upstream=self.upstream, values=values, fresh=True)
+                claim = self._claim_rollout(slot)
             row, _ = Trajectory.objects.get_or_create(upstream=self.upstream, trajectory_id=item.trajectory_id,
                                                       defaults={"rollout_id": claim.rollout.pk})
         else:
             slot.task = task_handle(task_id=row.rollout.task_id, cached=True)
-            claim = rollout_claim(task_id=row.rollout.task_id, rollout_id=item.trajectory_id)
-        slot.trajectory, slot.rollout, slot.history = row, claim.rollout, claim.history
+            claim = self._claim_rollout(slot)
+        slot.trajectory = row
         slot.route = AS_IS if claim.detached else MISS
         if not claim.detached and values is not None and task_id_for(self.upstream, values) != slot.task.task_id:
             self._detach(slot, "its extra fields name another task than its first action's")
+
+    @staticmethod
+    def _claim_rollout(slot: _Slot):
+        claim = rollout_claim(task_id=slot.task.task_id, rollout_id=slot.item.trajectory_id)
+        slot.rollout, slot.history = claim.rollout, claim.history  # unclaimed by _close, whatever happens next
+        return claim
 
     def _hit(self, slot: _Slot, hit: LookupHit) -> None:
         lookup_count(task_id=slot.task.task_id, context=slot.context, node_id=hit.node_id, hit=True, seen=True,
