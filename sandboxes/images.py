@@ -22,10 +22,9 @@ import docker
 import docker.errors
 
 from sandboxes.backends.base import OWNER, OWNER_LABEL
+from sandboxes.backends.config import BUSYBOX_TAG, DEBIAN_TAG
 from sandboxes.backends.docker import SHELL_LABEL
 
-BUSYBOX_TAG = "tvcache/busybox:latest"
-DEBIAN_TAG = "tvcache/debian:bookworm"
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # libc6-dev: gcc can compile but not link without it (debootstrap skips Recommends).

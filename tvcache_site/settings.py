@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 from observability.logs import logs_configure
 
@@ -17,8 +18,14 @@ env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
 DEBUG = env.bool("DEBUG", default=False)
-# Development-only fallback; production must set SECRET_KEY.
-SECRET_KEY = env("SECRET_KEY", default="dev-only-insecure-key-do-not-deploy")
+# Sessions, CSRF tokens and signed values rest on it: without DEBUG the service refuses to start
+# without one rather than fall back to a key anyone can read here.
+SECRET_KEY = env("SECRET_KEY", default="")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured("SECRET_KEY is not set. Set it in the environment (or in .env); with DEBUG=1 a "
+                                   "development-only key is used instead.")
+    SECRET_KEY = "dev-only-insecure-key-do-not-deploy"
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=["http://127.0.0.1:8000", "http://localhost:8000"])
 
@@ -31,11 +38,15 @@ EMBEDDED = []
 # WSGI workers keep one persistent connection each (cheapest per request). Under ASGI, sync
 # views run on changing threads and persistent per-thread connections would pile up: set
 # DB_POOL_SIZE to use a psycopg pool per process instead (the run command does).
+# After a PostgreSQL restart every kept connection is dead: with health checks each is checked
+# before a request uses it (under a pool, each one the pool hands out), so the service recovers by
+# itself. A request whose connection died under it answers 503 database_unavailable.
 if env.int("DB_POOL_SIZE", default=0):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": env.int("DB_POOL_SIZE"), "timeout": 10}
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
@@ -149,6 +160,9 @@ CELERY_BEAT_SCHEDULE = {
 TVCACHE = {
     "MAX_RESULT_BYTES": env.int("TVCACHE_MAX_RESULT_BYTES", default=1024 * 1024),
     "MAX_HISTORY": env.int("TVCACHE_MAX_HISTORY", default=10_000),
+    # Levels of arrays and objects a call's args, a result or a task's env may nest (refused
+    # deeper: 400 nesting_too_deep). At most 250: the JSON encoder stops at 254.
+    "MAX_JSON_DEPTH": env.int("TVCACHE_MAX_JSON_DEPTH", default=64),
     "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
     "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
     # Lookup counters are written in batches this often by a thread per process; 0 = only when
@@ -172,6 +186,31 @@ TVCACHE = {
     "DOCKER_MEMORY_MB": env.int("TVCACHE_DOCKER_MEMORY_MB", default=512),
     "DOCKER_CPUS": env.float("TVCACHE_DOCKER_CPUS", default=1.0),
     "DOCKER_PIDS": env.int("TVCACHE_DOCKER_PIDS", default=256),
+    # Containers are confined by these, whatever a task's env asks (a task above a maximum, naming
+    # another image or asking for network without the grant is refused with a 403).
+    "DOCKER_MAX_MEMORY_MB": env.int("TVCACHE_DOCKER_MAX_MEMORY_MB", default=4096),
+    "DOCKER_MAX_CPUS": env.float("TVCACHE_DOCKER_MAX_CPUS", default=4.0),
+    "DOCKER_MAX_PIDS": env.int("TVCACHE_DOCKER_MAX_PIDS", default=1024),
+    # Images tasks may name (comma-separated); empty: the base images `manage.py build_images` builds.
+    # Snapshot images (tvcache/snapshot:*) never, whatever the list says.
+    "DOCKER_IMAGES": env.list("TVCACHE_DOCKER_IMAGES", default=[]),
+    "DOCKER_ALLOW_NETWORK": env.bool("TVCACHE_DOCKER_ALLOW_NETWORK", default=False),
+    # "uid[:gid]" sandboxes run as when their task names none; empty: the image's user (root). A
+    # non-root user here is a floor: tasks may name another non-root user, never root.
+    "DOCKER_USER": env("TVCACHE_DOCKER_USER", default=""),
+    # ulimits of every sandbox process (0: not set). nproc counts a uid's processes host-wide.
+    "DOCKER_ULIMIT_NOFILE": env.int("TVCACHE_DOCKER_ULIMIT_NOFILE", default=4096),
+    "DOCKER_ULIMIT_NPROC": env.int("TVCACHE_DOCKER_ULIMIT_NPROC", default=0),
+    "DOCKER_ULIMIT_FSIZE_MB": env.int("TVCACHE_DOCKER_ULIMIT_FSIZE_MB", default=0),  # 0: the disk quota
+    # Disk quota of a sandbox's own layer (0: none): past it the sandbox is removed and its call
+    # answers 413 disk_quota_exceeded. Measured on the host after calls and every DISK_CHECK_S.
+    "DOCKER_DISK_MB": env.int("TVCACHE_DOCKER_DISK_MB", default=4096),
+    "DOCKER_DISK_MAX_FILES": env.int("TVCACHE_DOCKER_DISK_MAX_FILES", default=500_000),
+    "DOCKER_DISK_CHECK_S": env.float("TVCACHE_DOCKER_DISK_CHECK_S", default=2.0),
+    # Folder sandboxes: their files together; sqlite sandboxes: one value or row, and the database.
+    "DIRECTORY_MAX_MB": env.int("TVCACHE_DIRECTORY_MAX_MB", default=256),
+    "SQLITE_MAX_VALUE_BYTES": env.int("TVCACHE_SQLITE_MAX_VALUE_BYTES", default=4 * 1024 * 1024),
+    "SQLITE_MAX_DB_MB": env.int("TVCACHE_SQLITE_MAX_DB_MB", default=256),
     # A bash call that changed nothing in its container (read from the container's layer on the
     # host) counts as read-only in tool-server mode. Off: every bash call changes state.
     "DOCKER_OBSERVE_WRITES": env.bool("TVCACHE_DOCKER_OBSERVE_WRITES", default=True),
@@ -199,6 +238,9 @@ TVCACHE = {
     "DEFAULT_AUDIT_RATE": env.float("TVCACHE_DEFAULT_AUDIT_RATE", default=0.02),
     "AUDIT_MAX_DIVERGENT": env.int("TVCACHE_AUDIT_MAX_DIVERGENT", default=3),
 }
+
+if not 1 <= TVCACHE["MAX_JSON_DEPTH"] <= 250:
+    raise ImproperlyConfigured("TVCACHE_MAX_JSON_DEPTH must be 1 to 250.")
 
 # Metrics (/metrics, Prometheus text format): readable without a token from these addresses or
 # networks only (REMOTE_ADDR: behind a proxy, list the proxy). Every process of the service counts

@@ -69,6 +69,48 @@ class SnapshotMissing(SandboxError):
     code = "snapshot_missing"
 
 
+class NotGranted(InvalidEnv):
+    """The env spec asks for more than the operator allows (settings); the trainer cannot widen it."""
+
+    code = "not_granted"
+
+
+class LimitExceeded(NotGranted):
+    """A limit above the operator's maximum, or a seed larger than the sandbox may hold."""
+
+    code = "limit_exceeded"
+
+
+class ImageNotAllowed(NotGranted):
+    code = "image_not_allowed"
+
+
+class NetworkNotGranted(NotGranted):
+    code = "network_not_granted"
+
+
+class UserNotAllowed(NotGranted):
+    code = "user_not_allowed"
+
+
+class PathTooLong(InvalidToolArgs):
+    code = "path_too_long"
+
+
+class DiskQuotaExceeded(SandboxError):
+    """A call would take the sandbox past its disk allowance (or the disk is full); it was
+    refused before it changed anything."""
+
+    code = "disk_quota_exceeded"
+
+
+class SandboxOverQuota(DiskQuotaExceeded, SandboxGone):
+    """The sandbox went past its disk allowance during a call: it was removed, or its state is
+    unknown. A SandboxGone: the rollout's next call gets a new sandbox."""
+
+    code = "disk_quota_exceeded"
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     """A tool's caching policy. The safe default: it mutates state and its results are cacheable."""

@@ -16,12 +16,16 @@ from typing import Any
 
 from . import hostfs
 from .base import (
-    InvalidEnv,
     SOURCE_LABEL,
+    DiskQuotaExceeded,
+    InvalidEnv,
+    LimitExceeded,
     OwnedResource,
+    PathTooLong,
     Sandbox,
     SandboxBackend,
     SandboxGone,
+    SandboxOverQuota,
     SnapshotInfo,
     SnapshotMissing,
     ToolSpec,
@@ -30,13 +34,17 @@ from .base import (
     require_str,
 )
 from .config import DirectoryConfig
-from .folders import FolderStore, folder_size
+from .folders import FolderStore, disk_errors, folder_size, tree_usage
 from .patch import PatchRejected, plan_patch
 
 # Bump when a tool's behaviour changes: it is part of the env fingerprint.
 TOOLS_VERSION = 1
 _FILES = "files"
 _ENV_KEYS = frozenset({"backend", "files"})
+# Paths are refused past these lengths whatever the host's own limits and root folder are, so the
+# same call is refused (or not) on every host.
+_MAX_NAME_BYTES = 255
+_MAX_PATH_BYTES = 1024
 
 
 class PathEscape(Exception):
@@ -48,12 +56,34 @@ def confine(root: Path, relpath: str) -> Path:
     parts = PurePosixPath(relpath).parts
     if "\x00" in relpath or relpath.startswith("/") or ".." in parts:
         raise PathEscape(f"path must be relative and stay inside the sandbox: {relpath!r}")
+    check_path_length(relpath)
     target = root.joinpath(*parts)
     # Symlinks cannot be made by the tools, but a seed or a fork source might hold one.
     real = Path(os.path.realpath(target))
     if real != root and root not in real.parents:
         raise PathEscape(f"path leads outside the sandbox: {relpath!r}")
     return target
+
+
+def check_path_length(relpath: str) -> None:
+    encoded = relpath.encode("utf-8", "surrogatepass")
+    if len(encoded) > _MAX_PATH_BYTES or any(len(part) > _MAX_NAME_BYTES for part in encoded.split(b"/")):
+        raise PathTooLong(f"paths are limited to {_MAX_PATH_BYTES} bytes and names to {_MAX_NAME_BYTES} bytes",
+                          details={"path": relpath[:100]})
+
+
+def _check_room(root: Path, config: DirectoryConfig, grows: int) -> None:
+    """Refuses, before anything is written, a change that would take the sandbox past its size."""
+    if grows <= 0:
+        return
+    held = tree_usage(root, stop_bytes=config.max_total_bytes).bytes
+    if held + grows > config.max_total_bytes:
+        raise DiskQuotaExceeded(f"the sandbox's files may take {config.max_total_bytes} bytes in all",
+                                details={"held_bytes": held, "adding_bytes": grows, "max_bytes": config.max_total_bytes})
+
+
+def _file_size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def _result(output: str, ok: bool = True) -> dict[str, Any]:
@@ -77,6 +107,7 @@ def _write_file(root: Path, args: Mapping[str, Any], config: DirectoryConfig) ->
     blocked = _unwritable(root, path)
     if blocked:
         return _result(blocked, ok=False)
+    _check_room(root, config, len(data) - _file_size(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return _result(f"wrote {len(data)} bytes to {args['path']}")
@@ -103,6 +134,8 @@ def _apply_patch(root: Path, args: Mapping[str, Any], config: DirectoryConfig) -
     blocked = [reason for path, change in targets if change.content is not None and (reason := _unwritable(root, path))]
     if blocked:
         return _result(f"patch rejected, nothing changed: {blocked[0]}", ok=False)
+    written = sum(len(change.content.encode("utf-8")) for _, change in targets if change.content is not None)
+    _check_room(root, config, written - sum(_file_size(path) for path, _ in targets))
     for path, change in targets:
         if change.content is None:
             path.unlink()
@@ -131,11 +164,17 @@ _TOOLS: dict[str, tuple[DirectoryTool, ToolSpec]] = {
 }
 
 
-def _seed_files(env: Mapping[str, Any]) -> dict[str, str]:
+def _seed_files(env: Mapping[str, Any], config: DirectoryConfig) -> dict[str, str]:
     check_env_keys(env, _ENV_KEYS)
     files = env.get("files", {})
     if not isinstance(files, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise InvalidEnv('"files" must map relative paths to text contents')
+    for relpath in files:
+        check_path_length(relpath)
+    size = sum(len(content.encode("utf-8", "surrogatepass")) for content in files.values())
+    if size > config.max_total_bytes:
+        raise LimitExceeded(f'"files" hold {size} bytes; a sandbox may hold {config.max_total_bytes}',
+                            details={"limit": "files", "requested": size, "max": config.max_total_bytes})
     return dict(files)
 
 
@@ -185,7 +224,9 @@ class DirectorySandbox(Sandbox):
     def _run(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
         self._check_alive()
         try:
-            return _TOOLS[tool][0](self._files, args, self._backend.config)
+            # A full disk mid-write leaves the change half done: the sandbox's state is unknown.
+            with disk_errors(full=SandboxOverQuota):
+                return _TOOLS[tool][0](self._files, args, self._backend.config)
         except PathEscape as exc:
             return _result(str(exc), ok=False)
 
@@ -249,7 +290,7 @@ class DirectoryBackend(SandboxBackend):
         self.snapshots = FolderStore(root / "snapshots")
 
     def start(self, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DirectorySandbox:
-        files = _seed_files(env)
+        files = _seed_files(env, self.config)
         sandbox_id = self.sandboxes.create(check_labels(labels), lambda staging: _write_seed(staging / _FILES, files))
         return self._open(sandbox_id)
 
@@ -267,7 +308,7 @@ class DirectoryBackend(SandboxBackend):
         self.snapshots.remove(ref)
 
     def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
-        _seed_files(env)
+        _seed_files(env, self.config)
         return {"backend": self.name, "tools_version": TOOLS_VERSION}
 
     def health(self) -> dict[str, Any]:

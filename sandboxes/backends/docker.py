@@ -6,21 +6,30 @@ container (/.tvcache), and saves them again on exit. Because the state lives in 
 filesystem, `commit` captures it: a fork resumes the same shell session. The shell starts from
 an empty environment (`env -i`), so a variable the agent unsets stays unset.
 
-Containers: no network unless the task asks, memory/CPU/pid limits, a small capability set,
-no-new-privileges, a fixed hostname (outputs must not depend on which container ran them),
-nothing of the host mounted, and a keep-alive `sleep` under docker's init so orphans are reaped.
+Containers are confined by the service, not by the task's spec: only the images the operator
+allows (never a snapshot image), no network without the operator's grant, memory/CPU/pid limits up
+to the operator's maxima (a spec above one is refused), ulimits, an optional non-root user, a disk
+quota on the container's own layer, a small capability set, no-new-privileges, a fixed hostname
+(outputs must not depend on which container ran them), nothing of the host mounted, and a
+keep-alive `sleep` under docker's init so orphans are reaped. A timed-out call is killed from the
+host (procs.py).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import enum
+import io
+import logging
+import os
 import re
 import select
 import struct
+import tarfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,54 +44,70 @@ from .base import (
     OWNER_LABEL,
     SOURCE_LABEL,
     EngineUnavailable,
+    ImageNotAllowed,
     InvalidEnv,
     InvalidToolArgs,
+    LimitExceeded,
+    NetworkNotGranted,
     OwnedResource,
     Sandbox,
     SandboxBackend,
     SandboxError,
     SandboxGone,
+    SandboxOverQuota,
     SandboxTampered,
     SnapshotInfo,
     SnapshotMissing,
     ToolSpec,
+    UserNotAllowed,
     check_env_keys,
     check_labels,
     require_str,
 )
 from .config import DockerConfig
+from .folders import TreeUsage, tree_usage
 from .hostfs import StateDigest
 from .overlay import LayerState, LayerTooLarge, LayerWatch, SessionTampered, restore_file_times, settle_after
+from .procs import host_sees, kill_call_tree
+
+log = logging.getLogger(__name__)
 
 # Bump when the bash tool's behaviour changes: it is part of the env fingerprint.
-TOOLS_VERSION = 2
+TOOLS_VERSION = 3
 SHELL_LABEL = "tvcache.shell"
 KIND_LABEL = "tvcache.kind"
 SNAPSHOT_REPOSITORY = "tvcache/snapshot"
 _SNAPSHOT_REF = re.compile(re.escape(SNAPSHOT_REPOSITORY) + r":[0-9a-f]{32}")
-_ENV_KEYS = frozenset({"backend", "image", "network", "limits", "workdir"})
+_ENV_KEYS = frozenset({"backend", "image", "network", "limits", "workdir", "user"})
 _LIMIT_KEYS = frozenset({"memory_mb", "cpus", "pids"})
+_USER = re.compile(r"(\d{1,9})(?::(\d{1,9}))?")
+# A non-root user's home and default working directory, made by the service in a fresh container.
+_HOME = "/home/sandbox"
 _KEEPALIVE = ["sleep", "2147483647"]
 # Docker's default set minus raw sockets, mknod, chroot, audit and file capabilities.
 _CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP", "NET_BIND_SERVICE"]
 # One argument of execve is capped at 128 KiB by Linux.
 _MAX_COMMAND_BYTES = 128 * 1024 - 1
 _KILL_GRACE_S = 5.0
+# A layer of fewer entries than this (a measure of some 50 ms) is measured after every call; a
+# larger one every disk_check_s, stretched to this many times what its measure costs.
+_DISK_CHEAP_ENTRIES = 5_000
+_DISK_COST_FACTOR = 20
+_DISK_MAX_DEPTH = 128  # folders nested deeper count as over the quota: the measure cannot see them
 _DEATH_SETTLE_S = 0.25
 _UNSET = object()
 _ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
 STATE_DIR = "/.tvcache"
-_SESSION_FILES = ("env.sh", "cwd")  # what calls keep of the shell session; `pid` is only the running call's
+_SESSION_FILES = ("env.sh", "cwd")  # what calls keep of the shell session
 # Run once in a fresh sandbox: seed the session state from the image's environment and working
 # directory, and say whether bash exists (the busybox image only has ash).
 # The variables are exported in the calls' shell's own syntax, so a first call changes nothing.
 _INIT_SCRIPT = f"""mkdir -p {STATE_DIR} && pwd > {STATE_DIR}/cwd && if __tvc_bash=$(command -v bash); then
 "$__tvc_bash" -c 'unset OLDPWD; export -p' > {STATE_DIR}/env.sh && echo "$__tvc_bash"; else export -p > {STATE_DIR}/env.sh; fi"""
-# Run per call as `env -i SHELL -c _CALL_SCRIPT SHELL COMMAND`. The pid file lets a timeout kill
-# the call's whole process group (docker starts each exec as a session and group leader).
-_CALL_SCRIPT = f"""echo $$ > {STATE_DIR}/pid
-. {STATE_DIR}/env.sh
+# Run per call as `env -i SHELL -c _CALL_SCRIPT SHELL COMMAND`. Docker starts each exec as a
+# session and group leader: a timeout kills that session from the host (procs.py).
+_CALL_SCRIPT = f""". {STATE_DIR}/env.sh
 IFS= read -r __tvc_cwd < {STATE_DIR}/cwd
 if [ "${{OLDPWD+set}}" ]; then __tvc_old=$OLDPWD; else unset __tvc_old; fi
 cd "$__tvc_cwd" 2>/dev/null || cd /
@@ -93,12 +118,12 @@ set --
 eval "unset __tvc_cwd __tvc_cmd __tvc_old
 $__tvc_cmd"
 """
-_KILL_SCRIPT = f"read -r p < {STATE_DIR}/pid && kill -9 -$p"
 
 
 @dataclass(frozen=True)
 class DockerEnv:
-    """A task's docker env spec, validated, with the service defaults filled in."""
+    """A task's docker env spec, validated against the operator's grants, with the service
+    defaults filled in. Refusals: InvalidEnv (malformed), NotGranted subclasses (above a grant)."""
 
     image: str
     network: bool
@@ -106,6 +131,9 @@ class DockerEnv:
     cpus: float
     pids: int
     workdir: str | None
+    user: str  # "uid:gid", or "" for the image's own user
+    ulimits: tuple[tuple[str, int], ...]
+    disk_mb: int
 
     @classmethod
     def parse(cls, env: Mapping[str, Any], config: DockerConfig) -> DockerEnv:
@@ -116,28 +144,86 @@ class DockerEnv:
         parsed = cls(
             image=env.get("image") or config.default_image,
             network=env.get("network", False),
-            memory_mb=limits.get("memory_mb", config.memory_mb),
-            cpus=limits.get("cpus", config.cpus),
-            pids=limits.get("pids", config.pids),
+            # The defaults, within the maxima: an operator who lowers a maximum lowers the default.
+            memory_mb=limits.get("memory_mb", min(config.memory_mb, config.max_memory_mb)),
+            cpus=limits.get("cpus", min(config.cpus, config.max_cpus)),
+            pids=limits.get("pids", min(config.pids, config.max_pids)),
             workdir=env.get("workdir"),
+            user=_user(env.get("user", config.user), config),
+            ulimits=_ulimits(config),
+            disk_mb=config.disk_mb,
         )
-        parsed._check()
+        parsed._check(config)
         return parsed
 
-    def _check(self) -> None:
+    def _check(self, config: DockerConfig) -> None:
         if not isinstance(self.image, str) or not isinstance(self.network, bool):
             raise InvalidEnv('"image" must be a string and "network" a boolean')
-        if self.workdir is not None and not (isinstance(self.workdir, str) and self.workdir.startswith("/")):
+        if self.workdir is not None and not (isinstance(self.workdir, str) and self.workdir.startswith("/")
+                                             and "\x00" not in self.workdir and len(self.workdir) <= 4096):
             raise InvalidEnv('"workdir" must be an absolute path')
         for name in ("memory_mb", "cpus", "pids"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidEnv(f"limits.{name} must be a positive number")
             if name != "cpus" and not isinstance(value, int):
                 raise InvalidEnv(f"limits.{name} must be an integer")
+            most = getattr(config, f"max_{name}")
+            if not value <= most:
+                raise LimitExceeded(f"limits.{name} may be at most {most} on this service",
+                                    details={"limit": name, "requested": value, "max": most})
+        if self.network and not config.allow_network:
+            raise NetworkNotGranted("network access is not granted on this service (TVCACHE_DOCKER_ALLOW_NETWORK)")
+        allowed = allowed_images(config)
+        if _SNAPSHOT_REF.fullmatch(_image_name(self.image)) or _image_name(self.image) not in allowed:
+            raise ImageNotAllowed(f"image {self.image!r} is not one this service runs (TVCACHE_DOCKER_IMAGES)",
+                                  details={"allowed": sorted(allowed)})
 
     def limits(self) -> dict[str, Any]:
         return {"memory_mb": self.memory_mb, "cpus": self.cpus, "pids": self.pids}
+
+    def confinement(self) -> dict[str, Any]:
+        """What the service imposes beyond the task's limits; tool results can depend on it (`id`,
+        `ulimit -a`, a write past the quota), so it is part of the env fingerprint."""
+        return {"user": self.user, "ulimits": dict(self.ulimits), "disk_mb": self.disk_mb}
+
+    @property
+    def non_root(self) -> bool:
+        return bool(self.user) and not self.user.startswith("0:")
+
+
+def allowed_images(config: DockerConfig) -> frozenset[str]:
+    """The operator's images, by normalized name; snapshot images never, whatever the list says."""
+    names = {_image_name(image) for image in (*config.images, config.default_image)}
+    return frozenset(name for name in names if not _SNAPSHOT_REF.fullmatch(name))
+
+
+def _image_name(image: str) -> str:
+    """`name` and `name:latest` are one image; a digest or a tag is kept as given."""
+    if "@" in image or ":" in image.rsplit("/", 1)[-1]:
+        return image
+    return f"{image}:latest"
+
+
+def _user(value: Any, config: DockerConfig) -> str:
+    """ "uid[:gid]" (numeric: names would need the image's passwd) as "uid:gid"; "" is the image's
+    user. A non-root operator default is a floor: a task may name another non-root user only."""
+    if not isinstance(value, str) or (value and not _USER.fullmatch(value)):
+        raise InvalidEnv('"user" must be a numeric "uid" or "uid:gid"')
+    if value:
+        uid, gid = _USER.fullmatch(value).groups()
+        value = f"{int(uid)}:{int(gid if gid is not None else uid)}"
+    floor = _USER.fullmatch(config.user)
+    if floor and int(floor.group(1)) != 0 and (not value or value.startswith("0:")):
+        raise UserNotAllowed("this service runs sandboxes as a non-root user (TVCACHE_DOCKER_USER)",
+                             details={"user": config.user})
+    return value
+
+
+def _ulimits(config: DockerConfig) -> tuple[tuple[str, int], ...]:
+    fsize_mb = config.ulimit_fsize_mb or config.disk_mb
+    limits = (("nofile", config.ulimit_nofile), ("nproc", config.ulimit_nproc), ("fsize", fsize_mb * 2**20))
+    return tuple((name, value) for name, value in limits if value > 0)
 
 
 class StartLimiter:
@@ -273,6 +359,9 @@ class DockerSandbox(Sandbox):
         self._layer: LayerState | None = None  # the layer as the last observed call left it
         self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
         self._stopped = False
+        self._quota = _DiskQuota(backend.config)
+        if self._quota.limit_bytes:
+            backend.disk_watch.add(self)
 
     def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
         command, timeout_s = self._parse(tool, args)
@@ -355,6 +444,7 @@ class DockerSandbox(Sandbox):
     def _run(self, command: str, timeout_s: float) -> dict[str, Any]:
         config = self._backend.config
         api = self._backend.api
+        self._raise_if_over_quota()
         settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
         deadline = time.monotonic() + timeout_s
         argv = ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command]
@@ -364,7 +454,7 @@ class DockerSandbox(Sandbox):
         try:
             stop = stream.pump(output, deadline, config.output_kill_bytes)
             if stop is not _Stop.EOF:
-                self._kill_call()
+                self._kill_call(exec_id)
                 stream.pump(output, time.monotonic() + _KILL_GRACE_S, float("inf"))
         except OSError as exc:  # the hijacked connection broke: engine or container went away
             self._raise_if_gone()
@@ -375,6 +465,7 @@ class DockerSandbox(Sandbox):
         exit_code = self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S)
         if exit_code is None or exit_code >= 128:  # signalled: maybe by the container's death
             self._raise_if_gone()
+        self.check_disk(after_call=True)
         return {
             "stdout": output.text(1),
             "stderr": output.text(2),
@@ -383,13 +474,29 @@ class DockerSandbox(Sandbox):
             "truncated": output.truncated or stop is _Stop.FLOOD,
         }
 
-    def _kill_call(self) -> None:
+    def _kill_call(self, exec_id: str) -> None:
+        """Kills the call's session and process tree from the host (procs.py). Where the engine's
+        processes are out of this host's view (a remote engine), the container is killed instead:
+        nothing inside it is trusted to do the killing."""
         api = self._backend.api
-        kill = self._gone_if_missing(api.exec_create, self.sandbox_id, [self._shell, "-c", _KILL_SCRIPT])["Id"]
-        # Detached, and the caller keeps draining the call's stream meanwhile: the engine (20.10)
-        # handles a container's exec exits one at a time and holds the call's exit until its
-        # output is read, so waiting for the kill's own output here would deadlock.
-        api.exec_start(kill, detach=True)
+        init_pid = self._gone_if_missing(api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
+        if host_sees(self.sandbox_id, init_pid):
+            pid = self._exec_pid(exec_id, time.monotonic() + _KILL_GRACE_S)
+            if pid:
+                kill_call_tree(pid, self.sandbox_id)
+            return
+        log.warning("container %s: its processes are out of this host's view; killing the container to end a call",
+                    self.sandbox_id[:12])
+        self._gone_if_missing(api.kill, self.sandbox_id)
+
+    def _exec_pid(self, exec_id: str, deadline: float) -> int:
+        """The call's host pid; 0 once it has ended. On a loaded engine a call can still be starting
+        when its deadline passes: until it runs, its pid is 0 and it has no exit code."""
+        while True:
+            state = self._gone_if_missing(self._backend.api.exec_inspect, exec_id)
+            if state.get("Pid") or state.get("ExitCode") is not None or time.monotonic() > deadline:
+                return state.get("Pid") or 0
+            time.sleep(0.01)
 
     def _exit_code(self, exec_id: str, deadline: float) -> int | None:
         # The stream can end a moment before the engine records the exit code.
@@ -405,9 +512,11 @@ class DockerSandbox(Sandbox):
         try:
             return call(*args, **kwargs)
         except docker.errors.NotFound as exc:
+            self._raise_if_over_quota()
             raise SandboxGone(f"container {self.sandbox_id[:12]} no longer exists") from exc
         except docker.errors.APIError as exc:
             if exc.status_code == 409:  # "container ... is not running"
+                self._raise_if_over_quota()
                 raise SandboxGone(f"container {self.sandbox_id[:12]} is not running: {exc.explanation}") from exc
             raise SandboxError(f"docker exec failed: {exc.explanation}") from exc
 
@@ -419,7 +528,47 @@ class DockerSandbox(Sandbox):
             if time.monotonic() > settle:
                 return
             time.sleep(0.02)
+        self._raise_if_over_quota()
         raise SandboxGone(f"container {self.sandbox_id[:12]} died during the call")
+
+    def check_disk(self, *, after_call: bool = False) -> None:
+        """Measures the container's layer when it is due (after every call while that is cheap).
+        Past the quota the container is killed and SandboxOverQuota raised, now and by every later
+        call; it is removed at once unless a call runs (that call removes it as it fails)."""
+        if self._quota.measure(self, after_call=after_call):
+            log.warning("container %s is over its disk quota: %s", self.sandbox_id[:12], self._quota.breach)
+            with engine_errors():
+                try:
+                    self._backend.api.kill(self.sandbox_id)
+                except docker.errors.APIError:  # not running, or gone already
+                    pass
+        if self._quota.breach is None:  # else found now, or by the watch while the call ran
+            return
+        if after_call:  # the caller holds the lock
+            self._raise_if_over_quota()
+        elif self._lock.acquire(blocking=False):
+            try:
+                self._raise_if_over_quota()
+            finally:
+                self._lock.release()
+
+    def _raise_if_over_quota(self) -> None:
+        if self._quota.breach is None:
+            return
+        self._backend.disk_watch.discard(self)
+        self._backend.remove_sandbox(self.sandbox_id)
+        self._stopped = True
+        raise SandboxOverQuota(f"sandbox removed: {self._quota.breach}", details=self._quota.details())
+
+    def layer_dir(self) -> str | None:
+        """The container's own layer on this host (overlay2's upper directory), or None: out of reach."""
+        with engine_errors():
+            container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
+        driver = container.get("GraphDriver") or {}
+        upper = (driver.get("Data") or {}).get("UpperDir")
+        if driver.get("Name") != "overlay2" or not upper or not os.access(upper, os.R_OK | os.X_OK):
+            return None
+        return upper
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         ref = f"{SNAPSHOT_REPOSITORY}:{uuid.uuid4().hex}"
@@ -456,6 +605,7 @@ class DockerSandbox(Sandbox):
             pass
 
     def stop(self) -> None:
+        self._backend.disk_watch.discard(self)
         if not self._stopped:
             self._backend.remove_sandbox(self.sandbox_id)
             self._stopped = True
@@ -482,6 +632,9 @@ class DockerBackend(SandboxBackend):
     def __init__(self, config: DockerConfig = DockerConfig()):
         self.config = config
         self.limiter = StartLimiter(config.max_concurrent_starts)
+        self.disk_watch = _DiskWatch(config.disk_check_s)
+        # Whether the engine enforces an overlay size limit (--storage-opt size): None until tried.
+        self.storage_quota: bool | None = None
         self._client: docker.DockerClient | None = None
         self._client_lock = threading.Lock()
         self._base_layers: dict[str, frozenset[str]] = {}  # by image id: images never change
@@ -575,10 +728,13 @@ class DockerBackend(SandboxBackend):
         spec = DockerEnv.parse(env, self.config)
         with engine_errors():
             image = self._image(spec.image, missing=InvalidEnv(f"image {spec.image!r} not found (build it: manage.py build_images)"))
-        return {"backend": self.name, "tools_version": TOOLS_VERSION, "image_id": image["Id"], "limits": spec.limits()}
+        return {"backend": self.name, "tools_version": TOOLS_VERSION, "image_id": image["Id"], "limits": spec.limits(),
+                "confinement": spec.confinement()}
 
     def health(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {"max_concurrent_starts": self.limiter.capacity, "starts_in_flight": self.limiter.in_flight}
+        facts: dict[str, Any] = {"max_concurrent_starts": self.limiter.capacity, "starts_in_flight": self.limiter.in_flight,
+                                 # True: the engine enforces it (overlay size); False: the layer is watched
+                                 "disk_quota_mb": self.config.disk_mb, "storage_quota": self.storage_quota}
         try:
             with engine_errors():
                 version = self.api.version()
@@ -620,33 +776,59 @@ class DockerBackend(SandboxBackend):
             raise missing from None
 
     def _create(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str]) -> str:
+        fresh = (image["Config"].get("Labels") or {}).get(KIND_LABEL) != "snapshot"  # a fork's image has it all
+        container_id = self._create_container(spec, image, labels)
+        try:
+            if spec.non_root and fresh:
+                self.api.put_archive(container_id, "/", _user_folders(spec.user))
+            self.api.start(container_id)
+        except BaseException:
+            self._discard(container_id)
+            raise
+        return container_id
+
+    def _create_container(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str]) -> str:
+        """Created with an overlay size limit where the engine can enforce one (overlay2 on xfs
+        with pquota); an engine that refuses it is asked once per backend, then no longer."""
+        if spec.disk_mb and self.storage_quota is not False:
+            try:
+                container_id = self._create_with(spec, image, labels, storage_opt={"size": f"{spec.disk_mb}M"})
+            except docker.errors.APIError as exc:
+                if "storage-opt" not in str(exc.explanation or exc):
+                    raise
+                self.storage_quota = False
+            else:
+                self.storage_quota = True
+                return container_id
+        return self._create_with(spec, image, labels, storage_opt=None)
+
+    def _create_with(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str],
+                     storage_opt: dict[str, str] | None) -> str:
         host_config = self.api.create_host_config(
             network_mode="bridge" if spec.network else "none",
             mem_limit=f"{spec.memory_mb}m",
             memswap_limit=f"{spec.memory_mb}m",  # no swap on top
             nano_cpus=int(spec.cpus * 1e9),
             pids_limit=spec.pids,
+            ulimits=[docker.types.Ulimit(name=name, soft=value, hard=value) for name, value in spec.ulimits],
+            storage_opt=storage_opt,
             cap_drop=["ALL"],
             cap_add=_CAPABILITIES,
             security_opt=["no-new-privileges"],
             privileged=False,
             init=True,
         )
-        container = self.api.create_container(
+        return self.api.create_container(
             # By id: the image the caller inspected (and fingerprinted), even if the tag moved since.
             image=image["Id"],
             command=_KEEPALIVE,
             hostname="sandbox",
-            working_dir=spec.workdir,
+            user=spec.user or None,
+            working_dir=spec.workdir or (_HOME if spec.non_root else None),
+            environment={"HOME": _HOME} if spec.non_root else None,
             labels=_container_labels(image, check_labels(labels)),
             host_config=host_config,
-        )
-        try:
-            self.api.start(container["Id"])
-        except BaseException:
-            self._discard(container["Id"])
-            raise
-        return container["Id"]
+        )["Id"]
 
     def _init_session(self, container_id: str) -> str:
         """Writes the first session state; returns the shell that calls will run under."""
@@ -683,6 +865,112 @@ class DockerBackend(SandboxBackend):
                 self.api.remove_image(image_id)
         except docker.errors.APIError:  # gone already, or still used by another fork
             pass
+
+
+class _DiskQuota:
+    """A sandbox's disk quota, measured on its container's layer from the host (folders.tree_usage:
+    no link is followed). A measure costs about 10 us per entry of the layer, so a large layer is
+    measured less often. Between measures a sandbox can overshoot by what it writes meanwhile;
+    the fsize ulimit keeps any one file under the quota."""
+
+    def __init__(self, config: DockerConfig):
+        self.limit_bytes = config.disk_mb * 2**20
+        self.max_files = config.disk_max_files
+        self.interval_s = config.disk_check_s
+        self.breach: str | None = None
+        self.usage: TreeUsage | None = None
+        self._layer: str | None | object = _UNSET
+        self._due = 0.0
+        self._lock = threading.Lock()
+
+    def measure(self, sandbox: DockerSandbox, *, after_call: bool) -> bool:
+        """Whether this measure found the layer past the quota (once: later ones return False)."""
+        if not self.limit_bytes or self.breach is not None:
+            return False
+        with self._lock:
+            started = time.monotonic()
+            cheap = self.usage is None or self.usage.entries < _DISK_CHEAP_ENTRIES
+            if self.breach is not None or (started < self._due and not (after_call and cheap)):
+                return False
+            if self._layer is _UNSET:
+                self._layer = sandbox.layer_dir()
+            if self._layer is None:
+                return False
+            try:
+                usage = tree_usage(self._layer, stop_bytes=self.limit_bytes, stop_entries=self.max_files,
+                                   max_depth=_DISK_MAX_DEPTH)
+            except FileNotFoundError:  # the container was removed
+                return False
+            cost_s = time.monotonic() - started
+            self._due = time.monotonic() + max(self.interval_s, _DISK_COST_FACTOR * cost_s)
+            self.usage, self.breach = usage, self._breach(usage)
+            return self.breach is not None
+
+    def _breach(self, usage: TreeUsage) -> str | None:
+        if usage.bytes > self.limit_bytes:
+            return f"it wrote more than its disk quota of {self.limit_bytes // 2**20} MB"
+        if usage.entries > self.max_files:
+            return f"it made more than {self.max_files} files"
+        if usage.too_deep:
+            return f"it nested folders more than {_DISK_MAX_DEPTH} deep"
+        return None
+
+    def details(self) -> dict[str, Any]:
+        usage = self.usage or TreeUsage(0, 0)
+        return {"disk_mb": self.limit_bytes // 2**20, "max_files": self.max_files, "layer_bytes": usage.bytes,
+                "layer_files": usage.entries}
+
+
+class _DiskWatch:
+    """One thread per backend measures the layers of the sandboxes this process holds, between their
+    calls and during long ones; it ends when none is left."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._sandboxes: weakref.WeakSet[DockerSandbox] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, sandbox: DockerSandbox) -> None:
+        with self._lock:
+            self._sandboxes.add(sandbox)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tvcache-disk-quota", daemon=True)
+                self._thread.start()
+
+    def discard(self, sandbox: DockerSandbox) -> None:
+        with self._lock:
+            self._sandboxes.discard(sandbox)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self._lock:
+                sandboxes = list(self._sandboxes)
+                if not sandboxes:
+                    self._thread = None
+                    return
+            for sandbox in sandboxes:
+                try:
+                    sandbox.check_disk()
+                except SandboxGone:
+                    self.discard(sandbox)
+                except Exception:  # noqa: BLE001 - one sandbox's failure must not stop the others' watch
+                    log.exception("disk quota check of container %s failed", sandbox.sandbox_id[:12])
+            del sandboxes
+
+
+def _user_folders(user: str) -> bytes:
+    """A tar of the folders a non-root user needs in a fresh container: the shell session's state
+    and its home. Fixed times: every sandbox of a task starts alike."""
+    uid, gid = (int(part) for part in user.split(":"))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, mode in ((STATE_DIR.lstrip("/"), 0o700), (_HOME.lstrip("/"), 0o755)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.uid, info.gid, info.mtime = tarfile.DIRTYPE, mode, uid, gid, 0
+            tar.addfile(info)
+    return buffer.getvalue()
 
 
 def _container_labels(image: dict[str, Any], labels: Mapping[str, str]) -> dict[str, str]:

@@ -8,15 +8,20 @@ by renaming them away first, so a listing never shows a half-built or half-delet
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from .base import OWNER, OWNER_LABEL, OwnedResource, labels_match
+from . import hostfs
+from .base import OWNER, OWNER_LABEL, DiskQuotaExceeded, OwnedResource, PathTooLong, labels_match
 
 _ID = re.compile(r"[0-9a-f]{32}")
 _META = "meta.json"
@@ -33,7 +38,8 @@ class FolderStore:
         staging = self.root / f".staging-{entry_id}"
         staging.mkdir()
         try:
-            build(staging)
+            with disk_errors():
+                build(staging)
             meta = {"labels": {**labels, OWNER_LABEL: OWNER}, "created_at": dt.datetime.now(dt.UTC).isoformat()}
             (staging / _META).write_text(json.dumps(meta))
             os.rename(staging, self.root / entry_id)
@@ -88,8 +94,48 @@ class FolderStore:
 
 
 def folder_size(folder: Path) -> int:
-    total = 0
-    for dirpath, _dirnames, filenames in os.walk(folder):
-        for name in filenames:
-            total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total
+    return tree_usage(folder).bytes
+
+
+@contextmanager
+def disk_errors(*, full: type[DiskQuotaExceeded] = DiskQuotaExceeded) -> Iterator[None]:
+    """A full disk or an over-long path as the sandbox errors the API answers with a 4xx."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise full(f"no space left for the sandbox: {exc.strerror}") from exc
+        if exc.errno == errno.ENAMETOOLONG:
+            raise PathTooLong(f"file name too long: {exc.strerror}") from exc
+        raise
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    bytes: int  # apparent sizes of everything but folders, a hard-linked file once
+    entries: int
+    too_deep: bool = False  # folders nested deeper than the walk goes: bytes and entries undercount
+
+
+def tree_usage(root: str | Path, *, stop_bytes: int | None = None, stop_entries: int | None = None,
+               max_depth: int = 128) -> TreeUsage:
+    """What a folder holds, walked by hostfs.walk (descriptors, lstat, O_NOFOLLOW): a tree that
+    another party changes meanwhile (a sandbox's layer) can never lead the walk through a link or
+    out of `root`. Stops early, with what it counted, once past `stop_bytes` or `stop_entries`;
+    folders deeper than `max_depth` are not entered."""
+    total = entries = 0
+    linked: set[tuple[int, int]] = set()
+    skipped: list[str] = []
+    walker = hostfs.walk(str(root), max_depth=max_depth, too_deep=skipped.append)
+    for _, st in walker:
+        entries += 1
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if st.st_nlink < 2 or (st.st_dev, st.st_ino) not in linked:
+            if st.st_nlink > 1:
+                linked.add((st.st_dev, st.st_ino))
+            total += st.st_size
+        if (stop_bytes is not None and total > stop_bytes) or (stop_entries is not None and entries > stop_entries):
+            walker.close()
+            break
+    return TreeUsage(total, entries, bool(skipped))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _CHUNK = 1 << 20
 
@@ -76,36 +76,64 @@ def digest_regular(dir_fd: int, name: str, *, max_bytes: int) -> str:
         os.close(fd)
 
 
-def walk(root: str, *, max_entries: int) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of every entry under `root`, parents before children, names sorted.
-    Directories are entered through fds opened with O_NOFOLLOW, so a directory swapped for a link
-    while the walk runs ends that branch instead of leading out of the tree."""
+class TooDeep(UnsafeEntry):
+    """Folders nested deeper than the walk goes (one descriptor per level)."""
+
+
+def walk(root: str, *, max_entries: int | None = None, max_depth: int = 128,
+         too_deep: Callable[[str], None] | None = None) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative path, lstat) of every entry under `root`, depth first, parents before children,
+    names sorted. Folders are entered through descriptors opened with O_NOFOLLOW relative to
+    their parent's (one open per level), so a folder swapped for a link while the walk runs ends
+    that branch instead of leading out of the tree. Past `max_entries` entries, or `max_depth`
+    levels, raises UnsafeEntry (TooDeep), unless `too_deep` is given: it is called with the path of
+    each folder left out for its depth."""
     count = 0
-    stack: list[tuple[str, int]] = [("", os.open(root, _DIR_FLAGS))]
+    stack: list[tuple[str, int, Iterator[str]]] = []
+
+    def enter(relative: str, fd: int) -> None:
+        try:
+            names = iter(sorted(os.listdir(fd)))
+        except FileNotFoundError:  # removed while the walk ran
+            os.close(fd)
+            return
+        except BaseException:
+            os.close(fd)
+            raise
+        stack.append((relative, fd, names))
+
+    enter("", os.open(root, _DIR_FLAGS))
     try:
         while stack:
-            relative, fd = stack.pop()
-            try:
-                names = sorted(os.listdir(fd))
-                for name in names:
-                    try:
-                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    count += 1
-                    if count > max_entries:
-                        raise UnsafeEntry(f"more than {max_entries} entries")
-                    path = f"{relative}/{name}" if relative else name
-                    yield path, st
-                    if stat.S_ISDIR(st.st_mode):
-                        try:
-                            stack.append((path, os.open(name, _DIR_FLAGS, dir_fd=fd)))
-                        except (FileNotFoundError, NotADirectoryError, OSError):
-                            continue
-            finally:
+            relative, fd, names = stack[-1]
+            name = next(names, None)
+            if name is None:
                 os.close(fd)
+                stack.pop()
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            count += 1
+            if max_entries is not None and count > max_entries:
+                raise UnsafeEntry(f"more than {max_entries} entries")
+            path = f"{relative}/{name}" if relative else name
+            yield path, st
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if len(stack) >= max_depth:
+                if too_deep is None:
+                    raise TooDeep(f"folders nested deeper than {max_depth}")
+                too_deep(path)
+                continue
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:  # gone, or swapped for something else since it was listed
+                continue
+            enter(path, child)
     finally:
-        for _, fd in stack:
+        for _, fd, _ in stack:
             os.close(fd)
 
 

@@ -3,6 +3,11 @@
 `query` runs on a read-only connection, so it cannot change state whatever SQL it is given;
 `execute` runs one statement in its own transaction (a connection per call: nothing is left
 open between calls). Snapshots and forks use SQLite's online backup API.
+
+Every connection caps one value or row (SQLITE_LIMIT_LENGTH), one statement's text and, when it
+writes, the database's pages (max_page_count): a statement past a cap fails as SQLite fails it
+("string or blob too big" is the agent's to see; a full database answers disk_quota_exceeded,
+the statement rolled back). The caps are part of the env fingerprint.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from typing import Any
 from .hostfs import StateDigest
 from .base import (
     SOURCE_LABEL,
+    DiskQuotaExceeded,
     InvalidEnv,
+    LimitExceeded,
     OwnedResource,
     Sandbox,
     SandboxBackend,
@@ -37,11 +44,12 @@ from .config import SqliteConfig
 from .folders import FolderStore
 
 # Bump when a tool's behaviour changes: it is part of the env fingerprint.
-TOOLS_VERSION = 1
+TOOLS_VERSION = 2
 _DB = "db.sqlite"
 _ENV_KEYS = frozenset({"backend", "schema_sql", "seed_sql"})
-# Pragmas that would move files or change how the database file is written and read.
-_FORBIDDEN_PRAGMAS = frozenset({"journal_mode", "locking_mode", "mmap_size", "temp_store_directory", "data_store_directory"})
+# Pragmas that would move files, change how the database file is written and read, or lift a cap.
+_FORBIDDEN_PRAGMAS = frozenset({"journal_mode", "locking_mode", "mmap_size", "temp_store_directory", "data_store_directory",
+                                "max_page_count", "page_size"})
 
 
 class StatementTimeout(Exception):
@@ -58,11 +66,16 @@ def _authorize(action: int, arg1: str | None, arg2: str | None, _db: str | None,
 
 
 @contextmanager
-def _connect(path: Path, *, read_only: bool, timeout_s: float) -> Iterator[sqlite3.Connection]:
+def _connect(path: Path, config: SqliteConfig, *, read_only: bool, timeout_s: float) -> Iterator[sqlite3.Connection]:
     uri = path.resolve().as_uri() + ("?mode=ro" if read_only else "?mode=rw")
     with closing(sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)) as conn:
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, config.max_value_bytes)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, config.max_sql_bytes)
         if read_only:
             conn.execute("PRAGMA query_only = ON")
+        else:
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {max(config.max_db_bytes // page_size, 1)}")
         conn.set_authorizer(_authorize)
         deadline = time.monotonic() + timeout_s
         conn.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
@@ -72,6 +85,11 @@ def _connect(path: Path, *, read_only: bool, timeout_s: float) -> Iterator[sqlit
             if time.monotonic() > deadline:
                 raise StatementTimeout(f"statement exceeded {timeout_s:g} s") from exc
             raise
+
+
+def _is_full(exc: Exception) -> bool:
+    # Errors Python raises itself (two statements at once) carry no SQLite code.
+    return getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL
 
 
 def _jsonable(value: Any) -> Any:
@@ -86,7 +104,7 @@ def _error(result: dict[str, Any], exc: Exception) -> dict[str, Any]:
 def run_query(db: Path, sql: str, config: SqliteConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"columns": [], "rows": [], "truncated": False}
     try:
-        with _connect(db, read_only=True, timeout_s=config.statement_timeout_s) as conn:
+        with _connect(db, config, read_only=True, timeout_s=config.statement_timeout_s) as conn:
             cursor = conn.execute(sql)
             result["columns"] = [d[0] for d in cursor.description or ()]
             result["rows"], result["truncated"] = _capped_rows(cursor, config)
@@ -109,9 +127,15 @@ def _capped_rows(cursor: sqlite3.Cursor, config: SqliteConfig) -> tuple[list[lis
 
 def run_execute(db: Path, sql: str, config: SqliteConfig) -> dict[str, Any]:
     try:
-        with _connect(db, read_only=False, timeout_s=config.statement_timeout_s) as conn:
+        with _connect(db, config, read_only=False, timeout_s=config.statement_timeout_s) as conn:
             return {"rowcount": conn.execute(sql).rowcount}
-    except (sqlite3.Error, StatementTimeout) as exc:
+    except sqlite3.Error as exc:
+        if _is_full(exc):
+            # The page cap, or the host's disk: not a result to cache. The statement was rolled back.
+            raise DiskQuotaExceeded(f"the database is full: it may take {config.max_db_bytes} bytes",
+                                    details={"max_bytes": config.max_db_bytes}) from None
+        return _error({"rowcount": None}, exc)
+    except StatementTimeout as exc:
         return _error({"rowcount": None}, exc)
 
 
@@ -119,7 +143,12 @@ def _copy_db(source: Path, target: Path) -> None:
     """Online backup: consistent even while another connection writes the source."""
     with closing(sqlite3.connect(source.resolve().as_uri() + "?mode=ro", uri=True)) as src:
         with closing(sqlite3.connect(target)) as dst:
-            src.backup(dst)
+            try:
+                src.backup(dst)
+            except sqlite3.Error as exc:
+                if _is_full(exc):
+                    raise DiskQuotaExceeded(f"no space left for the sandbox's database: {exc}") from None
+                raise
 
 
 class SqliteSandbox(Sandbox):
@@ -199,7 +228,10 @@ class SqliteBackend(SandboxBackend):
 
     def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
         seed_hash = hashlib.sha256(self._seed(env).read_bytes()).hexdigest()
-        return {"backend": self.name, "tools_version": TOOLS_VERSION, "sqlite_version": sqlite3.sqlite_version, "seed_sha256": seed_hash}
+        caps = {"max_value_bytes": self.config.max_value_bytes, "max_sql_bytes": self.config.max_sql_bytes,
+                "max_db_bytes": self.config.max_db_bytes}
+        return {"backend": self.name, "tools_version": TOOLS_VERSION, "sqlite_version": sqlite3.sqlite_version,
+                "seed_sha256": seed_hash, "caps": caps}
 
     def health(self) -> dict[str, Any]:
         return {
@@ -236,11 +268,17 @@ class SqliteBackend(SandboxBackend):
         staging.unlink(missing_ok=True)
         try:
             sqlite3.connect(staging).close()  # _connect opens existing files only (mode=rw)
-            with _connect(staging, read_only=False, timeout_s=self.config.seed_timeout_s) as conn:
+            with _connect(staging, self.config, read_only=False, timeout_s=self.config.seed_timeout_s) as conn:
                 for script in scripts:
+                    # A script is many statements: the statement cap would count them as one.
+                    length = len(script.encode("utf-8", "surrogatepass")) + 1
+                    conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, max(length, self.config.max_sql_bytes))
                     conn.executescript(script)
         except (sqlite3.Error, StatementTimeout) as exc:
             staging.unlink(missing_ok=True)
+            if _is_full(exc):
+                raise LimitExceeded(f"the seed database is larger than a sandbox's {self.config.max_db_bytes} bytes",
+                                    details={"limit": "max_db_bytes", "max": self.config.max_db_bytes}) from None
             raise InvalidEnv(f"seeding the database failed: {exc}") from None
         os.replace(staging, seed)  # concurrent builders produce the same file; the last one wins
 

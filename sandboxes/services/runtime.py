@@ -8,11 +8,13 @@ from pathlib import Path
 
 from django.conf import settings
 
-from cache.errors import ApplicationError, Conflict, InvalidInput, ServiceUnavailable
-from sandboxes.backends import BACKEND_NAMES, DockerConfig, SandboxConfig, backend_for
+from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
+from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
 from sandboxes.backends.base import (
+    DiskQuotaExceeded,
     InvalidEnv,
     InvalidToolArgs,
+    NotGranted,
     Sandbox,
     SandboxBackend,
     SandboxError,
@@ -33,12 +35,21 @@ _handles_lock = threading.Lock()
 @functools.lru_cache(maxsize=1)
 def sandbox_config() -> SandboxConfig:
     conf = settings.TVCACHE
+    images = {"images": tuple(conf["DOCKER_IMAGES"])} if conf["DOCKER_IMAGES"] else {}  # else the base images
     return SandboxConfig(
         root=Path(conf["SANDBOX_ROOT"]),
         docker=DockerConfig(base_url=conf.get("DOCKER_URL") or None, max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
                             memory_mb=conf["DOCKER_MEMORY_MB"], cpus=conf["DOCKER_CPUS"], pids=conf["DOCKER_PIDS"],
+                            max_memory_mb=conf["DOCKER_MAX_MEMORY_MB"], max_cpus=conf["DOCKER_MAX_CPUS"],
+                            max_pids=conf["DOCKER_MAX_PIDS"], allow_network=conf["DOCKER_ALLOW_NETWORK"],
+                            user=conf["DOCKER_USER"], ulimit_nofile=conf["DOCKER_ULIMIT_NOFILE"],
+                            ulimit_nproc=conf["DOCKER_ULIMIT_NPROC"], ulimit_fsize_mb=conf["DOCKER_ULIMIT_FSIZE_MB"],
+                            disk_mb=conf["DOCKER_DISK_MB"], disk_max_files=conf["DOCKER_DISK_MAX_FILES"],
+                            disk_check_s=conf["DOCKER_DISK_CHECK_S"], **images,
                             observe_writes=conf["DOCKER_OBSERVE_WRITES"],
                             observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"]),
+        directory=DirectoryConfig(max_total_bytes=conf["DIRECTORY_MAX_MB"] * 2**20),
+        sqlite=SqliteConfig(max_value_bytes=conf["SQLITE_MAX_VALUE_BYTES"], max_db_bytes=conf["SQLITE_MAX_DB_MB"] * 2**20),
     )
 
 
@@ -89,7 +100,12 @@ def forget(backend_name: str, ref: str) -> None:
 
 
 def as_application_error(exc: SandboxError) -> ApplicationError:
-    """Sandbox failures as API errors: the caller's fault is a 400, the machine's a 503."""
+    """Sandbox failures as API errors: the caller's fault is a 400, more than the operator grants a
+    403, a sandbox past its disk quota a 413, the machine's fault a 503."""
+    if isinstance(exc, NotGranted):
+        return Forbidden(exc.message, code=exc.code, details=exc.details)
+    if isinstance(exc, DiskQuotaExceeded):
+        return PayloadTooLarge(exc.message, code=exc.code, details=exc.details)
     if isinstance(exc, (ToolNotFound, InvalidToolArgs, InvalidEnv)):
         return InvalidInput(exc.message, code=exc.code, details=exc.details)
     if isinstance(exc, SandboxTampered):  # the rollout's own doing: its sandbox is retired

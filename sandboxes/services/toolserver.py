@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from django.db import transaction
 from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
@@ -44,10 +43,11 @@ from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.services import (LookupHit, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
                             rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim, single_flight,
                             snapshot_register, task_handle, tcg_lookup)
+from cache.services.background import job_enqueue
 from cache.tcg import TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
-from sandboxes.backends.base import (InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
+from sandboxes.backends.base import (DiskQuotaExceeded, InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
                                      SnapshotMissing, ToolNotFound)
 from sandboxes.models import Sandbox
 
@@ -171,7 +171,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         _retire(run.row, run.backend, exc.message)
         raise as_application_error(exc) from None
-    except (ToolNotFound, InvalidToolArgs) as exc:  # refused before it ran: the sandbox is as it was
+    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
     except SandboxError as exc:  # failed once the call may have run (a broken stream, a tampered sandbox)
@@ -404,7 +404,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
     if evicted:
         from workers.tasks import snapshots_collect as collect_task
 
-        transaction.on_commit(collect_task.delay)
+        job_enqueue(collect_task)
 
 
 def rollout_end(*, task_id: str, rollout_id: str) -> None:

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
-from sandboxes.backends.base import InvalidEnv, InvalidToolArgs, SandboxGone, SnapshotMissing, ToolNotFound
+from sandboxes.backends.base import (
+    DiskQuotaExceeded,
+    InvalidEnv,
+    InvalidToolArgs,
+    LimitExceeded,
+    PathTooLong,
+    SandboxGone,
+    SandboxOverQuota,
+    SnapshotMissing,
+    ToolNotFound,
+)
+from sandboxes.backends.config import DirectoryConfig
+from sandboxes.backends.directory import DirectoryBackend
 
 ENV = {"backend": "directory", "files": {"README.md": "hello\n", "src/app.py": "x = 1\ny = 2\n"}}
 
@@ -170,6 +183,56 @@ def test_policy_and_fingerprint(directory_backend):
     assert directory_backend.tools["apply_patch"].mutates_state is True
     assert directory_backend.fingerprint_material(ENV)["tools_version"] >= 1
     assert directory_backend.health()["ok"] is True
+
+
+def test_a_sandbox_holds_at_most_its_total_size(tmp_path):
+    backend = DirectoryBackend(tmp_path, DirectoryConfig(max_total_bytes=100))
+    sandbox = backend.start({"backend": "directory", "files": {"a": "x" * 40}}, labels={})
+    assert call(sandbox, "write_file", path="b", content="y" * 50)["ok"] is True
+    with pytest.raises(DiskQuotaExceeded) as over:
+        call(sandbox, "write_file", path="c", content="z" * 20)
+    assert over.value.code == "disk_quota_exceeded" and over.value.details["max_bytes"] == 100
+    assert call(sandbox, "list_dir", path=".")["output"] == "a\nb"  # refused before anything was written
+    assert call(sandbox, "write_file", path="b", content="y" * 60)["ok"] is True  # a rewrite counts its growth only
+    patch = "--- /dev/null\n+++ b/d\n@@ -0,0 +1 @@\n+" + "p" * 30 + "\n"
+    with pytest.raises(DiskQuotaExceeded):
+        call(sandbox, "apply_patch", patch=patch)
+    assert call(sandbox, "write_file", path="a", content="")["ok"] is True  # shrinking is always allowed
+    assert call(sandbox, "apply_patch", patch=patch)["ok"] is True
+    with pytest.raises(LimitExceeded) as seed:
+        backend.start({"backend": "directory", "files": {"big": "x" * 101}}, labels={})
+    assert seed.value.code == "limit_exceeded"
+
+
+@pytest.mark.parametrize("path", ["n" * 256, "a/" * 520 + "f", "ok/" + "é" * 128])
+def test_over_long_paths_are_a_clear_error(sandbox, path):
+    # The host would answer ENAMETOOLONG (an unhandled OSError); the limits are the same on every host.
+    for tool, args in (("write_file", {"content": "x"}), ("read_file", {}), ("list_dir", {})):
+        with pytest.raises(PathTooLong) as refused:
+            call(sandbox, tool, path=path, **args)
+        assert refused.value.code == "path_too_long"
+
+
+def test_seed_paths_are_held_to_the_same_lengths(directory_backend):
+    with pytest.raises(PathTooLong):
+        directory_backend.fingerprint_material({"backend": "directory", "files": {"n" * 256: "x"}})
+
+
+def test_a_full_disk_is_a_clear_error(tmp_path):
+    # A real full disk: a 64 KiB tmpfs under the sandboxes (the tests run as root).
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    try:
+        backend = DirectoryBackend(mount)
+        sandbox = backend.start({"backend": "directory", "files": {"a": "x"}}, labels={})
+        with pytest.raises(SandboxOverQuota) as full:
+            call(sandbox, "write_file", path="big", content="x" * 200_000)
+        assert full.value.code == "disk_quota_exceeded" and isinstance(full.value, SandboxGone)
+        with pytest.raises(DiskQuotaExceeded):  # a start that cannot copy its seed
+            backend.start({"backend": "directory", "files": {"b": "x" * 100_000}}, labels={})
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_the_state_fingerprint_follows_the_files_across_forks(directory_backend, tmp_path):

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from sandboxes.backends.base import InvalidEnv, InvalidToolArgs, SandboxGone, SnapshotMissing, ToolNotFound
+from sandboxes.backends.base import (
+    DiskQuotaExceeded,
+    InvalidEnv,
+    InvalidToolArgs,
+    LimitExceeded,
+    SandboxGone,
+    SnapshotMissing,
+    ToolNotFound,
+)
 from sandboxes.backends.config import SqliteConfig
 from sandboxes.backends.sqlite import SqliteBackend
 
@@ -125,6 +133,40 @@ def test_unknown_tool_and_bad_args(sandbox):
         sandbox.execute("read_file", {"path": "x"})
     with pytest.raises(InvalidToolArgs):
         sandbox.execute("query", {"statement": "SELECT 1"})
+
+
+def test_values_and_rows_past_the_cap_fail_as_sqlite_fails_them(tmp_path):
+    sandbox = SqliteBackend(tmp_path, SqliteConfig(max_value_bytes=100_000)).start(ENV, labels={})
+    # Without the cap, a query could make SQLite build a value as large as memory allows.
+    assert "too big" in query(sandbox, "SELECT randomblob(200000)")["error"]
+    assert "too big" in execute(sandbox, "INSERT INTO users (name, avatar) VALUES ('eve', zeroblob(200000))")["error"]
+    assert execute(sandbox, "INSERT INTO users (name, avatar) VALUES ('eve', zeroblob(50000))")["rowcount"] == 1
+    assert "too" in execute(sandbox, "SELECT '" + "x" * 2_000_000 + "'")["error"]  # the statement's own text
+
+
+def test_a_database_past_its_pages_is_refused_and_rolled_back(tmp_path):
+    backend = SqliteBackend(tmp_path, SqliteConfig(max_db_bytes=64 * 1024))
+    sandbox = backend.start(ENV, labels={})
+    grow = "INSERT INTO users (name, avatar) SELECT 'x', randomblob(10000) FROM users"
+    execute(sandbox, grow)
+    before = query(sandbox, COUNT)["rows"]
+    with pytest.raises(DiskQuotaExceeded) as full:
+        for _ in range(10):
+            execute(sandbox, grow)
+    assert full.value.code == "disk_quota_exceeded"
+    after = query(sandbox, COUNT)["rows"]
+    assert after[0][0] < 64 and query(sandbox, COUNT)["rows"] == after  # the failing statement left nothing
+    assert before[0][0] <= after[0][0]
+    # The cap is the service's: a statement cannot lift it.
+    assert "not authorized" in execute(sandbox, "PRAGMA max_page_count = 1000000")["error"]
+    with pytest.raises(LimitExceeded):
+        backend.start({**ENV, "seed_sql": "INSERT INTO users (avatar) VALUES (randomblob(100000))"}, labels={})
+
+
+def test_the_caps_are_part_of_the_fingerprint(tmp_path):
+    small = SqliteBackend(tmp_path / "a", SqliteConfig(max_db_bytes=64 * 1024)).fingerprint_material(ENV)
+    large = SqliteBackend(tmp_path / "b", SqliteConfig()).fingerprint_material(ENV)
+    assert small["seed_sha256"] == large["seed_sha256"] and small != large
 
 
 def test_the_state_fingerprint_follows_the_rows_across_forks(sqlite_backend):
