@@ -66,6 +66,7 @@ INSTALLED_APPS = [
     "channels",
     "cache",
     "sandboxes",
+    "upstreams",
     "workers",
     "dashboard",
 ]
