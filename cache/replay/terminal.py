@@ -275,6 +275,7 @@ TASKS = [
 
 class TerminalWorkload(Workload):
     name = "terminal"
+    fault_kinds = ("timeout", "error_after", "sandbox_death")
     P_ALTERNATIVE = 0.15  # a rollout takes a setup variant (an early branch)
     P_INSPECT = 0.6  # inspect before a fix
     MAX_ATTEMPTS = 3
@@ -305,6 +306,14 @@ class TerminalWorkload(Workload):
             out.append(ReplayTask(spec.name, {}, client_env, server_env,
                                   lambda: DockerEnvironment({"backend": "docker", "image": IMAGE, "network": False})))
         return out
+
+    def timeout_call(self, call: Call, timeout_s: float) -> Call | None:
+        """The slow "dependency" steps start with a 2 s sleep: a timeout under that kills them
+        mid-run, inside the sleep, before anything of theirs is written, on any machine."""
+        command = call["args"]["command"]
+        if not command.startswith("sleep 2 ") or timeout_s >= 2:
+            return None
+        return {"tool": "bash", "args": {"command": command, "timeout_s": timeout_s}}
 
     def rollouts(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
         spec = next(s for s in self.specs if s.name == task.name)
