@@ -250,7 +250,7 @@ class CallSample:
     # client mode: time the call waited for the previous miss's background work (record, snapshot)
     background_wait_ms: float | None = None
     result: Any = None  # kept only until compared
-    started: float = 0.0  # perf_counter at the call's start
+    started: float = 0.0  # perf_counter when the call was sent (last sent, if it was sent again)
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
     mutates: bool | None = None  # whether the call changed the state, as the service or executor tells
     # Under faults (faults.py):
@@ -264,16 +264,16 @@ class CallSample:
 
 
 def mark_unknown_state(samples: list[CallSample]) -> None:
-    """The known-state rule on one rollout's samples, in order: an answer that says timed out,
-    an injected environment fault and a call left without an answer leave the state unknown (as
-    far as the rollout can tell: a hit that answers timed out is a timeout it was served), and so
-    does a sandbox death before a call; the rollout's calls from there are off the shared graph."""
+    """The known-state rule on one rollout's samples, in order: a call that ran and timed out, an
+    injected environment fault and a call left without an answer leave the state unknown, and so
+    does a sandbox death before a call; the rollout's calls from there are off the shared graph.
+    A hit that answers timed out ran nothing: it is a wrong answer (counted), not an event."""
     unknown = False
     for sample in samples:
         unknown = unknown or sample.fault == "sandbox_death"
         sample.unshared = unknown
         sample.answer_timed_out = timed_out(sample.result)
-        sample.event = sample.injected or sample.failed or sample.answer_timed_out
+        sample.event = sample.injected or sample.failed or (sample.answer_timed_out and not sample.cached)
         unknown = unknown or sample.event
 
 
@@ -466,7 +466,7 @@ class Replay:
 
         def restart() -> None:
             while self._calls_done < after_calls:
-                if finished.wait(0.02):
+                if finished.wait(0.005):
                     return
             started = time.perf_counter()
             entry: dict[str, Any] = {"arm": arm.name, "epoch": epoch, "after_calls": self._calls_done}
@@ -590,12 +590,13 @@ class Replay:
                 hits, keyed, waited_ms = executor.hits, len(executor.history), executor.background_wait_ms
                 started = time.perf_counter()
                 try:
-                    result, retries, failed = self._client_execute(executor, call)
+                    result, retries, failed, sent = self._client_execute(executor, call)
                 finally:
                     _meter.armed = None
                 latency = (time.perf_counter() - started) * 1000
                 sample = self._sample(task, epoch, index, position, call, latency, executor.hits > hits,
                                       _meter.env_ms, result)
+                sample.started = sent
                 sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
                 sample.background_wait_ms = executor.background_wait_ms - waited_ms
                 # Left out of the history: read-only. A call the environment failed after ran, so
@@ -608,10 +609,11 @@ class Replay:
             _meter.env_ms = 0.0
         return samples
 
-    def _client_execute(self, executor: ToolCallExecutor, call: Call) -> tuple[Any, int, bool]:
-        """The executor's answer, the times the call was sent again and whether it got none. An
-        injected environment fault is the answer; a failed lookup or replay record (the service
-        restarting) leaves the executor where it was, so the call is sent again."""
+    def _client_execute(self, executor: ToolCallExecutor, call: Call) -> tuple[Any, int, bool, float]:
+        """The executor's answer, the times the call was sent again, whether it got none and
+        when it was last sent. An injected environment fault is the answer; a failed lookup or
+        replay record (the service restarting) leaves the executor where it was, so the call is
+        sent again."""
 
         def execute() -> Any:
             try:
@@ -621,8 +623,8 @@ class Replay:
                     return {"error": f"{type(exc).__name__}: {exc}"}
                 raise
 
-        result, retries, error = self._retrying(execute)
-        return (result, retries, False) if error is None else ({"error": error}, retries, True)
+        result, retries, error, sent = self._retrying(execute)
+        return (result, retries, False, sent) if error is None else ({"error": error}, retries, True, sent)
 
     def _rollout_server(self, arm, task, epoch, index, calls, think, fault: Fault | None) -> list[CallSample]:
         samples = []
@@ -637,7 +639,8 @@ class Replay:
                     killed = kill_rollout_sandbox(task_id, rollout_id)  # the first time it has one
                     death = None if killed else death
                 started = time.perf_counter()
-                answer, retries, error = self._retrying(lambda: self.client.call(task_id, rollout_id, call, epoch=epoch))
+                answer, retries, error, sent = self._retrying(
+                    lambda: self.client.call(task_id, rollout_id, call, epoch=epoch))
                 if answer is not None and not answer.cached and penalty_s:
                     time.sleep(penalty_s)
                 latency = (time.perf_counter() - started) * 1000
@@ -645,7 +648,7 @@ class Replay:
                 sample = self._sample(task, epoch, index, position, call, latency,
                                       answer.cached if answer is not None else False, None, result)
                 sample.mutates = answer.mutates if answer is not None else None
-                sample.failed, sample.retries = answer is None, retries
+                sample.failed, sample.retries, sample.started = answer is None, retries, sent
                 sample.fault = "sandbox_death" if killed else ("timeout" if timed_out(result) and not sample.cached
                                                                else None)
                 samples.append(sample)
@@ -653,24 +656,27 @@ class Replay:
             self._retrying(lambda: self.client.end_rollout(task_id, rollout_id))
         return samples
 
-    def _retrying(self, request: Callable[[], Any]) -> tuple[Any, int, str | None]:
-        """(answer, times sent again, None), or (None, times sent again, the last error) when
-        the service gave no answer within RETRY_WINDOW_S. Only under faults is a request sent
-        again, while the service is unreachable or down (TVCacheUnavailable: a restart, a
-        sandbox that died) or still holds the rollout for a request that a restart cut off."""
+    def _retrying(self, request: Callable[[], Any]) -> tuple[Any, int, str | None, float]:
+        """(answer, times sent again, None, when last sent: the oracle orders calls by it), or
+        (None, times sent again, the last error, when last sent) when the service gave no answer
+        within RETRY_WINDOW_S. Only under faults is a request sent again, while the service is
+        unreachable or down (TVCacheUnavailable: a restart, a sandbox that died) or still holds
+        the rollout for a request that a restart cut off."""
+        sent = time.perf_counter()
         if self.config.faults is None:
-            return request(), 0, None
+            return request(), 0, None, sent
         retries, deadline = 0, time.monotonic() + RETRY_WINDOW_S
         while True:
             try:
-                return request(), retries, None
+                return request(), retries, None, sent
             except TVCacheError as exc:
                 if not (isinstance(exc, TVCacheUnavailable) or exc.code == "rollout_busy"):
                     raise
                 if time.monotonic() > deadline:
-                    return None, retries, f"{type(exc).__name__}: {exc}"
+                    return None, retries, f"{type(exc).__name__}: {exc}", sent
             retries += 1
             time.sleep(0.2)
+            sent = time.perf_counter()
 
     # -- exactness --------------------------------------------------------------------------------
 
