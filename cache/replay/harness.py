@@ -599,9 +599,11 @@ class Replay:
                 sample.started = sent
                 sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
                 sample.background_wait_ms = executor.background_wait_ms - waited_ms
-                # Left out of the history: read-only. A call the environment failed after ran, so
-                # it is keyed as the tool's policy says.
-                sample.mutates = None if _meter.fired or failed else len(executor.history) > keyed
+                # Left out of the history: read-only. A call the environment failed after ran, and
+                # a rollout off the shared graph keeps no history: those are keyed as the tool's
+                # policy says.
+                detached = getattr(executor, "detached", False)
+                sample.mutates = None if _meter.fired or failed or detached else len(executor.history) > keyed
                 sample.injected, sample.failed, sample.retries = _meter.fired, failed, retries
                 sample.fault = fault.kind if _meter.fired else ("timeout" if timed_out(result) and not sample.cached
                                                                 else None)

@@ -265,9 +265,10 @@ def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]],
             "cost_points": {"vs_no_fault_oracle": round(100 * (no_fault - hit), 3),
                             "known_state_rule": round(100 * (no_fault - rule), 3),
                             "beyond_rule": round(100 * (rule - hit), 3)},
-            # Calls made less calls the service's stats count: counters it had not flushed when it
-            # was killed are lost (positive); a call answered with an error and sent again counts twice
-            # (negative).
+            # Calls made less the calls the service's stats count: counters it had not flushed when
+            # it was killed are lost, and the calls of a rollout off the shared graph are not looked
+            # up in client mode (positive); a call answered with an error and sent again counts
+            # twice (negative).
             "calls_minus_service_counted": a["calls"] - a["service_calls"] if "service_calls" in a else None,
         }
     return out
