@@ -138,12 +138,17 @@ def kill_rollout_sandbox(task_id: str, rollout_id: str) -> str | None:
     The service says which sandbox a rollout holds in its database only (no API route maps a
     rollout to its sandbox), so that is read there, as the harness reads the pools' rows."""
     import docker
+    from django.db import connection
 
     from sandboxes.models import Sandbox
     from sandboxes.services.runtime import SANDBOX_LABEL, TASK_LABEL, instance_selector
 
-    row = (Sandbox.objects.filter(task_id=task_id, rollout__rollout_id=rollout_id, state=Sandbox.State.LEASED,
-                                  backend="docker").exclude(ref="").order_by("-pk").first())
+    try:
+        row = (Sandbox.objects.filter(task_id=task_id, rollout__rollout_id=rollout_id, state=Sandbox.State.LEASED,
+                                      backend="docker").exclude(ref="").order_by("-pk").first())
+    finally:
+        if not connection.in_atomic_block:  # a rollout's thread: its connection would outlive the run
+            connection.close()
     if row is None:
         return None
     client = docker.from_env()
