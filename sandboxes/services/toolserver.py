@@ -260,33 +260,44 @@ def _execute(run: _Run, call: ToolCall) -> tuple[dict, float, bool | None]:
 
 def _rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases) -> _Run:
     """The rollout's sandbox brought up to date with its history (everything before the call) and
-    checked against the state its history's node recorded."""
+    checked against the state its history's node recorded: its own sandbox, else a materialized
+    one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
+    root. A sandbox whose replay failed midway is retired: its state is unknown."""
     policy = TaskPolicy.from_json(task.tools)
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
-    history = context.history
     if row is not None and row.executing:
         _retire(row, backend, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
         row = None
-    if row is not None:
-        try:
-            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
-            pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
-            if not pending or _replay_verified(run, pending, context, answer):
-                return run
-            _retire(row, backend, f"diverged from its history: {run.diverged}")
-            return _from_root(task, backend, policy, rollout, context, answer, phases)
-        except SandboxGone:  # died between calls: materialize a new one below
-            set_state(row, Sandbox.State.FAILED, rollout=None, error="gone between calls")
     try:
-        with phases.timed("materialize"):
-            run = _materialize(task, backend, policy, rollout, answer, phases)
-        replay = run_replay(answer, run)
-        if (replay or run.row.pool == Sandbox.Pool.FORK) and not _replay_verified(run, replay, context, answer):
-            _retire(run.row, backend, f"diverged from its history: {run.diverged}")
-            run = _from_root(task, backend, policy, rollout, context, answer, phases)
+        if row is not None:
+            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+            pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+            if not pending or _caught_up(run, pending, context, answer):
+                return run
+        else:
+            with phases.timed("materialize"):
+                run = _materialize(task, backend, policy, rollout, answer, phases)
+            replay = run_replay(answer, run)
+            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context, answer):
+                return run
+        return _from_root(task, backend, policy, rollout, context, answer, phases)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    return run
+
+
+def _caught_up(run: _Run, calls, context: CallContext, answer) -> bool:
+    """Replay `calls` and verify; False when the sandbox diverged or died (it is retired then).
+    Another failure midway retires it and raises."""
+    try:
+        if _replay_verified(run, calls, context, answer):
+            return True
+        _retire(run.row, run.backend, f"diverged from its history: {run.diverged}")
+    except SandboxGone as exc:
+        _retire(run.row, run.backend, exc.message)
+    except SandboxError as exc:
+        _retire(run.row, run.backend, f"its replay failed midway: {exc.code}: {exc.message}")
+        raise
+    return False
 
 
 def _from_root(task, backend, policy, rollout, context: CallContext, answer, phases: Phases) -> _Run:
@@ -299,7 +310,11 @@ def _from_root(task, backend, policy, rollout, context: CallContext, answer, pha
         raise SandboxGone("could not start a fresh sandbox")
     run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
     if answer.full_replay:
-        _replay_verified(run, answer.full_replay, context, answer)
+        try:
+            _replay_verified(run, answer.full_replay, context, answer)
+        except SandboxError:
+            _retire(row, backend, "its replay from the root failed midway")
+            raise
     return run
 
 

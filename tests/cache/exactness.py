@@ -247,6 +247,12 @@ class Referee:
         rollout = self.rollouts.setdefault(step.rollout, _Rollout(oracle=self._oracle_factory()))
         if rollout.broken:
             return
+        if (outcome.failure is not None and not outcome.fired and rollout.tainted_at is not None
+                and "rollout_state_unknown" in outcome.failure):
+            # A replay of its nondeterministic write could not reach the recorded state, so the
+            # rollout left the shared graph in a sandbox of its own; that sandbox died since.
+            rollout.broken = True
+            return
         if outcome.failure is not None and not outcome.fired:
             self._flag("crash", index, step, f"no fault struck, yet the call failed: {outcome.failure}")
             rollout.broken = True
@@ -260,6 +266,11 @@ class Referee:
             return
         answer = self.graph.lookup(rollout.history, _tool_call(step.call))
         exact = rollout.tainted_at is None and step.call["tool"] not in NONDETERMINISTIC
+        if outcome.fired and step.fault.kind == "gone" and outcome.failure is not None:
+            # The sandbox died, and whatever the call did went with it: the service retires it and
+            # the rollout goes on from its history (the call is not in it), which the exact
+            # property checks. Retiring is the known-state rule's other option (DESIGN.md).
+            return
         if outcome.fired:
             if exact and isinstance(answer, Hit):
                 self._flag("oracle", index, step, "the graph holds this call, yet it was executed")
