@@ -265,12 +265,13 @@ class CallSample:
 
 def mark_unknown_state(samples: list[CallSample]) -> None:
     """The known-state rule on one rollout's samples, in order: a call that ran and timed out, an
-    injected environment fault and a call left without an answer leave the state unknown, and so
-    does a sandbox death before a call; the rollout's calls from there are off the shared graph.
-    A hit that answers timed out ran nothing: it is a wrong answer (counted), not an event."""
+    injected environment fault and a call left without an answer leave the state unknown; the
+    rollout's calls from there are off the shared graph. A sandbox death between two calls does
+    not: no call was running, the service retires the dead sandbox and the rollout goes on from
+    its history (which the wrong-answer counts check). A hit that answers timed out ran nothing:
+    it is a wrong answer (counted), not an event."""
     unknown = False
     for sample in samples:
-        unknown = unknown or sample.fault == "sandbox_death"
         sample.unshared = unknown
         sample.answer_timed_out = timed_out(sample.result)
         sample.event = sample.injected or sample.failed or (sample.answer_timed_out and not sample.cached)
