@@ -175,9 +175,20 @@ TVCACHE = {
     # its commit to reach the disk, and a lookup queued behind it waited as long (sql replay, 8
     # rollouts in flight: lookup P95 14 to 33 ms on one shared thread).
     "RECORD_THREADS": env.int("TVCACHE_RECORD_THREADS", default=2),
-    # Threads per ASGI process for tool-server calls: the calls of this many rollouts run at once
-    # (each holds a database connection while it runs: keep DB_POOL_SIZE above it).
+    # Threads per ASGI process that run tool-server calls' tools (misses): the calls of this many
+    # rollouts run at once (each holds a database connection while it runs: keep DB_POOL_SIZE above
+    # it plus the other lanes' threads).
     "TOOLSERVER_THREADS": env.int("TVCACHE_TOOLSERVER_THREADS", default=12),
+    # Threads per ASGI process that answer tool-server calls until they need a tool run: hits never
+    # queue behind misses that run tools, nor behind rollouts waiting for another's run.
+    "TOOLSERVER_HIT_THREADS": env.int("TVCACHE_TOOLSERVER_HIT_THREADS", default=1),
+    # Bounded queues (ASGI): requests that may wait for a lane's threads beyond those running, per
+    # process; one more answers 503 `overloaded` with Retry-After at once. EXEC_QUEUE is the
+    # tool-run lane's (each waits for a tool run to end); FLIGHT_WAITERS counts the tool-server
+    # calls waiting, on the event loop, for another rollout's run of the same call.
+    "LANE_QUEUE": env.int("TVCACHE_LANE_QUEUE", default=256),
+    "EXEC_QUEUE": env.int("TVCACHE_EXEC_QUEUE", default=64),
+    "FLIGHT_WAITERS": env.int("TVCACHE_FLIGHT_WAITERS", default=1024),
     # Managed sandboxes (tool-server mode): where folders live, docker limits and start limiter.
     "SANDBOX_ROOT": env("TVCACHE_SANDBOX_ROOT", default=str(VAR_DIR / "sandboxes")),
     "DOCKER_URL": env("TVCACHE_DOCKER_URL", default=""),  # empty: DOCKER_HOST or the local socket

@@ -42,6 +42,7 @@ from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
+from cache.lanes import LockAwaited, SlowWork, lane_current
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.services import (LookupHit, LookupMiss, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
                             snapshot_register, task_handle, tcg_lookup)
@@ -136,6 +137,7 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
     phases = Phases()
     try:
         if detached:
+            _slow_lane_needed()
             with phases.timed("exec"):
                 result = _serve_detached(handle, rollout, call)
             return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True, phases.ms)
@@ -216,36 +218,64 @@ class _Flight:
             self.key = None
 
 
+def _slow_lane_needed(answer=None) -> None:
+    """On a front door's lane that serves hits, a call that runs a tool moves to the slow lane
+    (cache/lanes.py) before it does anything; the lookup's lease is given back first."""
+    lane = lane_current()
+    if lane is not None and lane.fast:
+        _drop_lease(answer)
+        raise SlowWork()
+
+
 @contextmanager
 def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool, phases: Phases):
     """Lead the execution of a miss, or wait while another rollout executes the same call in the
     same state and take its result. A leader that fails or times out records nothing: the next
-    waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
+    waiter leads. Session advisory locks: a leader's connection that dies frees its claim.
+    Under the ASGI front door a waiter holds no thread: it hands the request back, and the front
+    door runs it again once the leader is done (cache/lanes.py); elsewhere it waits here."""
     flight = _Flight(None, answer)
+    lane = lane_current()
+    if isinstance(answer, LookupMiss):
+        _slow_lane_needed(answer)
+    if lane is not None and lane.waited_s:  # this request waited for a leader already
+        flight.waited = True
+        phases.ms["wait"] = lane.waited_s * 1000
     # Not for a node that exists (a divergent one): its call is executed by every rollout anyway.
     if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable and not answer.seen:
         digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
         flight.key = int.from_bytes(digest[:8], "big", signed=True)
-        deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
-        waited = time.perf_counter()
-        while not flight.try_lead():
-            flight.waited = True
-            if time.monotonic() > deadline:  # a leader stuck this long: execute alongside it
-                flight.key = None
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        if flight.waited and flight.key is not None:  # the leader is done: its result, if it recorded one
-            _drop_lease(flight.answer)
-            flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
-            if isinstance(flight.answer, LookupHit):
-                flight.release()
-        if flight.waited:
-            phases.ms["wait"] = (time.perf_counter() - waited) * 1000
+        if lane is None:
+            _wait_here(flight, task, context, resume, phases)
+        elif not flight.try_lead():
+            if lane.wait_until is None or time.monotonic() < lane.wait_until:
+                _drop_lease(answer)
+                raise LockAwaited(flight.key, settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"])
+            flight.key = None  # a leader stuck this long: execute alongside it
     try:
         yield flight
     finally:
         flight.release()
+
+
+def _wait_here(flight: _Flight, task: TaskHandle, context: CallContext, resume: bool, phases: Phases) -> None:
+    """Lead, or sleep on this thread until the leader is done and take its result."""
+    deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
+    waited = time.perf_counter()
+    while not flight.try_lead():
+        flight.waited = True
+        if time.monotonic() > deadline:  # a leader stuck this long: execute alongside it
+            flight.key = None
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+    if flight.waited and flight.key is not None:  # the leader is done: its result, if it recorded one
+        _drop_lease(flight.answer)
+        flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
+        if isinstance(flight.answer, LookupHit):
+            flight.release()
+    if flight.waited:
+        phases.ms["wait"] = (time.perf_counter() - waited) * 1000
 
 
 def _drop_lease(answer) -> None:

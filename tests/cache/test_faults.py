@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,19 +21,11 @@ from cache.bench.server import ROOT, database_url, free_port, service_running
 from cache.models import ToolStat
 from sandboxes.models import Sandbox
 
-from .helpers import call, record
+from .helpers import call, record, wait_for, waiting_on_locks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 W = call("write", path="f", content="1")
-
-
-def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout_s} s")
-        time.sleep(0.1)
 
 
 def lookup_of(client: httpx.Client) -> httpx.Response:
@@ -49,18 +40,12 @@ def test_postgresql_dropping_its_connections_answers_503_and_the_service_recover
         assert lookup_of(client).json()["hit"] is True  # the lookup thread holds a connection now
         assert client.get("/api/v1/tasks/toy").status_code == 200
 
-        def waiting_on_locks() -> int:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
-                               [db["NAME"]])
-                return cursor.fetchone()[0]
-
         # Two requests in flight (a hot-path lookup, a Django view) wait for a lock when every
         # connection of the service is terminated, as a PostgreSQL restart would.
         with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(2) as pool:
             blocker.execute("LOCK TABLE cache_node, cache_task IN ACCESS EXCLUSIVE MODE")
             in_flight = [pool.submit(lookup_of, client), pool.submit(client.get, "/api/v1/tasks/toy")]
-            wait_for(lambda: waiting_on_locks() == 2, what="two requests waiting")
+            wait_for(lambda: waiting_on_locks(db["NAME"]) == 2, what="two requests waiting")
             with connection.cursor() as cursor:
                 cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                "WHERE datname = %s AND pid <> pg_backend_pid() AND pid <> %s",
