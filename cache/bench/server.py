@@ -113,7 +113,8 @@ def _cpu_s(pid: int) -> float:
 @contextmanager
 def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None = None, redis_url: str | None = None,
                     celery: bool = False, beat: bool = False, log_dir: Path | None = None,
-                    ready_path: str = "/api/schema/") -> Iterator[RunningServer]:
+                    ready_path: str = "/api/schema/", root: Path = ROOT,
+                    release_on_stop: bool = False) -> Iterator[RunningServer]:
     """Serve tvcache as deployed (production settings, `workers` processes, a psycopg pool of 16
     per process) on a free loopback port, on `db` and `redis_url` (default: this process's
     environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
@@ -122,7 +123,9 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     afterwards. So with a broker but without `celery` those jobs are queued and never run: the
     caller measures the request path alone, or starts its own worker on `RunningServer.queue`.
     Without a Redis URL there is no worker: the service then runs its background work in
-    process (its embedded default). Logs go to `log_dir` if given."""
+    process (its embedded default). Logs go to `log_dir` if given. `root`: the checkout served
+    (another one than this, to measure it). With `release_on_stop`, once stopped it stops the
+    sandboxes of the instance's database, as the run command does (`manage.py release_sandboxes`)."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
     queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
@@ -148,7 +151,7 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
         try:
             for name, argv in commands.items():
                 log = stack.enter_context(open(log_dir / f"{name}.log", "wb")) if log_dir else subprocess.DEVNULL
-                processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+                processes.append(subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT))
             url = f"http://127.0.0.1:{port}"
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
             if "celery" in commands:
@@ -157,6 +160,9 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
             yield RunningServer(url, processes[0].pid, queue)
         finally:
             stop(processes, timeout_s=30)
+            if release_on_stop:
+                subprocess.run([sys.executable, "manage.py", "release_sandboxes"], cwd=root, env=env, check=False,
+                               timeout=300)
             if queue:
                 _queue_delete(broker, queue)
 
