@@ -180,8 +180,9 @@ TVCACHE = {
     # it plus the other lanes' threads).
     "TOOLSERVER_THREADS": env.int("TVCACHE_TOOLSERVER_THREADS", default=12),
     # Threads per ASGI process that answer tool-server calls until they need a tool run: hits never
-    # queue behind misses that run tools, nor behind rollouts waiting for another's run.
-    "TOOLSERVER_HIT_THREADS": env.int("TVCACHE_TOOLSERVER_HIT_THREADS", default=1),
+    # queue behind misses that run tools, nor behind rollouts waiting for another's run. Two: a
+    # rollout's first call commits its row, and a hit queued behind that commit waited as long.
+    "TOOLSERVER_HIT_THREADS": env.int("TVCACHE_TOOLSERVER_HIT_THREADS", default=2),
     # Bounded queues (ASGI): requests that may wait for a lane's threads beyond those running, per
     # process; one more answers 503 `overloaded` with Retry-After at once. EXEC_QUEUE is the
     # tool-run lane's (each waits for a tool run to end); FLIGHT_WAITERS counts the tool-server

@@ -453,7 +453,7 @@ class HotPathASGI:
             # body buffered (a flood of large unauthenticated bodies costs a header each).
             refusal = await self._refusal(view, scope, authorization, rid, clock)
             if refusal is not None:
-                return await self._send(send, refusal, clock.header(refusal))
+                return await self._send(send, refusal, clock.header(refusal), unread=headers[b"content-length"] != b"0")
         length = int(headers[b"content-length"])
         if self.hot.too_big(length):
             body = None  # answered 413 without reading it
@@ -471,7 +471,7 @@ class HotPathASGI:
                           read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
                           incoming_id=rid)
         answer = await self._handed_on(view, respond, clock, rid)
-        await self._send(send, answer, clock.header(answer))
+        await self._send(send, answer, clock.header(answer), unread=body is None and length > 0)
 
     async def _handed_on(self, view: type[LeanPostView], respond: Callable[..., Answered | HandBack],
                          clock: _Clock, rid: str) -> Answered:
@@ -501,9 +501,12 @@ class HotPathASGI:
                 return answer
 
     @staticmethod
-    async def _send(send, answer: Answered, timing: tuple[str, str]) -> None:
+    async def _send(send, answer: Answered, timing: tuple[str, str], unread: bool = False) -> None:
+        """The answer; with `unread` (a body left unread) the connection is closed after it, rather
+        than the server reading and dropping the rest of the body to keep it alive."""
+        headers = [*answer.headers, timing, ("Connection", "close")] if unread else [*answer.headers, timing]
         await send({"type": "http.response.start", "status": answer.status,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in [*answer.headers, timing]]})
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
         await send({"type": "http.response.body", "body": answer.body})
 
     @staticmethod

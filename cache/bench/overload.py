@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +89,9 @@ def setup(client: httpx.Client, run_id: str, paths: int) -> tuple[str, str, list
     requests = []
     for index in range(4096):
         if index % 2:
-            requests.append({"kind": "tool_hit", "path": f"/api/v1/tasks/{tool_task}/rollouts/h{index}/calls",
+            # 256 rollouts in turn, as a step's rollouts call again and again (a rollout's first
+            # call creates it); the same one comes back 5 s later at 100 requests/s.
+            requests.append({"kind": "tool_hit", "path": f"/api/v1/tasks/{tool_task}/rollouts/h{index // 2 % 256}/calls",
                              "body": {"call": bash("echo cached")}})
         else:
             prefix, call = recorded[index // 2 % len(recorded)]
@@ -100,14 +101,17 @@ def setup(client: httpx.Client, run_id: str, paths: int) -> tuple[str, str, list
 
 
 def drive(url: str, token: str, requests_file: Path, rate: float, duration: float, out: Path) -> dict:
+    """One open-loop run of the load generator."""
     subprocess.run([sys.executable, "-m", "cache.bench.loadgen", "--url", url, "--rate", str(rate), "--duration",
                     str(duration), "--requests", str(requests_file), "--token", token, "--connections", "32",
                     "--drain", "60", "--out", str(out)], check=True, cwd=ROOT)
     return json.loads(out.read_text())
 
 
-def summary(result: dict) -> dict:
-    rows = {}
+def summary(result: dict, service, cpu_before: float, load_before: float) -> dict:
+    """Latency percentiles and answers per kind of hit; the server's CPU seconds meanwhile and the
+    machine's 1-minute load average before the phase (the machine is shared)."""
+    rows: dict = {"server_cpu_s": round(service.cpu_s() - cpu_before, 1), "load_avg_before": round(load_before, 2)}
     for kind in ("lookup_hit", "tool_hit"):
         latencies = [ms for k, _, ms in result["results"] if k == kind]
         statuses: dict[str, int] = {}
@@ -135,7 +139,6 @@ async def _flood(host: str, port: int, connections: int, until: float, tally: di
                 line = await asyncio.wait_for(reader.readline(), 30)
                 status = line.split(b" ")[1].decode() if line.startswith(b"HTTP/") else "none"
                 tally[status] = tally.get(status, 0) + 1
-                tally["bytes_sent"] = tally.get("bytes_sent", 0) + len(body)
                 writer.close()
             except (OSError, asyncio.TimeoutError) as exc:
                 tally[type(exc).__name__] = tally.get(type(exc).__name__, 0) + 1
@@ -180,30 +183,31 @@ def leaders_and_waiters(client: httpx.Client, task: str, leaders: int, waiters: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", type=float, default=200.0, help="hits per second offered (both kinds)")
+    parser.add_argument("--rate", type=float, default=100.0, help="hits per second offered (both kinds)")
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--leaders", type=int, default=12)
     parser.add_argument("--waiters", type=int, default=3, help="per leader")
-    parser.add_argument("--flood", type=int, default=16, help="connections sending 2 MB bodies")
+    parser.add_argument("--flood", type=int, default=8, help="connections sending 2 MB bodies")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--paths", type=int, default=256)
     parser.add_argument("--served-from", type=Path, default=ROOT, help="the checkout whose service is measured")
     parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench")
     args = parser.parse_args()
-    os.environ.setdefault("DB_POOL_SIZE", "20")  # 12 tool runs hold a connection each, plus the other lanes
+    os.environ.setdefault("DB_POOL_SIZE", "24")  # 12 tool runs hold a connection each, plus the other lanes
     token = token_made(args.served_from)
     run_id = uuid.uuid4().hex[:6]
     figures: dict = {"meta": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                               "cores": os.cpu_count(), "flood_body_bytes": FLOOD_BODY_BYTES}}
     with tempfile.TemporaryDirectory() as tmp, \
-            service_running(workers=args.workers, root=args.served_from, release_on_stop=True) as service, \
+            service_running(workers=args.workers, root=args.served_from) as service, \
             httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
         _, tool_task, requests = setup(client, run_id, args.paths)
         requests_file = Path(tmp) / "requests.json"
         requests_file.write_text(json.dumps(requests))
         drive(service.url, token, requests_file, args.rate, 3.0, Path(tmp) / "warmup.json")
+        before = service.cpu_s(), os.getloadavg()[0]
         figures["quiet"] = summary(drive(service.url, token, requests_file, args.rate, args.duration,
-                                         Path(tmp) / "quiet.json"))
+                                         Path(tmp) / "quiet.json"), service, *before)
         print("quiet", json.dumps(figures["quiet"]), flush=True)
         slow_s = args.duration + 15
         with ThreadPoolExecutor(args.leaders * (1 + args.waiters)) as pool:
@@ -212,11 +216,12 @@ def main() -> None:
             host, port = service.url.removeprefix("http://").split(":")
             flooder = multiprocessing.get_context("fork").Process(
                 target=flood, args=(host, int(port), args.flood, args.duration + 1, queue))
+            before = service.cpu_s(), os.getloadavg()[0]
             flooder.start()
             stressed = drive(service.url, token, requests_file, args.rate, args.duration, Path(tmp) / "stressed.json")
             figures["flood"] = queue.get(timeout=120)
             flooder.join()
-            figures["stressed"] = summary(stressed)
+            figures["stressed"] = summary(stressed, service, *before)
             print("stressed", json.dumps(figures["stressed"]), flush=True)
             outcomes = [future.result() for future in calls]
         leaders = [o for o in outcomes if o["rollout"].startswith("lead")]
@@ -226,6 +231,8 @@ def main() -> None:
         figures["waiters"] = {"answered_cached": sum(o["status"] == 200 and bool(o["cached"]) for o in waiters),
                               "of": len(waiters), "statuses": sorted({o["status"] for o in waiters})}
         figures["executions"] = client.get(f"/api/v1/tasks/{tool_task}/stats").json()["executions"]
+        for outcome in outcomes:  # their sandboxes are stopped (waiters that got a hit have none)
+            client.delete(f"/api/v1/tasks/{tool_task}/rollouts/{outcome['rollout']}")
     write(args.out, figures)
 
 
@@ -238,11 +245,14 @@ def write(out: Path, figures: dict) -> None:
              f"Stressed: {meta['leaders']} slow tool-server leaders with {meta['waiters']} waiters each, and "
              f"{meta['flood']} connections sending 2 MB bodies without a valid token "
              f"({figures['flood'].get('requests_per_s')} requests/s: {_tally(figures['flood'])}).", "",
-             "| phase | hit | P50 ms | P95 ms | P99 ms | max ms | answers |", "|---|---|---:|---:|---:|---:|---|"]
+             "| phase | hit | P50 ms | P95 ms | P99 ms | max ms | answers | server CPU s | load avg before |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for phase in ("quiet", "stressed"):
-        for kind, row in figures[phase].items():
+        for kind in ("lookup_hit", "tool_hit"):
+            row = figures[phase][kind]
             lines.append(f"| {phase} | {kind} | {row['p50']} | {row['p95']} | {row['p99']} | {row['max']} "
-                         f"| {_tally(row['statuses'])} |")
+                         f"| {_tally(row['statuses'])} | {figures[phase]['server_cpu_s']} "
+                         f"| {figures[phase]['load_avg_before']} |")
     lines += ["", f"Leaders answered: {figures['leaders']['answered']} of {figures['leaders']['of']}; waiters answered "
               f"from the leader's result: {figures['waiters']['answered_cached']} of {figures['waiters']['of']}; "
               f"tool runs of the docker task: {figures['executions']}."]
@@ -251,7 +261,7 @@ def write(out: Path, figures: dict) -> None:
 
 
 def _tally(counts: dict) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if k not in ("requests_per_s", "bytes_sent"))
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if k != "requests_per_s")
 
 
 if __name__ == "__main__":

@@ -144,8 +144,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
         context = CallContext(history, call, rollout_id, epoch, None)
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
-        with phases.timed("lookup"):
-            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
+        with phases.timed("lookup"):  # (a lane that serves hits takes no lease: a miss moves on, cache/lanes.py)
+            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox and not _fast_lane())
         with _single_flight(handle, context, answer, resume=not has_sandbox, phases=phases) as flight:
             answer = flight.answer
             if isinstance(answer, LookupHit):
@@ -218,11 +218,15 @@ class _Flight:
             self.key = None
 
 
+def _fast_lane() -> bool:
+    lane = lane_current()
+    return lane is not None and lane.fast
+
+
 def _slow_lane_needed(answer=None) -> None:
     """On a front door's lane that serves hits, a call that runs a tool moves to the slow lane
     (cache/lanes.py) before it does anything; the lookup's lease is given back first."""
-    lane = lane_current()
-    if lane is not None and lane.fast:
+    if _fast_lane():
         _drop_lease(answer)
         raise SlowWork()
 
