@@ -15,6 +15,7 @@ from cache.api.lean import HotPathASGI  # noqa: E402
 from cache.api.views import LookupView, RecordView  # noqa: E402
 from dashboard.routing import websocket_application  # noqa: E402
 from sandboxes.api import RolloutCallView  # noqa: E402
+from workers.periodic import periodic_jobs_start  # noqa: E402
 
 conf = settings.TVCACHE
 http_application = HotPathASGI(django_asgi, [LookupView, RecordView, RolloutCallView],
@@ -25,3 +26,4 @@ http_application = HotPathASGI(django_asgi, [LookupView, RecordView, RolloutCall
                                       "auth": conf["LANE_QUEUE"], "exec": conf["EXEC_QUEUE"]},
                                waiters=conf["FLIGHT_WAITERS"])
 application = ProtocolTypeRouter({"http": http_application, "websocket": websocket_application})
+periodic_jobs_start()  # without Celery beat (no Redis), this process runs the periodic jobs

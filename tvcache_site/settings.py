@@ -51,7 +51,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
 if not REDIS_URL:
-    EMBEDDED.append("background work: in-process (set REDIS_URL for Celery and Channels on Redis)")
+    EMBEDDED.append("background and periodic work: in-process (set REDIS_URL for Celery and Channels on Redis)")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -147,10 +147,14 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_QUEUE", default="tvcache")
+# The periodic jobs: Celery beat's with Redis, else the service's own processes run them
+# (workers/periodic.py, TVCACHE["PERIODIC_IN_PROCESS"]). Intervals in seconds.
 CELERY_BEAT_SCHEDULE = {
-    "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap", "schedule": 15.0},
-    "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect", "schedule": 30.0},
-    "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": 300.0},
+    "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap",
+                                  "schedule": env.float("TVCACHE_REAP_EVERY_S", default=15.0)},
+    "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect",
+                                 "schedule": env.float("TVCACHE_COLLECT_EVERY_S", default=30.0)},
+    "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": env.float("TVCACHE_ORPHANS_EVERY_S", default=300.0)},
     "vacuum-tables": {"task": "workers.tasks.tables_vacuum", "schedule": 60.0},  # if autovacuum is off
     "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
 }
@@ -243,6 +247,12 @@ TVCACHE = {
     "POOL_IDLE_S": env.float("TVCACHE_POOL_IDLE_S", default=600.0),
     # WARMING rows older than this belong to a worker that died: the reaper fails them.
     "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
+    # A sandbox or snapshot labelled as ours that the database does not know is removed once it is
+    # this old (a younger one may still be on its way into the database).
+    "ORPHAN_GRACE_S": env.float("TVCACHE_ORPHAN_GRACE_S", default=120.0),
+    # The periodic jobs (CELERY_BEAT_SCHEDULE) run in the service's processes: by default when there
+    # is no Redis, hence no Celery beat (workers/periodic.py).
+    "PERIODIC_IN_PROCESS": env.bool("TVCACHE_PERIODIC_IN_PROCESS", default=not REDIS_URL),
     # Determinism audit: the fraction of hits re-executed and compared, for a task that does not
     # set its own `audit_rate`; a tool with more than AUDIT_MAX_DIVERGENT divergent nodes in a
     # task becomes uncacheable for it.
