@@ -149,3 +149,41 @@ def test_without_a_secret_key_production_settings_refuse_to_start():
     with_key = subprocess.run(check, cwd=ROOT, env={**env, "SECRET_KEY": "k" * 50}, capture_output=True, text=True,
                               timeout=60)
     assert with_key.returncode == 0, with_key.stderr
+
+
+def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(api, toy_task, token):
+    """A served instance whose broker and channel layer point where nothing listens. Every answer
+    within the client's 10 s (a publish to a dead broker took 6.6 s when it was on the path)."""
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    db = settings.DATABASES["default"]
+    with service_running(db=db, redis_url=nowhere, workers=1) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=10) as client:
+        lookup = client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W})
+        assert lookup.status_code == 200 and lookup.json()["hit"] is False
+        recorded = client.post("/api/v1/tasks/toy/record", json={"history": [], "call": W, "result": {"ok": True},
+                                                                 "exec_ms": 60_000.0})
+        assert recorded.status_code == 200 and recorded.json()["snapshot"] == "wanted", recorded.text
+        registered = client.post(f"/api/v1/tasks/toy/nodes/{recorded.json()['node_id']}/snapshots",
+                                 json={"ref": "client-snap-1", "backend": "external"})
+        assert registered.status_code in (200, 201), registered.text
+        assert client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W}).json()["hit"] is True
+        # Tool-server mode on folder sandboxes; every hit audited (a job for a worker), and a step
+        # announced (warm-ups for a worker): with the broker down they run in process or are dropped.
+        put = client.put("/api/v1/tasks/folders", json={"env": {"backend": "directory"}, "audit_rate": 1.0,
+                                                        "tools": {"read_file": {"mutates_state": False}}})
+        assert put.status_code == 201, put.text
+        write = {"tool": "write_file", "args": {"path": "a", "content": "1"}}
+        read = {"tool": "read_file", "args": {"path": "a"}}
+        for rollout in ("r1", "r2"):
+            for call in (write, read):
+                answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": call})
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["cached"] is (rollout == "r2")
+        assert answer.json()["result"]["output"] == "1"
+        step = client.post("/api/v1/steps", json={"tasks": ["folders"], "rollouts_per_task": 2, "epoch": 1})
+        assert step.status_code == 202, step.text
+        wait_for(lambda: Sandbox.objects.filter(task_id="folders", pool="root", state="ready").count() == 2, 60,
+                 "root sandboxes warmed in process")
+        assert client.delete("/api/v1/tasks/folders/rollouts/r1").status_code == 204
+        stats = client.get("/api/v1/tasks/folders")
+        assert stats.status_code == 200 and stats.json()["stats"]["hits"] == 2, stats.text
