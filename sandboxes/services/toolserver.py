@@ -50,8 +50,8 @@ from cache.services.background import job_enqueue
 from cache.tcg import TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
-from sandboxes.backends.base import (DiskQuotaExceeded, InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
-                                     SnapshotMissing, ToolNotFound)
+from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone,
+                                     SandboxTampered, SnapshotMissing, ToolNotFound)
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
@@ -312,7 +312,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         _retire(run.row, run.backend, exc.message)
         raise as_application_error(exc) from None
-    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded) as exc:  # refused before it ran: the sandbox is as it was
+    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
     except SandboxError as exc:  # failed once the call may have run (a broken stream, a tampered sandbox)
@@ -419,6 +419,8 @@ def _rollout_sandbox(task, backend, rollout, context: CallContext, answer, phase
             return _from_root(task, backend, policy, rollout, context, answer, phases)
         except SandboxGone:  # died between calls: materialize a new one below
             set_state(row, Sandbox.State.FAILED, rollout=None, error="gone between calls")
+        except SandboxError as exc:  # the engine failed during the replay (the sandbox is retired)
+            raise as_application_error(exc) from None
     try:
         with phases.timed("materialize"):
             run = _materialize(task, backend, policy, rollout, answer, phases)
@@ -500,10 +502,14 @@ def _replay_verified(run: _Run, calls, context: CallContext, answer) -> bool:
     a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):
-        for call in calls:
-            if run.sandbox.execute(call.tool, call.args).get("timed_out"):
-                run.diverged = f"the replay of {call.tool} timed out"
-                break
+        try:
+            for call in calls:
+                if run.sandbox.execute(call.tool, call.args).get("timed_out"):
+                    run.diverged = f"the replay of {call.tool} timed out"
+                    break
+        except SandboxError as exc:  # cut off: how far it got, so the sandbox's state, is unknown
+            _retire(run.row, run.backend, f"its replay failed ({exc.code}): its state is unknown")
+            raise
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
         run.row.applied = len(history)
