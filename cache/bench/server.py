@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,13 +82,15 @@ class RunningServer:
     url: str
     pid: int
     queue: str | None = None  # where its background jobs go (a queue of its own), if it has a broker
+    worker_pid: int | None = None  # its Celery worker's, if it has one
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the server and its live child processes."""
-        return sum(_cpu_s(pid) for pid in _tree(self.pid))
+        return sum(_cpu_s(pid) for pid in process_tree(self.pid))
 
 
-def _tree(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants' pids, parents first."""
     parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -100,6 +103,13 @@ def _tree(root: int) -> list[int]:
         frontier = [pid for pid, parent in parents.items() if parent in frontier]
         tree += frontier
     return tree
+
+
+def crash(root: int) -> None:
+    """SIGKILL to `root` and its descendants at once, as a crash (or the OOM killer) would."""
+    for pid in process_tree(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _cpu_s(pid: int) -> float:
@@ -157,7 +167,7 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
             if "celery" in commands:
                 wait_until(lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
                            "the Celery worker", processes)
-            yield RunningServer(url, processes[0].pid, queue)
+            yield RunningServer(url, processes[0].pid, queue, processes[1].pid if len(processes) > 1 else None)
         finally:
             stop(processes, timeout_s=30)
             if release_on_stop:

@@ -187,3 +187,71 @@ def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(ap
         assert client.delete("/api/v1/tasks/folders/rollouts/r1").status_code == 204
         stats = client.get("/api/v1/tasks/folders")
         assert stats.status_code == 200 and stats.json()["stats"]["hits"] == 2, stats.text
+
+
+def test_sigkill_of_the_worker_then_of_the_server_mid_load_loses_no_acknowledged_write(api, toy_task, token):
+    """Records and tool-server calls (folder sandboxes, steps announced: jobs for the worker) from
+    four clients; the Celery worker is killed (SIGKILL, its whole tree) mid-load, then the web
+    server. Every write the service acknowledged is in PostgreSQL, and a new server serves it."""
+    import threading
+
+    from cache.bench.server import crash
+    from cache.models import Node, Rollout
+
+    assert api.put("/api/v1/tasks/folders", {"env": {"backend": "directory"}}, format="json").status_code == 201
+    db = settings.DATABASES["default"]
+    records: list[tuple[dict, int]] = []  # (call, node id) acknowledged
+    calls: dict[str, list[dict]] = {}  # rollout -> its acknowledged calls, in order
+    stop = threading.Event()
+
+    def load(client: httpx.Client, index: int) -> None:
+        rollout, n = f"t{index}", 0
+        calls[rollout] = []
+        while not stop.is_set():
+            n += 1
+            written = call("write", path=f"{index}-{n}", content="x")
+            write = {"tool": "write_file", "args": {"path": f"f{n}", "content": str(n)}}
+            try:
+                answer = client.post("/api/v1/tasks/toy/record", json={"history": [W], "call": written,
+                                                                       "result": {"ok": n}, "exec_ms": 1.0})
+                if answer.status_code == 200:
+                    records.append((written, answer.json()["node_id"]))
+                answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": write})
+                if answer.status_code == 200:
+                    calls[rollout].append(write)
+                if n % 5 == 0:
+                    client.post("/api/v1/steps", json={"tasks": ["folders"], "rollouts_per_task": 2, "epoch": n})
+            except httpx.TransportError:  # cut off by the crash: not acknowledged
+                pass
+
+    with service_running(db=db, workers=2, celery=True) as service:
+        clients = [httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30)
+                   for _ in range(4)]
+        threads = [threading.Thread(target=load, args=(client, i)) for i, client in enumerate(clients)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(records) >= 20, 60, "twenty records")
+        crash(service.worker_pid)
+        acknowledged = len(records)
+        wait_for(lambda: len(records) >= acknowledged + 20, 60, "twenty records without the worker")
+        crash(service.pid)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert sum(map(len, calls.values())) >= 20
+    nodes = dict(Node.objects.filter(pk__in=[node for _, node in records]).values_list("pk", "tool"))
+    assert len(nodes) == len(records)  # every acknowledged record is there
+    for rollout, acknowledged_calls in calls.items():
+        history = Rollout.objects.get(task_id="folders", rollout_id=rollout).history
+        assert history[:len(acknowledged_calls)] == acknowledged_calls  # and every acknowledged call, in order
+        assert len(history) - len(acknowledged_calls) <= 1  # at most the one cut off
+    with service_running(db=db, workers=1, release_on_stop=True) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30) as client:
+        for written, node_id in records:
+            hit = client.post("/api/v1/tasks/toy/lookup", json={"history": [W], "call": written}).json()
+            assert hit["hit"] is True and hit["node_id"] == node_id
+        for rollout, acknowledged_calls in calls.items():  # each rollout goes on where it was
+            last = acknowledged_calls[-1]["args"]["path"]
+            read = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
+                               json={"call": {"tool": "read_file", "args": {"path": last}}})
+            assert read.status_code == 200 and read.json()["result"]["output"] == last[1:], read.text

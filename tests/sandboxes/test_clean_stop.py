@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import token_create
-from cache.bench.server import ROOT, _queue_delete, _tree, answers, database_url, free_port, wait_until
+from cache.bench.server import ROOT, _queue_delete, answers, process_tree, database_url, free_port, wait_until
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import backend_named, labels
 
@@ -56,7 +56,7 @@ def test_stopping_the_run_command_stops_its_processes_and_sandboxes(busybox, doc
         running = threading.Thread(target=call, args=("busy", "sleep 120"))
         running.start()
         wait_until(lambda: Sandbox.objects.filter(task_id=task, state="leased").count() == 2, 60, "two sandboxes")
-        processes = [pid for pid in _tree(serve.pid) if pid != serve.pid]
+        processes = [pid for pid in process_tree(serve.pid) if pid != serve.pid]
         assert len(processes) >= 3  # uvicorn, its worker, Celery (and its pool)
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=120)
