@@ -175,8 +175,8 @@ def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(ap
         write = {"tool": "write_file", "args": {"path": "a", "content": "1"}}
         read = {"tool": "read_file", "args": {"path": "a"}}
         for rollout in ("r1", "r2"):
-            for call in (write, read):
-                answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": call})
+            for tool_call in (write, read):
+                answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": tool_call})
                 assert answer.status_code == 200, answer.text
                 assert answer.json()["cached"] is (rollout == "r2")
         assert answer.json()["result"]["output"] == "1"
