@@ -54,3 +54,15 @@ def lane_current() -> LaneContext | None:
 def lane_set(context: LaneContext | None) -> None:
     """Called by the front door around each run of a request's work (None after it)."""
     _local.context = context
+
+
+def on_fast_lane() -> bool:
+    lane = lane_current()
+    return lane is not None and lane.fast
+
+
+def slow_lane_needed() -> None:
+    """Called before work that runs a tool: on a lane that serves hits it hands the request on to
+    the slow lane (the caller has undone what it started)."""
+    if on_fast_lane():
+        raise SlowWork()
