@@ -18,13 +18,19 @@ if not User.objects.filter(username='admin').exists():
 .venv/bin/python manage.py shell -v 0 -c "from cache.models import ApiToken; ApiToken.objects.filter(name='demo').delete()"
 TOKEN=$(.venv/bin/python manage.py create_token demo)
 
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-DB_POOL_SIZE=16 .venv/bin/python -m uvicorn tvcache_site.asgi:application --host 127.0.0.1 --port 8000 --workers 2 \
-  --log-level warning --no-access-log & pids+=($!)
-if [ -n "${REDIS_URL:-}" ]; then
-  .venv/bin/python -m celery -A tvcache_site worker -B -s var/celerybeat-schedule -Q tvcache --concurrency 2 -l warning & pids+=($!)
-fi
+# `serve` runs uvicorn (and, with Redis, a Celery worker with beat) until it gets SIGTERM, then
+# stops them and every sandbox the service started. Ctrl-C, SIGTERM or the end of this script
+# stop it (and the workload); no container outlives the demo.
+workload=
+stop_all() {
+  trap - EXIT INT TERM
+  if [ -n "$workload" ]; then kill "$workload" 2>/dev/null || true; fi
+  kill -TERM "$server" 2>/dev/null && wait "$server" || true
+}
+.venv/bin/python manage.py serve --port 8000 --workers 2 & server=$!
+trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 for _ in $(seq 1 60); do curl -sf -o /dev/null http://127.0.0.1:8000/api/schema/ && break; sleep 0.5; done
 
 cat <<MSG
@@ -35,6 +41,9 @@ cat <<MSG
     API token:  $TOKEN
 
 MSG
-.venv/bin/python manage.py demo_workload --url http://127.0.0.1:8000 --token "$TOKEN"
+# In the background: bash runs a trap between commands only, and SIGTERM must stop the demo at once.
+.venv/bin/python manage.py demo_workload --url http://127.0.0.1:8000 --token "$TOKEN" & workload=$!
+wait "$workload"
+workload=
 echo "demo workload done; the service keeps running (Ctrl-C to stop)"
-wait "${pids[0]}"
+wait "$server"

@@ -59,3 +59,10 @@ class DatabaseUnavailable(ServiceUnavailable):
     was written unless it had committed, and the next request gets a new connection."""
 
     code = "database_unavailable"
+
+
+class Overloaded(ServiceUnavailable):
+    """Every thread of a lane is busy and its queue is full: refused at once rather than queued
+    without bound (the client retries after Retry-After)."""
+
+    code = "overloaded"

@@ -51,7 +51,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
 if not REDIS_URL:
-    EMBEDDED.append("background work: in-process (set REDIS_URL for Celery and Channels on Redis)")
+    EMBEDDED.append("background and periodic work: in-process (set REDIS_URL for Celery and Channels on Redis)")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -148,10 +148,14 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_QUEUE", default="tvcache")
+# The periodic jobs: Celery beat's with Redis, else the service's own processes run them
+# (workers/periodic.py, TVCACHE["PERIODIC_IN_PROCESS"]). Intervals in seconds.
 CELERY_BEAT_SCHEDULE = {
-    "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap", "schedule": 15.0},
-    "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect", "schedule": 30.0},
-    "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": 300.0},
+    "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap",
+                                  "schedule": env.float("TVCACHE_REAP_EVERY_S", default=15.0)},
+    "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect",
+                                 "schedule": env.float("TVCACHE_COLLECT_EVERY_S", default=30.0)},
+    "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": env.float("TVCACHE_ORPHANS_EVERY_S", default=300.0)},
     "vacuum-tables": {"task": "workers.tasks.tables_vacuum", "schedule": 60.0},  # if autovacuum is off
     "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
 }
@@ -176,9 +180,21 @@ TVCACHE = {
     # its commit to reach the disk, and a lookup queued behind it waited as long (sql replay, 8
     # rollouts in flight: lookup P95 14 to 33 ms on one shared thread).
     "RECORD_THREADS": env.int("TVCACHE_RECORD_THREADS", default=2),
-    # Threads per ASGI process for tool-server calls: the calls of this many rollouts run at once
-    # (each holds a database connection while it runs: keep DB_POOL_SIZE above it).
+    # Threads per ASGI process that run tool-server calls' tools (misses): the calls of this many
+    # rollouts run at once (each holds a database connection while it runs: keep DB_POOL_SIZE above
+    # it plus the other lanes' threads).
     "TOOLSERVER_THREADS": env.int("TVCACHE_TOOLSERVER_THREADS", default=12),
+    # Threads per ASGI process that answer tool-server calls until they need a tool run: hits never
+    # queue behind misses that run tools, nor behind rollouts waiting for another's run. Two: a
+    # rollout's first call commits its row, and a hit queued behind that commit waited as long.
+    "TOOLSERVER_HIT_THREADS": env.int("TVCACHE_TOOLSERVER_HIT_THREADS", default=2),
+    # Bounded queues (ASGI): requests that may wait for a lane's threads beyond those running, per
+    # process; one more answers 503 `overloaded` with Retry-After at once. EXEC_QUEUE is the
+    # tool-run lane's (each waits for a tool run to end); FLIGHT_WAITERS counts the tool-server
+    # calls waiting, on the event loop, for another rollout's run of the same call.
+    "LANE_QUEUE": env.int("TVCACHE_LANE_QUEUE", default=256),
+    "EXEC_QUEUE": env.int("TVCACHE_EXEC_QUEUE", default=64),
+    "FLIGHT_WAITERS": env.int("TVCACHE_FLIGHT_WAITERS", default=1024),
     # Managed sandboxes (tool-server mode): where folders live, docker limits and start limiter.
     "SANDBOX_ROOT": env("TVCACHE_SANDBOX_ROOT", default=str(VAR_DIR / "sandboxes")),
     "DOCKER_URL": env("TVCACHE_DOCKER_URL", default=""),  # empty: DOCKER_HOST or the local socket
@@ -232,6 +248,12 @@ TVCACHE = {
     "POOL_IDLE_S": env.float("TVCACHE_POOL_IDLE_S", default=600.0),
     # WARMING rows older than this belong to a worker that died: the reaper fails them.
     "WARMING_TIMEOUT_S": env.float("TVCACHE_WARMING_TIMEOUT_S", default=300.0),
+    # A sandbox or snapshot labelled as ours that the database does not know is removed once it is
+    # this old (a younger one may still be on its way into the database).
+    "ORPHAN_GRACE_S": env.float("TVCACHE_ORPHAN_GRACE_S", default=120.0),
+    # The periodic jobs (CELERY_BEAT_SCHEDULE) run in the service's processes: by default when there
+    # is no Redis, hence no Celery beat (workers/periodic.py).
+    "PERIODIC_IN_PROCESS": env.bool("TVCACHE_PERIODIC_IN_PROCESS", default=not REDIS_URL),
     # Determinism audit: the fraction of hits re-executed and compared, for a task that does not
     # set its own `audit_rate`; a tool with more than AUDIT_MAX_DIVERGENT divergent nodes in a
     # task becomes uncacheable for it.

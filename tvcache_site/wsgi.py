@@ -11,5 +11,7 @@ django_application = get_wsgi_application()
 from cache.api.lean import HotPathApplication  # noqa: E402  (needs the apps loaded)
 from cache.api.views import LookupView, RecordView  # noqa: E402
 from sandboxes.api import RolloutCallView  # noqa: E402
+from workers.periodic import periodic_jobs_start  # noqa: E402
 
 application = HotPathApplication(django_application, [LookupView, RecordView, RolloutCallView])
+periodic_jobs_start()  # without Celery beat (no Redis), this process runs the periodic jobs

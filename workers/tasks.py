@@ -6,6 +6,7 @@ All are idempotent and acknowledged late, so a task whose worker died runs again
 from __future__ import annotations
 
 from celery import shared_task
+from django.conf import settings
 
 from cache import services as cache_services
 from sandboxes import services
@@ -35,7 +36,7 @@ def snapshots_collect() -> dict:
 
 @shared_task(acks_late=True)
 def orphans_reap() -> dict:
-    return services.orphans_reap()
+    return services.orphans_reap(grace_s=settings.TVCACHE["ORPHAN_GRACE_S"])
 
 
 @shared_task(acks_late=True)

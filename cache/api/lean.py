@@ -40,19 +40,23 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
-from cache.errors import ServiceUnavailable
+from cache.errors import Overloaded, ServiceUnavailable
 from cache.inputs import load_json
+from cache.lanes import HandBack, LaneContext, LockAwaited, SlowWork, lane_set
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
 from .auth import trainer_cached, trainer_for_key
 from .errors import application_error
+from .lockwatch import AdvisoryLockWatch
 
 log = logging.getLogger("tvcache.api")
 
 # An endpoint's work once the request is authenticated and parsed: JSON body out, or an
 # ApplicationError with its status and code.
 Answer = Callable[..., bytes]
-Lane = Literal["read", "write", "tool"]
+# Under ASGI: "read" lookups, "write" records, "tool" tool-server calls until they need a tool run
+# ("exec"), "auth" token checks of requests whose token this process has not verified lately.
+Lane = Literal["read", "write", "tool", "exec", "auth"]
 
 
 def json_response(payload: bytes, status: int = 200) -> HttpResponse:
@@ -114,7 +118,8 @@ def extra_headers(status: int) -> list[tuple[str, str]]:
 # that the front doors call too, for requests to `route` ("/api/v1/tasks/{task_id}/lookup": the
 # URL's pattern, arguments in braces). Under ASGI each `lane` has threads of its own: a lookup
 # ("read") never queues behind a record waiting for its commit ("write"), and neither behind a
-# tool-server call ("tool"), which executes tools and gives its connection back after each request.
+# tool-server call ("tool"); a tool-server call that must run a tool moves on to the "exec" lane,
+# so tool-server hits never queue behind tool runs either (cache/lanes.py).
 # Subclasses document `post` with extend_schema_view. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as the operation's description.)
 class LeanPostView(APIView):
@@ -229,27 +234,43 @@ class HotPath:
         return self.max_body is not None and length > self.max_body
 
     def respond(self, view: type[LeanPostView], *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes], request: Callable[[], object], incoming_id: str | None) -> Answered:
+                read_body: Callable[[], bytes], request: Callable[[], object], incoming_id: str | None,
+                lane: Lane | None = None, context: LaneContext | None = None) -> Answered | HandBack:
         """Status, headers, body and the time spent in database statements; `request` builds a
         Django request for the 500 path. The request's id (`incoming_id`, the X-Request-ID header,
-        if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does."""
-        return self._run(view, lambda: lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
-                                                   read_body=read_body), request, incoming_id)
+        if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does.
+        Run on `lane` (default the view's) with `context`, the work may hand the request back
+        instead (cache/lanes.py): then the HandBack is returned."""
+        return self._run(lane or view.lane, lambda: lean_answer(view.answer, path_kwargs=path_kwargs,
+                                                                authorization=authorization, read_body=read_body),
+                         request, incoming_id, context)
 
     def refuse(self, view: type[LeanPostView], *, authorization: str, request: Callable[[], object],
-               incoming_id: str | None) -> Answered | None:
+               incoming_id: str | None, lane: Lane | None = None) -> Answered | None:
         """The answer that refuses the request's token, or None if the token is valid: the check
         that runs before the body is read (the token is then cached, see `token_verified`)."""
-        return self._run(view, lambda: _answered(lambda: lean_refusal(authorization)), request, incoming_id)
+        return self._run(lane or view.lane, lambda: _answered(lambda: lean_refusal(authorization)), request, incoming_id)
 
-    def _run(self, view: type[LeanPostView], work: Callable[[], tuple[int, bytes] | None],
-             request: Callable[[], object], incoming_id: str | None) -> Answered | None:
+    def plain(self, status: int, body: bytes, rid: str) -> Answered:
+        """An answer made without a thread or the database (a refusal on the event loop)."""
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra_headers(status),
+                   (REQUEST_ID_HEADER, rid)]
+        return Answered(status, headers + self.headers, body, 0.0)
+
+    def overloaded(self, lane: str, rid: str) -> Answered:
+        error = Overloaded(f"The service is at capacity ({lane}); retry shortly.", details={"lane": lane})
+        return self.plain(error.status, error_body(error.code, error.message, error.details), rid)
+
+    def _run(self, lane: Lane, work: Callable[[], tuple[int, bytes] | None], request: Callable[[], object],
+             incoming_id: str | None, context: LaneContext | None = None) -> Answered | HandBack | None:
         db = connections[DEFAULT_DB_ALIAS]
-        keep = view.lane != "tool"
+        keep = lane != "exec"  # an exec lane thread runs tools for minutes: it holds no connection meanwhile
         timer = _StatementTimer()
         rid = request_id(incoming_id)
         bound = request_id_bind(rid)
         _check_connection(db, keep=keep)
+        if context is not None:
+            lane_set(context)
         try:
             with db.execute_wrapper(timer):
                 answered = work()
@@ -258,12 +279,17 @@ class HotPath:
             status, body = answered
             headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
                        *extra_headers(status)]
+        except HandBack as handed_back:
+            handed_back.db_s = timer.seconds
+            return handed_back
         except Exception as exc:  # the same logging, signal and JSON 500 as Django's handler
             response = response_for_exception(request(), exc)
             status, body = response.status_code, response.content
             headers = [(k, v) for k, v in response.items() if k.lower() != "content-length"]
             headers.append(("Content-Length", str(len(body))))
         finally:
+            if context is not None:
+                lane_set(None)
             _check_connection(db, keep=keep)
             request_id_unbind(bound)
         headers.append((REQUEST_ID_HEADER, rid))
@@ -291,12 +317,14 @@ class _StatementTimer:
             self.seconds += time.perf_counter() - started
 
 
-def server_timing(arrived: float, started: float, done: float, answered: float, db_s: float) -> tuple[str, str]:
-    """Where the service's time went (perf_counter seconds): waiting for a lane thread, the work
-    and its database statements, the whole (the body read and the hop back to the event loop
-    included), so that a client can tell its own share and the network's from the service's."""
-    return ("Server-Timing", f"queue;dur={(started - arrived) * 1000:.3f}, app;dur={(done - started) * 1000:.3f}, "
-                             f"db;dur={db_s * 1000:.3f}, total;dur={(answered - arrived) * 1000:.3f}")
+def server_timing(*, queue_s: float, app_s: float, db_s: float, total_s: float, wait_s: float = 0.0) -> tuple[str, str]:
+    """Where the service's time went: waiting for lane threads, the work and its database
+    statements, waiting on the event loop for another request's tool run (only when it did), the
+    whole (the body read and the hops back to the event loop included), so that a client can tell
+    its own share and the network's from the service's."""
+    waited = f"wait;dur={wait_s * 1000:.3f}, " if wait_s else ""
+    return ("Server-Timing", f"queue;dur={queue_s * 1000:.3f}, app;dur={app_s * 1000:.3f}, db;dur={db_s * 1000:.3f}, "
+                             f"{waited}total;dur={total_s * 1000:.3f}")
 
 
 class HotPathApplication:
@@ -329,24 +357,49 @@ class HotPathApplication:
             view, path_kwargs=path_kwargs, authorization=environ.get("HTTP_AUTHORIZATION", ""), read_body=read_body,
             request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}),
             incoming_id=environ.get("HTTP_X_REQUEST_ID"))
-        done = time.perf_counter()
+        app_s = time.perf_counter() - started
         start_response(f"{answer.status} {HTTPStatus(answer.status).phrase}",
-                       answer.headers + [server_timing(started, started, done, done, answer.db_s)])
+                       answer.headers + [server_timing(queue_s=0.0, app_s=app_s, db_s=answer.db_s, total_s=app_s)])
         return [answer.body]
+
+
+class _Clock:
+    """A request's time on the ASGI front door, over every lane it ran on (Server-Timing)."""
+
+    def __init__(self) -> None:
+        self.arrived = time.perf_counter()
+        self.queue_s = self.app_s = self.db_s = self.wait_s = 0.0
+
+    def header(self, answer: Answered) -> tuple[str, str]:
+        return server_timing(queue_s=self.queue_s, app_s=self.app_s, db_s=self.db_s + answer.db_s,
+                             total_s=time.perf_counter() - self.arrived, wait_s=self.wait_s)
 
 
 class HotPathASGI:
     """ASGI application: the same requests answered by `HotPath` on threads of its own (no thread
     per request, no hop through sync middleware), the rest by `inner`. Each lane has its threads
-    (`threads`: lane -> count), which keep their connections but for the "tool" lane's; so a
+    (`threads`: lane -> count), which keep their connections but for the "exec" lane's; so a
     lookup never waits for a record's commit nor for a tool that runs for minutes. The body is
-    read on the event loop."""
+    read on the event loop.
 
-    def __init__(self, inner, views: list[type[LeanPostView]], *, threads: dict[Lane, int]):
+    Overload answers 503 `overloaded` with Retry-After at once, never a pile-up: a lane takes at
+    most its threads plus `queue[lane]` requests (running or waiting for a thread), and at most
+    `waiters` requests wait on the event loop for another request's tool run (single flight). A
+    request without a well-formed token is refused on the event loop; a token this process has
+    not verified lately is checked on the "auth" lane before the body is read, so a flood of
+    requests with bad tokens and large bodies costs a header each and queues behind no hit."""
+
+    def __init__(self, inner, views: list[type[LeanPostView]], *, threads: dict[Lane, int],
+                 queue: dict[Lane, int] | None = None, waiters: int = 1024):
         self.inner = inner
         self.hot = HotPath(views)
+        threads = {"auth": 1, "exec": threads.get("tool", 1), **threads}
         self.executors = {lane: ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"tvcache-{lane}")
                           for lane, count in threads.items()}
+        self.capacity = {lane: count + (queue or {}).get(lane, 256) for lane, count in threads.items()}
+        self.busy = dict.fromkeys(threads, 0)  # requests running on a lane or waiting for one of its threads
+        self.locks = AdvisoryLockWatch()
+        self.waiters, self.waiting = waiters, 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -358,28 +411,49 @@ class HotPathASGI:
                 return await self._answer(scope, receive, send, headers, *route)
         await self.inner(scope, receive, send)
 
+    async def _in_lane(self, lane: Lane, work: Callable[[], Answered | HandBack | None], clock: _Clock,
+                       rid: str) -> Answered | HandBack | None:
+        """What `work` answers, run on a thread of `lane`; 503 overloaded if the lane is full."""
+        if self.busy[lane] >= self.capacity[lane]:
+            return self.hot.overloaded(f"{lane} lane", rid)
+        self.busy[lane] += 1
+        submitted = time.perf_counter()
+
+        def timed():
+            started = time.perf_counter()
+            return work(), started, time.perf_counter()
+
+        try:
+            answer, started, done = await asyncio.get_running_loop().run_in_executor(self.executors[lane], timed)
+        finally:
+            self.busy[lane] -= 1
+        clock.queue_s += started - submitted
+        clock.app_s += done - started
+        if isinstance(answer, HandBack):
+            clock.db_s += answer.db_s
+        return answer
+
+    async def _refusal(self, view: type[LeanPostView], scope, authorization: str, rid: str,
+                       clock: _Clock) -> Answered | None:
+        """The answer refusing the request's token (None: valid), before the body is read."""
+        parts = authorization.split()
+        if len(parts) != 2 or parts[0].lower() != "token":  # malformed: no database needed
+            return self.hot.plain(*lean_refusal(authorization), rid)
+        return await self._in_lane("auth", partial(self.hot.refuse, view, authorization=authorization, lane="auth",
+                                                   request=lambda: ASGIRequest(scope, io.BytesIO()), incoming_id=rid),
+                                   clock, rid)
+
     async def _answer(self, scope, receive, send, headers: dict[bytes, bytes], path_kwargs: dict[str, str],
                       view: type[LeanPostView]):
-        arrived = time.perf_counter()
-        loop = asyncio.get_running_loop()
-
-        async def in_lane(work: Callable[[], Answered | None]) -> tuple[Answered | None, float, float]:
-            def timed():
-                started = time.perf_counter()
-                return work(), started, time.perf_counter()
-            return await loop.run_in_executor(self.executors[view.lane], timed)
-
+        clock = _Clock()
         authorization = headers.get(b"authorization", b"").decode("latin-1")
-        incoming_id = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
         if not token_verified(authorization):
             # Checked before the body is read: a client without a valid token never gets its
             # body buffered (a flood of large unauthenticated bodies costs a header each).
-            refusal, started, done = await in_lane(partial(self.hot.refuse, view, authorization=authorization,
-                                                           request=lambda: ASGIRequest(scope, io.BytesIO()),
-                                                           incoming_id=incoming_id))
+            refusal = await self._refusal(view, scope, authorization, rid, clock)
             if refusal is not None:
-                return await self._send(send, refusal, server_timing(arrived, started, done, time.perf_counter(),
-                                                                     refusal.db_s))
+                return await self._send(send, refusal, clock.header(refusal), unread=headers[b"content-length"] != b"0")
         length = int(headers[b"content-length"])
         if self.hot.too_big(length):
             body = None  # answered 413 without reading it
@@ -393,15 +467,46 @@ class HotPathASGI:
                 raise RequestDataTooBig()
             return body
 
-        answer, started, done = await in_lane(partial(
-            self.hot.respond, view, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body,
-            request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")), incoming_id=incoming_id))
-        await self._send(send, answer, server_timing(arrived, started, done, time.perf_counter(), answer.db_s))
+        respond = partial(self.hot.respond, view, path_kwargs=path_kwargs, authorization=authorization,
+                          read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
+                          incoming_id=rid)
+        answer = await self._handed_on(view, respond, clock, rid)
+        await self._send(send, answer, clock.header(answer), unread=body is None and length > 0)
+
+    async def _handed_on(self, view: type[LeanPostView], respond: Callable[..., Answered | HandBack],
+                         clock: _Clock, rid: str) -> Answered:
+        """The answer of `respond` on the view's lane, following the work where it hands the
+        request back (cache/lanes.py): on to the "exec" lane, or back to the view's lane once the
+        lock it waits for is free."""
+        lane: Lane = view.lane
+        wait_until = None
+        while True:
+            context = LaneContext(fast=lane == "tool", waited_s=clock.wait_s, wait_until=wait_until)
+            answer = await self._in_lane(lane, partial(respond, lane=lane, context=context), clock, rid)
+            if isinstance(answer, SlowWork):
+                lane = "exec"
+            elif isinstance(answer, LockAwaited):
+                if self.waiting >= self.waiters:
+                    return self.hot.overloaded("single-flight waiters", rid)
+                now = time.monotonic()
+                wait_until = wait_until or now + answer.wait_s
+                self.waiting += 1
+                try:
+                    await self.locks.released(answer.key, max(0.0, wait_until - now))
+                finally:
+                    self.waiting -= 1
+                    clock.wait_s += time.monotonic() - now
+                lane = view.lane
+            else:
+                return answer
 
     @staticmethod
-    async def _send(send, answer: Answered, timing: tuple[str, str]) -> None:
+    async def _send(send, answer: Answered, timing: tuple[str, str], unread: bool = False) -> None:
+        """The answer; with `unread` (a body left unread) the connection is closed after it, rather
+        than the server reading and dropping the rest of the body to keep it alive."""
+        headers = [*answer.headers, timing, ("Connection", "close")] if unread else [*answer.headers, timing]
         await send({"type": "http.response.start", "status": answer.status,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in [*answer.headers, timing]]})
+                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
         await send({"type": "http.response.body", "body": answer.body})
 
     @staticmethod

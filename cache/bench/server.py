@@ -82,11 +82,12 @@ class RunningServer:
     url: str
     pid: int  # the web server's main process (a new one after restart())
     queue: str | None = None  # where its background jobs go (a queue of its own), if it has a broker
+    worker_pid: int | None = None  # its Celery worker's, if it has one
     _restart: Callable[[], int] | None = field(default=None, repr=False, compare=False)
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the server and its live child processes."""
-        return sum(_cpu_s(pid) for pid in _tree(self.pid))
+        return sum(_cpu_s(pid) for pid in process_tree(self.pid))
 
     def restart(self) -> None:
         """Kill the web server (SIGKILL to its whole process tree: a crash, requests in flight get
@@ -97,7 +98,8 @@ class RunningServer:
         self.pid = self._restart()
 
 
-def _tree(root: int) -> list[int]:
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants' pids, parents first."""
     parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -112,6 +114,13 @@ def _tree(root: int) -> list[int]:
     return tree
 
 
+def crash(root: int) -> None:
+    """SIGKILL to `root` and its descendants at once, as a crash (or the OOM killer) would."""
+    for pid in process_tree(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _cpu_s(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -123,7 +132,8 @@ def _cpu_s(pid: int) -> float:
 @contextmanager
 def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None = None, redis_url: str | None = None,
                     celery: bool = False, beat: bool = False, log_dir: Path | None = None,
-                    ready_path: str = "/api/schema/") -> Iterator[RunningServer]:
+                    ready_path: str = "/api/schema/", root: Path = ROOT,
+                    release_on_stop: bool = False) -> Iterator[RunningServer]:
     """Serve tvcache as deployed (production settings, `workers` processes, a psycopg pool of 16
     per process) on a free loopback port, on `db` and `redis_url` (default: this process's
     environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
@@ -132,7 +142,9 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     afterwards. So with a broker but without `celery` those jobs are queued and never run: the
     caller measures the request path alone, or starts its own worker on `RunningServer.queue`.
     Without a Redis URL there is no worker: the service then runs its background work in
-    process (its embedded default). Logs go to `log_dir` if given."""
+    process (its embedded default). Logs go to `log_dir` if given. `root`: the checkout served
+    (another one than this, to measure it). With `release_on_stop`, once stopped it stops the
+    sandboxes of the instance's database, as the run command does (`manage.py release_sandboxes`)."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
     queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
@@ -161,25 +173,26 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
 
         def restart_web() -> int:
             old = processes[0]
-            for pid in _tree(old.pid):  # the workers too: they hold the listening socket
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            crash(old.pid)  # the workers too: they hold the listening socket
             old.wait()
             wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} to stop")
-            processes[0] = subprocess.Popen(commands[kind], cwd=ROOT, env=env, stdout=logs[kind], stderr=subprocess.STDOUT)
+            processes[0] = subprocess.Popen(commands[kind], cwd=root, env=env, stdout=logs[kind], stderr=subprocess.STDOUT)
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} (restarted)", processes)
             return processes[0].pid
 
         try:
             for name, argv in commands.items():
-                processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT))
+                processes.append(subprocess.Popen(argv, cwd=root, env=env, stdout=logs[name], stderr=subprocess.STDOUT))
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
             if "celery" in commands:
                 wait_until(lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
                            "the Celery worker", processes)
-            yield RunningServer(url, processes[0].pid, queue, restart_web)
+            yield RunningServer(url, processes[0].pid, queue, processes[1].pid if len(processes) > 1 else None, restart_web)
         finally:
             stop(processes, timeout_s=30)
+            if release_on_stop:
+                subprocess.run([sys.executable, "manage.py", "release_sandboxes"], cwd=root, env=env, check=False,
+                               timeout=300)
             if queue:
                 _queue_delete(broker, queue)
 

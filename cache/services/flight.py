@@ -4,7 +4,8 @@ its result and are answered from the cache (tool-server mode, the verl-tool prox
 
 A flight is a session advisory lock on (task, anchor state, call digest): a leader whose
 connection dies frees it. A leader that fails or times out records nothing, and the next waiter
-leads."""
+leads. Under the ASGI front door a waiter holds no thread: it hands its request back, and the
+front door runs it again once the lock is free (cache/lanes.py); elsewhere it waits here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from django.conf import settings
 from django.db import connection
 
 from cache.inputs import CallContext
+from cache.lanes import LockAwaited, SlowWork, lane_current
 
 from .lookup import LookupHit, LookupMiss, tcg_lookup
 from .snapshots import lease_release
@@ -69,13 +71,16 @@ class Flight:
 def single_flight(*, task: TaskHandle, context: CallContext, answer, resume: bool, timings: dict[str, float]):
     """Lead the execution of a miss, or wait while another rollout executes the same call in the
     same state and take its result (`flight.answer` is then a hit). The time spent waiting goes
-    to `timings["wait"]`."""
+    to `timings["wait"]`. On a front door's lane (cache/lanes.py) a miss hands its request on
+    instead: to the slow lane from one that serves hits, and back to the event loop to wait."""
     flight = Flight.for_answer(task=task, context=context, answer=answer)
-    if flight.key is not None:
+    lane = lane_current()
+    if lane is not None:
+        _lane_flight(flight, lane, timings)
+    elif flight.key is not None:
         waited = time.perf_counter()
         if flight.wait_to_lead() and flight.waited:  # the leader is done: its result, if it recorded one
-            if isinstance(answer, LookupMiss) and answer.lease_id:
-                lease_release(lease_id=answer.lease_id)
+            _lease_drop(answer)
             flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
             if isinstance(flight.answer, LookupHit):
                 flight.release()
@@ -85,3 +90,24 @@ def single_flight(*, task: TaskHandle, context: CallContext, answer, resume: boo
         yield flight
     finally:
         flight.release()
+
+
+def _lane_flight(flight: Flight, lane, timings: dict[str, float]) -> None:
+    """Lead, or hand the request back (its lease given back first) to wait without a thread."""
+    if lane.waited_s:  # this request waited for a leader already
+        flight.waited = True
+        timings["wait"] = lane.waited_s * 1000
+    if isinstance(flight.answer, LookupMiss) and lane.fast:
+        _lease_drop(flight.answer)
+        raise SlowWork()
+    if flight.key is None or flight.try_lead():
+        return
+    if lane.wait_until is None or time.monotonic() < lane.wait_until:
+        _lease_drop(flight.answer)
+        raise LockAwaited(flight.key, settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"])
+    flight.key = None  # a leader stuck this long: execute alongside it
+
+
+def _lease_drop(answer) -> None:
+    if isinstance(answer, LookupMiss) and answer.lease_id:
+        lease_release(lease_id=answer.lease_id)

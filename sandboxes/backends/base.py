@@ -58,6 +58,11 @@ class EngineUnavailable(SandboxError):
     code = "engine_unavailable"
 
 
+class EngineUnreachable(EngineUnavailable):
+    """The engine could not be reached before the call started: the call did not run, and the
+    sandbox is as it was (if it outlives the engine's restart)."""
+
+
 class SandboxTampered(SandboxError):
     """The sandbox replaced files the service keeps in it (the shell session's) with links, FIFOs
     or devices: it is retired, never read through."""

@@ -44,6 +44,7 @@ from .base import (
     OWNER_LABEL,
     SOURCE_LABEL,
     EngineUnavailable,
+    EngineUnreachable,
     ImageNotAllowed,
     InvalidEnv,
     InvalidToolArgs,
@@ -448,7 +449,10 @@ class DockerSandbox(Sandbox):
         settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
         deadline = time.monotonic() + timeout_s
         argv = ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command]
-        exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, argv)["Id"]
+        try:
+            exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, argv)["Id"]
+        except _ENGINE_DOWN as exc:  # nothing ran yet
+            raise EngineUnreachable(f"docker engine unreachable: {exc}") from exc
         stream = _ExecStream(self._gone_if_missing(api.exec_start, exec_id, socket=True))
         output = _Output(config.output_cap_bytes)
         try:

@@ -133,6 +133,8 @@ class LayerWatch:
                 return [(name, hostfs.read_regular(fd, name, max_bytes=_SESSION_MAX_BYTES))
                         for name in self.session_files]
         except (hostfs.UnsafeEntry, NotADirectoryError, FileNotFoundError) as exc:
+            if not os.path.isdir(self.merged):  # the engine's own folder: the container stopped (unmounted)
+                raise FileNotFoundError(f"the container's root is not mounted: {self.merged}") from None
             raise SessionTampered(f"the shell session's files were replaced: {exc}") from None
         except OSError as exc:
             if exc.errno == 40:  # ELOOP: a link where a folder or file was

@@ -3,7 +3,7 @@ backend interface (`sandboxes.backends.base`), never against one backend."""
 
 from .audit import hit_audit, hit_audit_enqueue
 from .pools import pool_request, sandbox_acquire, sandbox_stop, sandbox_warm, step_announce
-from .reaper import orphans_reap, sandboxes_reap, snapshots_collect, tasks_release
+from .reaper import orphans_reap, sandboxes_reap, sandboxes_release, snapshots_collect, tasks_release
 from .toolserver import CallOutcome, rollout_call, rollout_end
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "sandbox_stop",
     "sandbox_warm",
     "sandboxes_reap",
+    "sandboxes_release",
     "snapshots_collect",
     "step_announce",
     "tasks_release",

@@ -73,6 +73,17 @@ def tasks_release(*, task_ids: list[str]) -> dict[str, int]:
     return {"sandboxes": stopped, **snapshots_collect()}
 
 
+def sandboxes_release() -> dict[str, int]:
+    """Stop every sandbox of this installation, whatever its pool or rollout, and remove the
+    containers labelled as its own that no row accounts for: for a service that stops (the run
+    command on SIGTERM or Ctrl-C), since nothing would reap them until it starts again. Results
+    and snapshots stay; a rollout that calls again later gets a fresh sandbox and replays."""
+    live = Sandbox.objects.exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED]).values_list("pk", flat=True)
+    stopped = sum(sandbox_stop(sandbox_id=pk) for pk in list(live))
+    orphans = orphans_reap(grace_s=0)
+    return {"sandboxes": stopped, "orphans": orphans["sandboxes"]}
+
+
 def orphans_reap(*, grace_s: float = ORPHAN_GRACE_S) -> dict[str, int]:
     """Remove sandboxes and snapshots labelled as ours that no live row accounts for (a worker
     killed between creating a container and saving its id, a deleted task, ...)."""

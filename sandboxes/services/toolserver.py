@@ -39,6 +39,7 @@ from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
+from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.services import (LookupHit, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
                             rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim, single_flight,
@@ -47,8 +48,8 @@ from cache.services.background import job_enqueue
 from cache.tcg import TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
-from sandboxes.backends.base import (DiskQuotaExceeded, InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone, SandboxTampered,
-                                     SnapshotMissing, ToolNotFound)
+from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, InvalidToolArgs, SandboxBackend, SandboxError, SandboxGone,
+                                     SandboxTampered, SnapshotMissing, ToolNotFound)
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
@@ -118,14 +119,15 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
     phases = Phases()
     try:
         if detached:
+            slow_lane_needed()  # (cache/lanes.py)
             with phases.timed("exec"):
                 result = _serve_detached(handle, rollout, call)
             return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True, phases.ms)
         context = CallContext(history, call, rollout_id, epoch, None)
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
-        with phases.timed("lookup"):
-            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
+        with phases.timed("lookup"):  # (a lane that serves hits takes no lease: a miss moves on, cache/lanes.py)
+            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox and not on_fast_lane())
         with single_flight(task=handle, context=context, answer=answer, resume=not has_sandbox,
                            timings=phases.ms) as flight:
             answer = flight.answer
@@ -171,7 +173,7 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         _retire(run.row, run.backend, exc.message)
         raise as_application_error(exc) from None
-    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded) as exc:  # refused before it ran: the sandbox is as it was
+    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
     except SandboxError as exc:  # failed once the call may have run (a broken stream, a tampered sandbox)
@@ -372,7 +374,7 @@ def _replay_verified(run: _Run, calls, context: CallContext, answer) -> bool:
     the sandbox with the fingerprint the history's last node recorded. False (and `diverged` set,
     a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
-    with run.phases.timed("replay"):
+    with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
         for call in calls:
             if run.sandbox.execute(call.tool, call.args).get("timed_out"):
                 run.diverged = f"the replay of {call.tool} timed out"

@@ -1,3 +1,6 @@
+import time
+
+
 def call(tool: str, **args) -> dict:
     return {"tool": tool, "args": args}
 
@@ -13,3 +16,21 @@ def record(api, task, history, c, result, exec_ms=10.0, **extra):
                         {"history": history, "call": c, "result": result, "exec_ms": exec_ms, **extra}, format="json")
     assert response.status_code == 200, response.content
     return response.json()
+
+
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s} s")
+        time.sleep(0.05)
+
+
+def waiting_on_locks(db_name: str) -> int:
+    """Connections of database `db_name` waiting for a lock."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+                       [db_name])
+        return cursor.fetchone()[0]

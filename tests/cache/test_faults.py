@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,19 +21,11 @@ from cache.bench.server import ROOT, database_url, free_port, service_running
 from cache.models import ToolStat
 from sandboxes.models import Sandbox
 
-from .helpers import call, record
+from .helpers import call, record, wait_for, waiting_on_locks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 W = call("write", path="f", content="1")
-
-
-def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout_s} s")
-        time.sleep(0.1)
 
 
 def lookup_of(client: httpx.Client) -> httpx.Response:
@@ -49,18 +40,12 @@ def test_postgresql_dropping_its_connections_answers_503_and_the_service_recover
         assert lookup_of(client).json()["hit"] is True  # the lookup thread holds a connection now
         assert client.get("/api/v1/tasks/toy").status_code == 200
 
-        def waiting_on_locks() -> int:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
-                               [db["NAME"]])
-                return cursor.fetchone()[0]
-
         # Two requests in flight (a hot-path lookup, a Django view) wait for a lock when every
         # connection of the service is terminated, as a PostgreSQL restart would.
         with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(2) as pool:
             blocker.execute("LOCK TABLE cache_node, cache_task IN ACCESS EXCLUSIVE MODE")
             in_flight = [pool.submit(lookup_of, client), pool.submit(client.get, "/api/v1/tasks/toy")]
-            wait_for(lambda: waiting_on_locks() == 2, what="two requests waiting")
+            wait_for(lambda: waiting_on_locks(db["NAME"]) == 2, what="two requests waiting")
             with connection.cursor() as cursor:
                 cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                "WHERE datname = %s AND pid <> pg_backend_pid() AND pid <> %s",
@@ -164,3 +149,109 @@ def test_without_a_secret_key_production_settings_refuse_to_start():
     with_key = subprocess.run(check, cwd=ROOT, env={**env, "SECRET_KEY": "k" * 50}, capture_output=True, text=True,
                               timeout=60)
     assert with_key.returncode == 0, with_key.stderr
+
+
+def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(api, toy_task, token):
+    """A served instance whose broker and channel layer point where nothing listens. Every answer
+    within the client's 10 s (a publish to a dead broker took 6.6 s when it was on the path)."""
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    db = settings.DATABASES["default"]
+    with service_running(db=db, redis_url=nowhere, workers=1) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=10) as client:
+        lookup = client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W})
+        assert lookup.status_code == 200 and lookup.json()["hit"] is False
+        recorded = client.post("/api/v1/tasks/toy/record", json={"history": [], "call": W, "result": {"ok": True},
+                                                                 "exec_ms": 60_000.0})
+        assert recorded.status_code == 200 and recorded.json()["snapshot"] == "wanted", recorded.text
+        registered = client.post(f"/api/v1/tasks/toy/nodes/{recorded.json()['node_id']}/snapshots",
+                                 json={"ref": "client-snap-1", "backend": "external"})
+        assert registered.status_code in (200, 201), registered.text
+        assert client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W}).json()["hit"] is True
+        # Tool-server mode on folder sandboxes; every hit audited (a job for a worker), and a step
+        # announced (warm-ups for a worker): with the broker down they run in process or are dropped.
+        put = client.put("/api/v1/tasks/folders", json={"env": {"backend": "directory"}, "audit_rate": 1.0,
+                                                        "tools": {"read_file": {"mutates_state": False}}})
+        assert put.status_code == 201, put.text
+        write = {"tool": "write_file", "args": {"path": "a", "content": "1"}}
+        read = {"tool": "read_file", "args": {"path": "a"}}
+        for rollout in ("r1", "r2"):
+            for tool_call in (write, read):
+                answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": tool_call})
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["cached"] is (rollout == "r2")
+        assert answer.json()["result"]["output"] == "1"
+        step = client.post("/api/v1/steps", json={"tasks": ["folders"], "rollouts_per_task": 2, "epoch": 1})
+        assert step.status_code == 202, step.text
+        wait_for(lambda: Sandbox.objects.filter(task_id="folders", pool="root", state="ready").count() == 2, 60,
+                 "root sandboxes warmed in process")
+        assert client.delete("/api/v1/tasks/folders/rollouts/r1").status_code == 204
+        stats = client.get("/api/v1/tasks/folders")
+        assert stats.status_code == 200 and stats.json()["stats"]["hits"] == 2, stats.text
+
+
+def test_sigkill_of_the_worker_then_of_the_server_mid_load_loses_no_acknowledged_write(api, toy_task, token):
+    """Records and tool-server calls (folder sandboxes, steps announced: jobs for the worker) from
+    four clients; the Celery worker is killed (SIGKILL, its whole tree) mid-load, then the web
+    server. Every write the service acknowledged is in PostgreSQL, and a new server serves it."""
+    import threading
+
+    from cache.bench.server import crash
+    from cache.models import Node, Rollout
+
+    assert api.put("/api/v1/tasks/folders", {"env": {"backend": "directory"}}, format="json").status_code == 201
+    db = settings.DATABASES["default"]
+    records: list[tuple[dict, int]] = []  # (call, node id) acknowledged
+    calls: dict[str, list[dict]] = {}  # rollout -> its acknowledged calls, in order
+    stop = threading.Event()
+
+    def load(client: httpx.Client, index: int) -> None:
+        rollout, n = f"t{index}", 0
+        calls[rollout] = []
+        while not stop.is_set():
+            n += 1
+            written = call("write", path=f"{index}-{n}", content="x")
+            write = {"tool": "write_file", "args": {"path": f"f{n}", "content": str(n)}}
+            try:
+                answer = client.post("/api/v1/tasks/toy/record", json={"history": [W], "call": written,
+                                                                       "result": {"ok": n}, "exec_ms": 1.0})
+                if answer.status_code == 200:
+                    records.append((written, answer.json()["node_id"]))
+                answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": write})
+                if answer.status_code == 200:
+                    calls[rollout].append(write)
+                if n % 5 == 0:
+                    client.post("/api/v1/steps", json={"tasks": ["folders"], "rollouts_per_task": 2, "epoch": n})
+            except httpx.TransportError:  # cut off by the crash: not acknowledged
+                pass
+
+    with service_running(db=db, workers=2, celery=True) as service:
+        clients = [httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30)
+                   for _ in range(4)]
+        threads = [threading.Thread(target=load, args=(client, i)) for i, client in enumerate(clients)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(records) >= 20, 60, "twenty records")
+        crash(service.worker_pid)
+        acknowledged = len(records)
+        wait_for(lambda: len(records) >= acknowledged + 20, 60, "twenty records without the worker")
+        crash(service.pid)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert sum(map(len, calls.values())) >= 20
+    nodes = dict(Node.objects.filter(pk__in=[node for _, node in records]).values_list("pk", "tool"))
+    assert len(nodes) == len(records)  # every acknowledged record is there
+    for rollout, acknowledged_calls in calls.items():
+        history = Rollout.objects.get(task_id="folders", rollout_id=rollout).history
+        assert history[:len(acknowledged_calls)] == acknowledged_calls  # and every acknowledged call, in order
+        assert len(history) - len(acknowledged_calls) <= 1  # at most the one cut off
+    with service_running(db=db, workers=1, release_on_stop=True) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30) as client:
+        for written, node_id in records:
+            hit = client.post("/api/v1/tasks/toy/lookup", json={"history": [W], "call": written}).json()
+            assert hit["hit"] is True and hit["node_id"] == node_id
+        for rollout, acknowledged_calls in calls.items():  # each rollout goes on where it was
+            last = acknowledged_calls[-1]["args"]["path"]
+            read = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
+                               json={"call": {"tool": "read_file", "args": {"path": last}}})
+            assert read.status_code == 200 and read.json()["result"]["output"] == last[1:], read.text

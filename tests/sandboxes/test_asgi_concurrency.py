@@ -1,8 +1,10 @@
-"""Under the ASGI server the run command uses, a long miss never holds up other rollouts' hits."""
+"""Under the ASGI server the run command uses, a long miss never holds up other rollouts' hits, nor do
+rollouts waiting for it."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -40,3 +42,41 @@ def test_hits_are_answered_while_another_rollouts_long_miss_runs(busybox, docker
         assert all(hit["cached"] for hit in hits)
         assert slow.is_alive()  # the 20 s miss is still running: the hits did not wait for it
         slow.join()
+
+
+def test_rollouts_waiting_for_another_ones_run_hold_no_thread(busybox, docker_task, monkeypatch):
+    """Single flight under load: rollouts that wait for a leader's run of the same call wait on the
+    event loop. With two threads for tool runs, a leader and six waiters still leave one thread for
+    another rollout's miss, and hits are answered meanwhile."""
+    task = docker_task("waiters")
+    token = token_create(name="asgi")
+    monkeypatch.setenv("TVCACHE_TOOLSERVER_THREADS", "2")
+    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+
+        def call(rollout: str, command: str) -> dict:
+            response = client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls", json={"call": bash(command)})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        call("first", "echo cached")
+        slow = "sleep 15; cat /proc/sys/kernel/random/uuid"  # another answer each time it runs
+        with ThreadPoolExecutor(8) as pool:
+            leader = pool.submit(call, "leader", slow)
+            while not Sandbox.objects.filter(rollout__rollout_id="leader", state="leased").exists():
+                assert not leader.done()
+                threading.Event().wait(0.1)
+            waiters = [pool.submit(call, f"waiter-{i}", slow) for i in range(6)]
+            threading.Event().wait(1.0)  # they are waiting by now
+            other = call("other", "echo mine")  # a miss of its own: it runs on the second thread
+            assert other["cached"] is False and other["result"]["stdout"] == "mine\n"
+            hits = [call(f"quick-{i}", "echo cached") for i in range(5)]
+            assert all(hit["cached"] for hit in hits)
+            assert not leader.done() and not any(w.done() for w in waiters)  # the slow run goes on
+            led = leader.result()
+            answers = [w.result() for w in waiters]
+        assert led["cached"] is False
+        assert all(a["cached"] and a["result"] == led["result"] and a["node_id"] == led["node_id"] for a in answers)
+        assert all(a["phases_ms"]["wait"] > 0 for a in answers)
+        stats = client.get(f"/api/v1/tasks/{task}/stats").json()
+        assert stats["executions"] == 3  # first, leader, other: the waiters ran nothing

@@ -3,6 +3,7 @@ pre-forks, eviction, reaping."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import docker
@@ -130,3 +131,46 @@ def test_pre_forks_are_capped_per_task_and_unused_ready_sandboxes_are_stopped(ap
     Sandbox.objects.filter(pk=waiting.pk).update(ready_at=timezone.now() - timedelta(hours=1))
     services.sandboxes_reap()
     assert Sandbox.objects.get(pk=waiting.pk).state == "stopped"
+
+
+def test_without_redis_the_service_runs_the_periodic_jobs_itself_one_process_at_a_time(
+        api, docker_task, busybox, monkeypatch):
+    """The embedded default: no broker, no beat. The served instance (two processes) reaps an idle
+    rollout's sandbox, frees an evicted snapshot and removes an orphan by itself; a job whose
+    advisory lock is held elsewhere waits for it."""
+    from django.conf import settings
+    from django.db import connection
+
+    from cache.bench.server import service_running
+    from workers.periodic import job_lock_key
+
+    task = docker_task("embedded-jobs")
+    run(api, task, "idle", bash("sleep 1; echo a > /a"))  # slow enough to be snapshotted
+    idle = Sandbox.objects.get(rollout__rollout_id="idle")
+    Sandbox.objects.filter(pk=idle.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    snapshot = Snapshot.objects.get(task_id=task, status="live")
+    Task.objects.filter(pk=task).update(sandbox_budget=0)
+    backend = backend_named("docker")
+    orphan = backend.start(Task.objects.get(pk=task).env, labels=labels(task, 10**9))
+    for name, value in (("TVCACHE_REAP_EVERY_S", "1"), ("TVCACHE_COLLECT_EVERY_S", "1"), ("TVCACHE_ORPHANS_EVERY_S", "1"),
+                        ("TVCACHE_ORPHAN_GRACE_S", "0")):
+        monkeypatch.setenv(name, value)
+    orphans_lock = job_lock_key("reap-orphans")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_lock(%s)", [orphans_lock])  # as if another process ran it
+    try:
+        with service_running(db=settings.DATABASES["default"], redis_url="", workers=2):
+            wait_for(lambda: Sandbox.objects.get(pk=idle.pk).state == "stopped", 60)
+            wait_for(lambda: Snapshot.objects.get(pk=snapshot.pk).status == "deleted", 60)
+            time.sleep(3)  # three rounds of every job, the orphans' held back by the lock
+            assert orphan.sandbox_id in {s.id for s in backend.list_sandboxes(labels(task))}
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [orphans_lock])
+            wait_for(lambda: orphan.sandbox_id not in {s.id for s in backend.list_sandboxes(labels(task))}, 60)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_unlock_all()")
+    with pytest.raises(docker.errors.NotFound):
+        busybox.api.inspect_container(idle.ref)
+    with pytest.raises(docker.errors.ImageNotFound):
+        busybox.images.get(snapshot.ref)

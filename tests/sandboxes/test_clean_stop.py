@@ -1,0 +1,73 @@
+"""Clean stop (issue 16): stopping the run command (`manage.py serve`, what .ci/demo.sh runs) stops
+what it started, and no sandbox of the service outlives it, not even one running a call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+
+from cache.api.auth import token_create
+from cache.bench.server import ROOT, _queue_delete, answers, process_tree, database_url, free_port, wait_until
+from sandboxes.models import Sandbox
+from sandboxes.services.runtime import backend_named, labels
+
+from .helpers import bash
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stopping_the_run_command_stops_its_processes_and_sandboxes(busybox, docker_task):
+    task = docker_task("clean-stop")
+    token = token_create(name="serve")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
+           "DATABASE_URL": database_url(settings.DATABASES["default"]), "REDIS_URL": settings.REDIS_URL,
+           "CELERY_QUEUE": f"tvcache-serve-{uuid.uuid4().hex[:8]}"}
+    serve = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port), "--workers", "1",
+                              "--grace", "5"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: answers(url), 60, "the service", [serve])
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Token {token}"}, timeout=120)
+
+        def call(rollout: str, command: str):
+            try:
+                return client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls", json={"call": bash(command)})
+            except httpx.TransportError as exc:  # cut off by the stop
+                return exc
+
+        assert call("idle", "echo 1 > /f").status_code == 200
+        running = threading.Thread(target=call, args=("busy", "sleep 120"))
+        running.start()
+        wait_until(lambda: Sandbox.objects.filter(task_id=task, state="leased").count() == 2, 60, "two sandboxes")
+        processes = [pid for pid in process_tree(serve.pid) if pid != serve.pid]
+        assert len(processes) >= 3  # uvicorn, its worker, Celery (and its pool)
+        serve.send_signal(signal.SIGTERM)
+        out, _ = serve.communicate(timeout=120)
+        running.join(timeout=60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        _queue_delete(settings.REDIS_URL, env["CELERY_QUEUE"])
+    assert serve.returncode == 0 and "2 sandboxes" in out, out
+    assert not [pid for pid in processes if alive(pid)]
+    assert not answers(url)
+    assert backend_named("docker").list_sandboxes(labels(task)) == []  # no container left, running or not
+    assert set(Sandbox.objects.filter(task_id=task).values_list("state", flat=True)) == {"stopped"}

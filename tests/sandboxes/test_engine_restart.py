@@ -1,0 +1,125 @@
+"""Docker engine restart (issue 16): a served instance's docker tasks answer 503 engine_unavailable
+while the engine is down, everything else keeps serving, and sandboxes come back: a rollout whose
+container died with the engine gets sandbox_gone, then a fresh sandbox with its history replayed.
+
+The engine restarted is a second dockerd that this test starts on a socket and data root of its
+own (no bridge, no iptables rules); the machine's engine is never touched."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import docker
+import httpx
+import pytest
+from django.conf import settings
+
+from cache.bench.server import service_running
+from sandboxes.images import build_busybox_image
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.docker]
+
+
+class SecondEngine:
+    """A dockerd of the test's own; stop() and start() restart it on the same data root."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.url = f"unix://{root}/docker.sock"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.root / "dockerd.log", "ab")
+        self.process = subprocess.Popen(
+            ["dockerd", "--host", self.url, "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "exec"),
+             "--pidfile", str(self.root / "docker.pid"), "--bridge=none", "--iptables=false", "--shutdown-timeout", "1",
+             "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                docker.DockerClient(base_url=self.url, timeout=5).ping()
+                return
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the second dockerd did not start: " + (self.root / "dockerd.log").read_text()[-2000:])
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)  # its containers stop with it (no live restore)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def client(self) -> docker.DockerClient:
+        return docker.DockerClient(base_url=self.url, timeout=30)
+
+
+@pytest.fixture
+def second_engine():
+    root = Path(tempfile.mkdtemp(prefix="tvx-", dir="/tmp"))  # short: a unix socket path has 107 bytes
+    engine = SecondEngine(root)
+    try:
+        engine.start()
+        build_busybox_image(engine.client())
+        yield engine
+    finally:
+        engine.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_engine_restart_answers_503_meanwhile_and_rollouts_get_fresh_sandboxes(second_engine, token, monkeypatch):
+    monkeypatch.setenv("TVCACHE_DOCKER_URL", second_engine.url)
+    with service_running(db=settings.DATABASES["default"], workers=1) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+
+        def call(rollout: str, command: str, task: str = "restart") -> httpx.Response:
+            return client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls",
+                               json={"call": {"tool": "bash", "args": {"command": command}}})
+
+        def folder_call(rollout: str) -> httpx.Response:
+            return client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
+                               json={"call": {"tool": "write_file", "args": {"path": "a", "content": rollout}}})
+
+        assert client.put("/api/v1/tasks/restart", json={"env": {"backend": "docker"}}).status_code == 201
+        assert client.put("/api/v1/tasks/folders", json={"env": {"backend": "directory"}}).status_code == 201
+        assert call("r1", "echo 1 > /f").json()["cached"] is False
+        assert call("r1", "cat /f").json()["result"]["stdout"] == "1\n"
+        assert len(second_engine.client().containers.list()) == 1  # r1's sandbox, on the second engine
+
+        second_engine.stop()
+        down = call("r1", "echo 2 >> /f; cat /f")  # a miss in r1's sandbox: the engine is needed
+        assert down.status_code == 503 and down.json()["error"]["code"] == "engine_unavailable", down.text
+        assert down.headers["Retry-After"] == "1"
+        fresh = call("r3", "echo 3 > /g")  # a miss that needs a new sandbox
+        assert fresh.status_code == 503 and fresh.json()["error"]["code"] == "engine_unavailable", fresh.text
+        created = client.put("/api/v1/tasks/another", json={"env": {"backend": "docker"}})
+        assert created.status_code == 503 and created.json()["error"]["code"] == "engine_unavailable"
+        # The rest keeps serving: hits need no sandbox, other backends no engine.
+        hit = call("r2", "echo 1 > /f")
+        assert hit.status_code == 200 and hit.json()["cached"] is True
+        assert folder_call("f1").status_code == 200
+        pools = client.get("/api/v1/pools")
+        assert pools.status_code == 200 and pools.json()["engine"]["ok"] is False
+
+        second_engine.start()  # r1's container died with the engine
+        gone = call("r1", "echo 2 >> /f; cat /f")
+        assert gone.status_code == 503 and gone.json()["error"]["code"] == "sandbox_gone", gone.text
+        back = call("r1", "echo 2 >> /f; cat /f")  # a fresh sandbox, r1's history replayed
+        assert back.status_code == 200 and back.json()["result"]["stdout"] == "1\n2\n", back.text
+        other = call("r2", "echo 4 >> /f; cat /f")  # r2 had no sandbox: it gets one
+        assert other.status_code == 200 and other.json()["result"]["stdout"] == "1\n4\n", other.text
+        assert call("r3", "echo 3 > /g; cat /g").json()["result"]["stdout"] == "3\n"
+        created = client.put("/api/v1/tasks/another", json={"env": {"backend": "docker"}})
+        assert created.status_code == 201, created.text
+        for rollout in ("r1", "r2", "r3"):
+            assert client.delete(f"/api/v1/tasks/restart/rollouts/{rollout}").status_code == 204
