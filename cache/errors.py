@@ -59,3 +59,16 @@ class DatabaseUnavailable(ServiceUnavailable):
     was written unless it had committed, and the next request gets a new connection."""
 
     code = "database_unavailable"
+
+
+class TooManyRequests(ApplicationError):
+    """Over a project's quota for now (its rate limit, its live sandboxes): retry shortly. Every
+    such limit admits at least one request per second, so Retry-After is 1."""
+
+    status = 429
+    code = "too_many_requests"
+    retry_after = 1
+
+
+class RateLimited(TooManyRequests):
+    code = "rate_limited"

@@ -2,7 +2,7 @@
 
 from .audit import divergence_record, node_audit
 from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
-from .maintenance import claims_clear, tables_vacuum
+from .maintenance import claims_clear, project_requests_prune, tables_vacuum
 from .record import RecordOutcome, node_record
 from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
@@ -25,6 +25,7 @@ __all__ = [
     "task_handle",
     "task_put",
     "tables_vacuum",
+    "project_requests_prune",
     "claims_clear",
     "tcg_lookup",
 ]
