@@ -22,6 +22,12 @@ def task_get(*, task_id: str) -> Task:
     return task
 
 
+def node_check(*, task_id: str, node_id: int) -> None:
+    """NotFound unless the task has the node (a route's target, checked before its role)."""
+    if not Node.objects.filter(task_id=task_id, pk=node_id).exists():
+        raise unknown_node(task_id, node_id)
+
+
 def _rates(row: dict[str, Any]) -> dict[str, Any]:
     calls = row.get("calls") or 0
     out = {key: row.get(key) or 0 for key in COUNTERS}

@@ -210,8 +210,8 @@ class GraphView(APIView):
         return Response({**graph, "task_id": task_public_id(graph["task_id"])})
 
 
-# Maintainer actions (the role is checked after the task is found: another project's task is a
-# 404 to every role). Each is written to the audit log with the token's name, refusals too.
+# Maintainer actions (the role is checked after the task and node are found: another project's
+# task or node is a 404 to every role). Each is written to the audit log with the token's name, refusals too.
 class TaskFlushView(APIView):
     @extend_schema(request=None, responses={200: s.AuditedSerializer, **ERRORS},
                    summary="Maintainers: drop every node, snapshot, rollout and counter of the task (audited)")
@@ -228,7 +228,7 @@ class NodeEvictView(APIView):
         data = _valid(s.NodeEvictSerializer, request.data)
         parse_node_id(node_id)
         key = task_key(request, task_id)
-        selectors.task_get(task_id=key)
+        selectors.node_check(task_id=key, node_id=node_id)
         evict = services.admin_subtree_evict if data["subtree"] else services.admin_snapshot_evict
         return Response(s.audited_json(evict(actor=request.user, task_id=key, node_id=node_id)))
 
@@ -240,6 +240,6 @@ class NodePinView(APIView):
         data = _valid(s.NodePinSerializer, request.data)
         parse_node_id(node_id)
         key = task_key(request, task_id)
-        selectors.task_get(task_id=key)
+        selectors.node_check(task_id=key, node_id=node_id)
         return Response(s.audited_json(services.admin_node_pin(actor=request.user, task_id=key, node_id=node_id,
                                                                pinned=data["pinned"])))

@@ -43,7 +43,7 @@ from django.utils import timezone
 from cache.errors import Conflict, Forbidden, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
-from cache.projects import unknown_task
+from cache.projects import task_public_id, unknown_task
 from cache.services import (LookupHit, LookupMiss, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
                             snapshot_register, task_handle, tcg_lookup)
 from cache.services.background import job_enqueue
@@ -531,7 +531,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
 def rollout_end(*, task_id: str, rollout_id: str) -> None:
     rollout = Rollout.objects.filter(task_id=task_id, rollout_id=rollout_id).first()
     if rollout is None:
-        raise NotFound(f"Task '{task_id}' has no rollout '{rollout_id}'.", code="unknown_rollout")
+        raise NotFound(f"Task '{task_public_id(task_id)}' has no rollout '{rollout_id}'.", code="unknown_rollout")
     Rollout.objects.filter(pk=rollout.pk, finished_at__isnull=True).update(finished_at=timezone.now())
     for sandbox_id in Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).values_list("pk", flat=True):
         sandbox_stop(sandbox_id=sandbox_id)
