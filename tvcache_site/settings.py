@@ -66,6 +66,7 @@ INSTALLED_APPS = [
     "channels",
     "cache",
     "sandboxes",
+    "upstreams",
     "workers",
     "dashboard",
 ]
@@ -250,8 +251,10 @@ if not 1 <= TVCACHE["MAX_JSON_DEPTH"] <= 250:
 # into files under PROMETHEUS_MULTIPROC_DIR and a scrape adds them up (prometheus-client's
 # multiprocess mode: uvicorn runs several workers, a Celery worker forks sandboxes); empty = one
 # process, counts in memory. prometheus_client reads the variable when first imported: set here.
+# The default is one folder per database: two services of one checkout on two databases (the
+# demo and a replay) never add up each other's counts.
 METRICS_ALLOW = env.list("TVCACHE_METRICS_ALLOW", default=["127.0.0.0/8", "::1"])
-METRICS_DIR = env("PROMETHEUS_MULTIPROC_DIR", default=str(VAR_DIR / "metrics"))
+METRICS_DIR = env("PROMETHEUS_MULTIPROC_DIR", default=str(VAR_DIR / "metrics" / str(DATABASES["default"]["NAME"])))
 if METRICS_DIR:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = METRICS_DIR
 else:

@@ -12,6 +12,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("cache.api.urls")),
     path("api/v1/", include("sandboxes.urls")),
+    path("api/v1/", include("upstreams.urls")),
+    path("", include("upstreams.proxy_urls")),  # verl-tool trainers' tool_server_url (no token)
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("metrics", metrics_view, name="metrics"),  # Prometheus; TVCACHE_METRICS_ALLOW only

@@ -13,7 +13,7 @@ from cache.api.auth import key_digest
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-BEFORE = [("cache", "0007_node_divergent_state"), ("dashboard", "0002_tool_uncacheable")]
+BEFORE = [("cache", "0007_node_divergent_state"), ("dashboard", "0002_tool_uncacheable"), ("upstreams", "0001_initial")]
 
 
 def test_existing_tasks_and_tokens_move_to_the_default_project_as_maintainers():
