@@ -66,3 +66,16 @@ class Overloaded(ServiceUnavailable):
     without bound (the client retries after Retry-After)."""
 
     code = "overloaded"
+
+
+class TooManyRequests(ApplicationError):
+    """Over a project's quota for now (its rate limit, its live sandboxes): retry shortly. Every
+    such limit admits at least one request per second, so Retry-After is 1."""
+
+    status = 429
+    code = "too_many_requests"
+    retry_after = 1
+
+
+class RateLimited(TooManyRequests):
+    code = "rate_limited"

@@ -4,12 +4,81 @@ from __future__ import annotations
 
 import uuid
 
+from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from cache.projects import DEFAULT_PROJECT, MAX_PROJECT_NAME, MAX_TASK_ID, MAX_TASK_KEY, ROLES, TRAINER
+
+ROLE_CHOICES = [(role, role) for role in ROLES]
+
+
+class Project(models.Model):
+    """Owns tasks (and through them rollouts, snapshots and sandboxes), tokens and upstreams; has
+    members (dashboard users). The operator's grants bound what its tasks may ask for and use,
+    within the service's own maxima (settings TVCACHE_DOCKER_*); null: no bound of the project's
+    own (the service's maximum applies)."""
+
+    name = models.SlugField(max_length=MAX_PROJECT_NAME, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # Docker: network access (also needs TVCACHE_DOCKER_ALLOW_NETWORK), the images its tasks may
+    # name ([]: every image the service runs), and caps on a sandbox's limits.
+    network = models.BooleanField(default=False, help_text="Docker network access (the service must allow it too).")
+    images = models.JSONField(default=list, blank=True, help_text="Images its tasks may name; empty: the service's.")
+    max_memory_mb = models.PositiveIntegerField(null=True, blank=True)
+    max_cpus = models.FloatField(null=True, blank=True)
+    max_pids = models.PositiveIntegerField(null=True, blank=True)
+    # Quotas: sandboxes running at once (pools included), bytes of live snapshots, and requests per
+    # second (a token bucket per server process of `rate_burst` requests, refilled at the rate).
+    max_live_sandboxes = models.PositiveIntegerField(null=True, blank=True)
+    max_snapshot_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    rate_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per second.")
+    rate_burst = models.PositiveIntegerField(null=True, blank=True, help_text="Default: one second's worth.")
+    members = models.ManyToManyField(settings.AUTH_USER_MODEL, through="Membership", related_name="projects",
+                                     blank=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def default(cls) -> Project:
+        return cls.objects.get(name=DEFAULT_PROJECT)
+
+
+class Membership(models.Model):
+    """A dashboard user's part in a project: a trainer sees it, a maintainer also uses its controls
+    (evict, pin, flush, budget, stop a sandbox). Staff see and control every project."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=12, choices=ROLE_CHOICES, default=TRAINER)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "user"], name="membership_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.project} ({self.role})"
+
+
+class ProjectRequests(models.Model):
+    """API requests of a project per minute, written with the lookup counters (counters.py): the
+    request rate the project page shows against the grant. Rows older than a day are deleted."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="request_minutes")
+    minute = models.DateTimeField()
+    admitted = models.PositiveIntegerField(default=0)
+    refused = models.PositiveIntegerField(default=0)  # over the rate limit (429)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "minute"], name="project_requests_minute")]
+
 
 class Task(models.Model):
-    id = models.SlugField(primary_key=True, max_length=200)
+    # The internal key: the task's id in the default project, "<project>.<id>" in another one
+    # (cache.projects.task_key); the API speaks `name`, the id its project knows it by.
+    id = models.CharField(primary_key=True, max_length=MAX_TASK_KEY)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="tasks")
+    name = models.SlugField(max_length=MAX_TASK_ID, db_index=False)
     env = models.JSONField()
     env_fingerprint = models.CharField(max_length=64)
     tools = models.JSONField(default=dict)  # {name: {"mutates_state": bool, "cacheable": bool}}
@@ -21,6 +90,9 @@ class Task(models.Model):
     version = models.PositiveIntegerField(default=1)  # bumped by every update; hot paths check it
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "name"], name="task_unique_name")]
 
     def __str__(self) -> str:
         return self.id
@@ -143,7 +215,7 @@ class Claim(models.Model):
     delete lapsed claims. No foreign key: an
     unlogged table may not be referenced, and a claim outlives nothing it names."""
 
-    task_id = models.CharField(max_length=200)
+    task_id = models.CharField(max_length=MAX_TASK_KEY)
     anchor_key = models.CharField(max_length=64)
     call_digest = models.CharField(max_length=64)
     holder = models.CharField(max_length=200)  # the rollout id
@@ -200,12 +272,18 @@ class ToolStat(models.Model):
 
 
 class ApiToken(models.Model):
-    """A trainer's token. Only its sha256 is stored; the key is printed once at creation."""
+    """A token of one project with a role (trainer or maintainer). Only its sha256 is stored; the
+    key is printed once at creation. Revoked or expired, it is refused within
+    TOKEN_CACHE_TTL_S (cache.api.auth) in every server process."""
 
     name = models.CharField(max_length=100, unique=True)
     key_digest = models.CharField(max_length=64, unique=True)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="tokens")
+    role = models.CharField(max_length=12, choices=ROLE_CHOICES, default=TRAINER)
     created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)  # to the minute (written at most once a minute)
 
     def __str__(self) -> str:
         return self.name

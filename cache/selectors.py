@@ -7,8 +7,8 @@ from typing import Any
 from django.db import connection
 from django.db.models import Count, Max, Q, Sum
 
-from cache.errors import NotFound
 from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
+from cache.projects import unknown_node, unknown_task
 from cache.services.counters import counters_flush
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
@@ -18,8 +18,14 @@ DIVERGENT_NODES_LISTED = 100
 def task_get(*, task_id: str) -> Task:
     task = Task.objects.filter(pk=task_id).first()
     if task is None:
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+        raise unknown_task(task_id)
     return task
+
+
+def node_check(*, task_id: str, node_id: int) -> None:
+    """NotFound unless the task has the node (a route's target, checked before its role)."""
+    if not Node.objects.filter(task_id=task_id, pk=node_id).exists():
+        raise unknown_node(task_id, node_id)
 
 
 def _rates(row: dict[str, Any]) -> dict[str, Any]:
@@ -85,11 +91,18 @@ def task_divergences(*, task_id: str) -> dict[str, Any]:
             "uncacheable_tools": list(uncacheable), "per_tool": per_tool, "per_node": per_node}
 
 
-def task_ids(*, search: str = ""):
-    """The ids of the tasks whose id contains `search` (any case), in order: what the task list
-    and the dashboard page through."""
-    ids = Task.objects.order_by("pk").values_list("pk", flat=True)
-    return ids.filter(pk__icontains=search) if search else ids
+def task_ids(*, project_id: int | None = None, project_ids: list[int] | None = None, search: str = ""):
+    """The keys of the tasks whose id contains `search` (any case), of one project or of several
+    (None for both: every project), in order (project, then id): what the task list and the
+    dashboard page through."""
+    tasks = Task.objects.all()
+    if project_id is not None:
+        tasks = tasks.filter(project_id=project_id)
+    if project_ids is not None:
+        tasks = tasks.filter(project_id__in=project_ids)
+    if search:
+        tasks = tasks.filter(name__icontains=search)
+    return tasks.order_by("project__name", "name").values_list("pk", flat=True)
 
 
 def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
@@ -105,7 +118,7 @@ def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
     return [
         {"task": task, "stats": totals.get(task.pk, _rates({})), "nodes": nodes.get(task.pk, 0),
          "live_snapshots": live.get(task.pk, 0)}
-        for task in Task.objects.filter(pk__in=task_ids).order_by("pk")
+        for task in Task.objects.filter(pk__in=task_ids).select_related("project").order_by("project__name", "name")
     ]
 
 
@@ -116,7 +129,7 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
     nodes = Node.objects.filter(task_id=task_id)
     if root is not None:
         if not Node.objects.filter(task_id=task_id, pk=root).exists():
-            raise NotFound(f"Task '{task_id}' has no node {root}.", code="unknown_node")
+            raise unknown_node(task_id, root)
         nodes = nodes.filter(pk__in=_subtree_ids(task_id, root, max_depth))
     elif max_depth is not None:
         nodes = nodes.filter(depth__lte=max_depth)

@@ -9,12 +9,14 @@ from django.http import JsonResponse
 from django.views.decorators.http import require_GET
 
 from cache.errors import ApplicationError, InvalidInput
+from cache.projects import key_project, unknown_task
 
-from . import selectors
+from . import access, selectors
 
 
 def _json_view(view):
-    """Login required (401 JSON, not a redirect); application errors become the API's error JSON."""
+    """Login required (401 JSON, not a redirect), and the task's project seen by the user (404 JSON
+    otherwise); application errors become the API's error JSON."""
 
     @require_GET
     @wraps(view)
@@ -23,6 +25,8 @@ def _json_view(view):
             return JsonResponse({"error": {"code": "not_authenticated", "message": "Log in first.",
                                            "details": None}}, status=401)
         try:
+            if not access.can_see(request.user, key_project(kwargs["task_id"])):  # another project's: as unknown
+                raise unknown_task(kwargs["task_id"])
             return JsonResponse(view(request, *args, **kwargs))
         except ApplicationError as exc:
             return JsonResponse(exc.as_json(), status=exc.status)

@@ -10,7 +10,9 @@ Redis connection pool of channels_redis is reused between flushes. When Redis is
 dropped (a dashboard counter is not a record: PostgreSQL keeps the real figures) and the thread
 backs off; callers never notice.
 
-Groups: "dash.overview", "dash.pools" and "dash.task.<task id>" (hashed when too long for a group name).
+Groups: "dash.overview", "dash.pools" and "dash.task.<task key>" (hashed when too long for a group name);
+per project, "dash.overview.p.<project>" and "dash.pools.p.<project>" carry the same summaries cut to
+that project's tasks: staff listen to the whole groups, other users to their projects' (consumers).
 Messages to browsers are JSON, encoded once per flush:
 - task:     {"type": "task", "task_id", "lookups", "hits", "oracle", "saved_ms", "per_epoch": {epoch: [lookups,
              hits, oracle]}, "per_tool": {tool: [lookups, hits, saved_ms, oracle]}, "node_hits": {node_id: n},
@@ -31,8 +33,11 @@ import logging
 import os
 import threading
 import time
+from collections import defaultdict
 
 import orjson
+
+from cache.projects import key_project
 
 logger = logging.getLogger("tvcache.dashboard")
 
@@ -44,6 +49,14 @@ MAX_NODE_HITS = 500  # distinct nodes per task per flush
 OVERVIEW_GROUP = "dash.overview"
 POOLS_GROUP = "dash.pools"
 PUSH_TYPE = "dashboard.push"  # handled by DashboardConsumer.dashboard_push
+
+
+def overview_group(project: str | None = None) -> str:
+    return OVERVIEW_GROUP if project is None else f"{OVERVIEW_GROUP}.p.{project}"
+
+
+def pools_group(project: str | None = None) -> str:
+    return POOLS_GROUP if project is None else f"{POOLS_GROUP}.p.{project}"
 
 
 def task_group(task_id: str) -> str:
@@ -245,10 +258,12 @@ def _after_commit(push) -> None:
 
 
 def messages(tasks: dict[str, _TaskActivity], pools: list[dict]) -> list[tuple[str, bytes]]:
-    """The (group, JSON text) pairs of one flush."""
+    """The (group, JSON text) pairs of one flush: per task, the overview and the pools, and the
+    overview and pools of each project with activity (its tasks' only)."""
     out: list[tuple[str, bytes]] = []
     overview: dict[str, dict] = {}
     changed = []
+    by_project: dict[str, list[str]] = defaultdict(list)
     for task_id, a in tasks.items():
         out.append((task_group(task_id), orjson.dumps({
             "type": "task", "task_id": task_id, "lookups": a.lookups, "hits": a.hits, "oracle": a.oracle,
@@ -261,11 +276,22 @@ def messages(tasks: dict[str, _TaskActivity], pools: list[dict]) -> list[tuple[s
                              "nodes": a.nodes, "snapshots": a.snapshots}
         if a.changed:
             changed.append(task_id)
+        by_project[key_project(task_id)].append(task_id)
     if overview:
         out.append((OVERVIEW_GROUP, orjson.dumps({"type": "overview", "tasks": overview, "changed": changed},
                                                  option=orjson.OPT_NON_STR_KEYS)))
+        for project, keys in by_project.items():
+            out.append((overview_group(project), orjson.dumps(
+                {"type": "overview", "tasks": {k: overview[k] for k in keys}, "changed": [k for k in changed if k in keys]},
+                option=orjson.OPT_NON_STR_KEYS)))
     if pools:
         out.append((POOLS_GROUP, orjson.dumps({"type": "pools", "events": pools})))
+        pool_projects: dict[str, list[dict]] = defaultdict(list)
+        for event in pools:
+            if isinstance(event.get("task_id"), str):  # events of no task (engine health) go to staff only
+                pool_projects[key_project(event["task_id"])].append(event)
+        for project, events in pool_projects.items():
+            out.append((pools_group(project), orjson.dumps({"type": "pools", "events": events})))
     return out
 
 

@@ -1,12 +1,18 @@
-"""The dashboard's websocket: joins the page's topic and forwards what `dashboard.broadcast` sends."""
+"""The dashboard's websocket: joins the page's topic and forwards what `dashboard.broadcast` sends.
+A user gets the events of the projects they see (dashboard.access): staff join the whole
+overview and pools groups, other users their projects' groups; a task's topic is refused for
+another project's task."""
 
 from __future__ import annotations
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from . import broadcast
+from cache.projects import key_project
 
-TOPICS = {"overview": broadcast.OVERVIEW_GROUP, "pools": broadcast.POOLS_GROUP}
+from . import access, broadcast
+
+GROUPS = {"overview": broadcast.overview_group, "pools": broadcast.pools_group}
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
@@ -17,13 +23,21 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             return
         kwargs = self.scope["url_route"]["kwargs"]
         topic = kwargs["topic"]
-        self.topic_group = broadcast.task_group(kwargs["task_id"]) if topic == "task" else TOPICS[topic]
-        await self.channel_layer.group_add(self.topic_group, self.channel_name)
+        mine = await database_sync_to_async(access.roles)(user)  # None: staff, every project
+        if topic == "task":
+            if mine is not None and key_project(kwargs["task_id"]) not in mine:
+                await self.close()
+                return
+            self.topic_groups = [broadcast.task_group(kwargs["task_id"])]
+        else:
+            group = GROUPS[topic]
+            self.topic_groups = [group()] if mine is None else [group(project) for project in sorted(mine)]
+        for group in self.topic_groups:
+            await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
 
     async def disconnect(self, code):
-        group = getattr(self, "topic_group", None)
-        if group is not None:
+        for group in getattr(self, "topic_groups", ()):
             await self.channel_layer.group_discard(group, self.channel_name)
 
     async def receive(self, text_data=None, bytes_data=None):

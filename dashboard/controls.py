@@ -1,5 +1,7 @@
-"""Admin controls: staff only, CSRF-protected, with a confirmation step. GET shows what the action will
-do; POST with confirm=yes does it through the audited service in `cache.services.admin`."""
+"""Admin controls: staff and the maintainers of the target's project (dashboard.access; another
+project's target is a 404, a trainer member gets 403), CSRF-protected, with a confirmation step.
+GET shows what the action will do; POST with confirm=yes does it through the audited service in
+`cache.services.admin`."""
 
 from __future__ import annotations
 
@@ -20,21 +22,42 @@ from django.views.decorators.http import require_http_methods
 from cache import services
 from cache.errors import ApplicationError
 from cache.models import Node, Snapshot, Task
+from cache.projects import MAINTAINER, key_project
+from sandboxes.models import Sandbox
 
-from . import selectors
+from . import access, selectors
 
 
-def staff_required(view):
-    """Anonymous: to the login page. Logged in without staff: 403."""
+def controller_required(view):
+    """Anonymous: to the login page. A task's controls: its project's maintainers and staff (404
+    for a project the user does not see, 403 for a trainer member). The pool's: staff, and
+    maintainers of some project (the sandbox's project is checked when it is named)."""
 
     @login_required
     @wraps(view)
-    def wrapper(request, *args, **kwargs):
-        if not request.user.is_staff:
-            raise PermissionDenied("Staff only.")
-        return view(request, *args, **kwargs)
+    def wrapper(request, *args, task_id: str | None = None, **kwargs):
+        user = request.user
+        if task_id is not None:
+            access.task_check(user, task_id, write=True)
+        elif not user.is_staff and MAINTAINER not in (access.roles(user) or {}).values():
+            raise PermissionDenied("Staff and project maintainers only.")
+        return view(request, *args, task_id=task_id, **kwargs)
 
     return wrapper
+
+
+def _sandbox_task(user, sandbox_id: str) -> str:
+    """The key of the task whose sandbox this is, if the user may stop it (404 otherwise, as for
+    a sandbox that does not exist; 403 for a trainer member)."""
+    row = Sandbox.objects.filter(pk=int(sandbox_id)).values_list("task_id", flat=True).first() \
+        if sandbox_id.isdigit() and len(sandbox_id) < 19 else None
+    if row is None and user.is_staff:
+        return ""  # the audited service refuses it (and logs the refusal)
+    if row is None or not access.can_see(user, key_project(row)):
+        raise Http404(f"No sandbox '{sandbox_id}'.")
+    if not access.can_control(user, key_project(row)):
+        raise PermissionDenied("Maintainers of this project and staff only.")
+    return row
 
 
 class BudgetForm(forms.Form):
@@ -88,7 +111,7 @@ CONTROLS: dict[str, Control] = {
     "stop-sandbox": Control(
         "Stop sandbox", "Stops the sandbox; a rollout using it loses it and starts again from a snapshot.",
         True, lambda user, task_id, node_id, data: services.admin_sandbox_stop(
-            actor=user, sandbox_id=data["sandbox_id"]), SandboxForm),
+            actor=user, sandbox_id=data["sandbox_id"], task_id=_sandbox_task(user, data["sandbox_id"])), SandboxForm),
 }
 
 
@@ -126,7 +149,7 @@ def _next_url(request, task_id: str | None, node_id: int | None, action: str) ->
 
 
 @require_http_methods(["GET", "POST"])
-@staff_required
+@controller_required
 def control(request, action: str, task_id: str | None = None, node_id: int | None = None):
     spec = CONTROLS.get(action)
     if spec is None:

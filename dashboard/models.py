@@ -7,6 +7,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from cache.projects import MAX_TASK_KEY
+
 
 class AuditEntry(models.Model):
     class Action(models.TextChoices):
@@ -18,6 +20,7 @@ class AuditEntry(models.Model):
         BUDGET_SET = "budget_set", "Set budget"
         SANDBOX_STOP = "sandbox_stop", "Stop sandbox"
         TOOL_UNCACHEABLE = "tool_uncacheable", "Tool made uncacheable (audit)"
+        TASK_UPDATE = "task_update", "Change task (env, tools, budget)"
 
     class Outcome(models.TextChoices):
         OK = "ok"
@@ -28,9 +31,12 @@ class AuditEntry(models.Model):
     # The name is kept apart from the foreign key so the log still says who after a user is deleted.
     actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                               related_name="+")
-    actor_name = models.CharField(max_length=150)
+    actor_name = models.CharField(max_length=150)  # a user's name, or "token:<name>" for an API token
     action = models.CharField(max_length=40, choices=Action.choices)
-    task_id = models.CharField(max_length=200, blank=True, default="", db_index=True)  # no FK: survives the task
+    # The task's key (cache.projects.task_key); no FK: the entry survives the task.
+    task_id = models.CharField(max_length=MAX_TASK_KEY, blank=True, default="", db_index=True)
+    # Whose log it is: members see their projects' entries.
+    project = models.ForeignKey("cache.Project", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     target = models.CharField(max_length=300)
     outcome = models.CharField(max_length=10, choices=Outcome.choices)
     details = models.JSONField(default=dict, blank=True)

@@ -6,6 +6,7 @@ import json
 from collections import defaultdict
 from typing import Any
 
+from django.conf import settings
 from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import Count, Q, Sum
@@ -13,7 +14,10 @@ from django.utils import timezone
 
 from cache import selectors as cache_selectors
 from cache.errors import NotFound
-from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
+from cache.models import Lease, Node, Project, Rollout, Snapshot, ToolStat
+from cache.projects import unknown_node
+from cache.services.projects import project_request_rate, project_snapshot_bytes, project_tokens, service_images
+from sandboxes.selectors import live_sandboxes as live_sandbox_count
 from sandboxes.selectors import pools_overview
 
 GRAPH_LEVELS = 3  # levels fetched at first paint and per expansion
@@ -61,8 +65,8 @@ def call_label(call: dict) -> str:
 
 # --- overview ----------------------------------------------------------------------------------
 
-def pools() -> dict[str, Any]:
-    return pools_overview()
+def pools(*, project_ids: list[int] | None = None) -> dict[str, Any]:
+    return pools_overview(project_ids=project_ids)
 
 
 def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
@@ -74,23 +78,25 @@ def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
     return counts
 
 
-def overview(*, search: str = "", page: int | str | None = 1) -> dict[str, Any]:
-    """One page of the tasks whose id contains `search`, each with its totals and its hit rate per
-    epoch: a training run has a task per prompt, thousands of them, and the page refreshes live."""
-    listed = Paginator(cache_selectors.task_ids(search=search), OVERVIEW_PAGE_SIZE).get_page(page)
-    return {"tasks": _overview_rows(list(listed)), "listed": listed, "search": search}
+def overview(*, search: str = "", page: int | str | None = 1, project_ids: list[int] | None = None) -> dict[str, Any]:
+    """One page of the tasks whose id contains `search`, of the given projects (None: every
+    one), each with its totals and its hit rate per epoch: a training run has a task per prompt,
+    thousands of them, and the page refreshes live."""
+    listed = Paginator(cache_selectors.task_ids(project_ids=project_ids, search=search), OVERVIEW_PAGE_SIZE).get_page(page)
+    return {"tasks": _overview_rows(list(listed), project_ids), "listed": listed, "search": search}
 
 
-def _overview_rows(task_ids: list[str]) -> list[dict[str, Any]]:
+def _overview_rows(task_ids: list[str], project_ids: list[int] | None = None) -> list[dict[str, Any]]:
     rows = cache_selectors.task_list_stats(task_ids=task_ids)  # first: it writes the buffered lookup counters
     epochs: dict[str, list] = defaultdict(list)
     per_epoch = (ToolStat.objects.filter(task_id__in=task_ids).values("task_id", "epoch")
                  .annotate(calls=Sum("calls"), hits=Sum("hits")).order_by("task_id", "epoch"))
     for row in per_epoch:
         epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
-    sandboxes = live_sandboxes(pools_overview()["pools"])
+    sandboxes = live_sandboxes(pools_overview(project_ids=project_ids)["pools"])
     return [
-        {"id": row["task"].pk, "backend": (row["task"].env or {}).get("backend", "external"),
+        {"id": row["task"].pk, "name": row["task"].name, "project": row["task"].project.name,
+         "backend": (row["task"].env or {}).get("backend", "external"),
          "budget": row["task"].sandbox_budget, "stats": row["stats"], "nodes": row["nodes"],
          "live_snapshots": row["live_snapshots"], "sandboxes": sandboxes.get(row["task"].pk, 0),
          "epochs": epochs.get(row["task"].pk, [])}
@@ -189,7 +195,7 @@ def node_path(*, task_id: str, node_id: int) -> list[int]:
         cursor.execute(PATH_SQL, [task_id, node_id])
         ids = [row[0] for row in cursor.fetchall()]
     if not ids:
-        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node")
+        raise unknown_node(task_id, node_id)
     return ids
 
 
@@ -243,7 +249,7 @@ def result_parts(result_json: str) -> list[dict[str, Any]]:
 def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
     node = Node.objects.filter(task_id=task_id, pk=node_id).select_related("task").first()
     if node is None:
-        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node")
+        raise unknown_node(task_id, node_id)
     path_ids = node_path(task_id=task_id, node_id=node_id)
     labels = dict(Node.objects.filter(pk__in=path_ids).values_list("pk", "call"))
     path = [{"id": pk, "label": call_label(labels[pk])} for pk in path_ids]
@@ -272,3 +278,36 @@ def subtree_size(*, task_id: str, node_id: int) -> dict[str, int]:
     live = Snapshot.objects.filter(node_id__in=ids, status=Snapshot.Status.LIVE)
     leased = Lease.objects.filter(snapshot__in=live, released_at__isnull=True, expires_at__gt=timezone.now()).count()
     return {"nodes": len(ids), "snapshots": live.count(), "leased": leased}
+
+
+# --- project -----------------------------------------------------------------------------------
+
+def project_detail(*, name: str) -> dict[str, Any]:
+    """A project's grants with its usage against each (live sandboxes, bytes of live snapshots,
+    requests per second), its tokens (name, role, state, last used, expiry) and members."""
+    project = Project.objects.filter(name=name).first()
+    if project is None:
+        raise NotFound(f"Unknown project '{name}'.", code="unknown_project")
+    rate = project_request_rate(project_id=project.pk)
+    usage = [
+        {"what": "Live sandboxes", "used": live_sandbox_count(project_id=project.pk), "granted": project.max_live_sandboxes,
+         "kind": "count"},
+        {"what": "Snapshot bytes", "used": project_snapshot_bytes(project_id=project.pk),
+         "granted": project.max_snapshot_bytes, "kind": "bytes"},
+        {"what": "Requests per second (last minute)", "used": rate["per_s"], "granted": project.rate_limit,
+         "kind": "rate", "refused": rate["refused_last_minute"]},
+    ]
+    for row in usage:
+        row["share"] = row["used"] / row["granted"] if row["granted"] else None
+    service = settings.TVCACHE
+    caps = [("Docker network", "granted" if project.network else "not granted",
+             "allowed" if service["DOCKER_ALLOW_NETWORK"] else "not allowed (TVCACHE_DOCKER_ALLOW_NETWORK)"),
+            ("Images", ", ".join(project.images) or "every image the service runs", ", ".join(service_images())),
+            ("Memory per sandbox (MB)", project.max_memory_mb or "service maximum", service["DOCKER_MAX_MEMORY_MB"]),
+            ("CPUs per sandbox", project.max_cpus or "service maximum", service["DOCKER_MAX_CPUS"]),
+            ("Processes per sandbox", project.max_pids or "service maximum", service["DOCKER_MAX_PIDS"]),
+            ("Rate burst", project.rate_burst or (project.rate_limit and "one second's worth") or "-", "-")]
+    members = [{"user": m.user.get_username(), "role": m.role}
+               for m in project.memberships.select_related("user").order_by("user__username")]
+    return {"project": project, "usage": usage, "caps": caps, "tokens": project_tokens(project=project),
+            "members": members, "tasks": project.tasks.count(), "minutes": rate["minutes"]}

@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from . import api, controls, views
+from . import access, api, controls, views  # noqa: F401 (access registers the taskkey converter)
 
 app_name = "dashboard"
 
@@ -10,18 +10,19 @@ urlpatterns = [
                                                 redirect_authenticated_user=True), name="login"),
     path("logout/", auth_views.LogoutView.as_view(next_page="/login/"), name="logout"),
     path("", views.overview, name="overview"),
-    path("tasks/<slug:task_id>/", views.task, name="task"),
-    path("tasks/<slug:task_id>/graph/", views.graph, name="graph"),
-    path("tasks/<slug:task_id>/nodes/<int:node_id>/", views.node, name="node"),
+    path("tasks/<taskkey:task_id>/", views.task, name="task"),
+    path("tasks/<taskkey:task_id>/graph/", views.graph, name="graph"),
+    path("tasks/<taskkey:task_id>/nodes/<int:node_id>/", views.node, name="node"),
     path("pools/", views.pools, name="pools"),
+    path("projects/<slug:name>/", views.project, name="project"),
     path("audit/", views.audit, name="audit"),
     # Staff controls: GET confirms, POST (CSRF) acts.
-    path("tasks/<slug:task_id>/nodes/<int:node_id>/<str:action>/", controls.control, name="node-control"),
-    path("tasks/<slug:task_id>/control/<str:action>/", controls.control, name="task-control"),
+    path("tasks/<taskkey:task_id>/nodes/<int:node_id>/<str:action>/", controls.control, name="node-control"),
+    path("tasks/<taskkey:task_id>/control/<str:action>/", controls.control, name="task-control"),
     path("pools/control/<str:action>/", controls.control, name="pool-control"),
     # JSON for the graph browser (session auth).
-    path("dashboard-api/tasks/<slug:task_id>/graph", api.graph, name="api-graph"),
-    path("dashboard-api/tasks/<slug:task_id>/nodes", api.nodes, name="api-nodes"),
-    path("dashboard-api/tasks/<slug:task_id>/search", api.search, name="api-search"),
-    path("dashboard-api/tasks/<slug:task_id>/reveal/<int:node_id>", api.reveal, name="api-reveal"),
+    path("dashboard-api/tasks/<taskkey:task_id>/graph", api.graph, name="api-graph"),
+    path("dashboard-api/tasks/<taskkey:task_id>/nodes", api.nodes, name="api-nodes"),
+    path("dashboard-api/tasks/<taskkey:task_id>/search", api.search, name="api-search"),
+    path("dashboard-api/tasks/<taskkey:task_id>/reveal/<int:node_id>", api.reveal, name="api-reveal"),
 ]

@@ -1,4 +1,6 @@
-"""Dashboard pages (server-rendered; the JS in static/dashboard/ adds live updates and the graph)."""
+"""Dashboard pages (server-rendered; the JS in static/dashboard/ adds live updates and the graph).
+Every page shows the projects the user sees (dashboard.access): staff every project, members
+their own; another project's task answers 404."""
 
 from __future__ import annotations
 
@@ -9,66 +11,111 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from cache.errors import NotFound
+from cache.projects import MAINTAINER, key_project
 
-from . import selectors
+from . import access, selectors
 from .models import AuditEntry
 
 AUDIT_PAGE_SIZE = 50
 
 
+def _scope(request) -> dict:
+    """The project switcher: the projects the user sees, and the one chosen (?project=; none:
+    all of them). An unknown or unseen choice is a 404."""
+    projects = access.visible_projects(request.user)
+    chosen = request.GET.get("project", "")
+    if chosen and chosen not in {p.name for p in projects}:
+        raise Http404("No such project.")
+    ids = [p.pk for p in projects if not chosen or p.name == chosen]
+    every = request.user.is_staff and not chosen
+    return {"projects": projects, "project_filter": chosen, "project_ids": None if every else ids,
+            "many_projects": len(projects) > 1 and not chosen}
+
+
 @require_GET
 @login_required
 def overview(request):
-    context = selectors.overview(search=request.GET.get("q", "").strip(), page=request.GET.get("page"))
+    scope = _scope(request)
+    context = selectors.overview(search=request.GET.get("q", "").strip(), page=request.GET.get("page"),
+                                 project_ids=scope["project_ids"])
     template = "dashboard/_overview_table.html" if request.GET.get("fragment") else "dashboard/overview.html"
-    return render(request, template, context)
+    return render(request, template, {**context, **scope})
+
+
+def _task_context(request, task_id: str) -> dict:
+    access.task_check(request.user, task_id)
+    return {"can_control": access.can_control(request.user, key_project(task_id))}
 
 
 @require_GET
 @login_required
 def task(request, task_id: str):
+    allowed = _task_context(request, task_id)
     try:
         detail = selectors.task_detail(task_id=task_id)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/task.html", detail)
+    return render(request, "dashboard/task.html", {**detail, **allowed})
 
 
 @require_GET
 @login_required
 def graph(request, task_id: str):
+    allowed = _task_context(request, task_id)
     try:
         initial = selectors.graph_slice(task_id=task_id)
         context = selectors.task_counts(task_id=task_id)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/graph.html", {**context, "initial": initial, "levels": selectors.GRAPH_LEVELS})
+    return render(request, "dashboard/graph.html", {**context, **allowed, "initial": initial,
+                                                    "levels": selectors.GRAPH_LEVELS})
 
 
 @require_GET
 @login_required
 def node(request, task_id: str, node_id: int):
+    allowed = _task_context(request, task_id)
     try:
         detail = selectors.node_detail(task_id=task_id, node_id=node_id)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/node.html", {**detail, "task_id": task_id, "task": detail["node"].task,
-                                                   "here": f"node {node_id}"})
+    return render(request, "dashboard/node.html", {**detail, **allowed, "task_id": task_id,
+                                                   "task": detail["node"].task, "here": f"node {node_id}"})
 
 
 @require_GET
 @login_required
 def pools(request):
+    scope = _scope(request)
     template = "dashboard/_pools_body.html" if request.GET.get("fragment") else "dashboard/pools.html"
-    return render(request, template, {"pools": selectors.pools()})
+    can_stop = MAINTAINER in (access.roles(request.user) or {}).values()
+    return render(request, template, {**scope, "can_stop": can_stop,
+                                      "pools": selectors.pools(project_ids=scope["project_ids"])})
+
+
+@require_GET
+@login_required
+def project(request, name: str):
+    """A project's grants against its usage (live sandboxes, snapshot bytes, request rate), its
+    tokens and members."""
+    access.project_check(request.user, name)
+    try:
+        detail = selectors.project_detail(name=name)
+    except NotFound as exc:
+        raise Http404(exc.message) from None
+    return render(request, "dashboard/project.html", {**detail, "projects": access.visible_projects(request.user),
+                                                      "can_control": access.can_control(request.user, name)})
 
 
 @require_GET
 @login_required
 def audit(request):
+    scope = _scope(request)
     entries = AuditEntry.objects.all()
+    if scope["project_ids"] is not None:
+        entries = entries.filter(project_id__in=scope["project_ids"])
     task_id = request.GET.get("task", "")
     if task_id:
         entries = entries.filter(task_id=task_id)
     page = Paginator(entries, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
-    return render(request, "dashboard/audit.html", {"page": page, "task_filter": task_id})
+    return render(request, "dashboard/audit.html", {**scope, "page": page, "task_filter": task_id})

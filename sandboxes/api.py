@@ -12,10 +12,11 @@ from cache.api.lean import LeanPostView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
 from cache.errors import InvalidInput
 from cache.inputs import parse_epoch, parse_id
+from cache.projects import task_public_id
 from observability import metrics
 from sandboxes import selectors, services
 
-ERRORS = {code: ErrorSerializer for code in (400, 401, 404, 409, 503)}
+ERRORS = {code: ErrorSerializer for code in (400, 401, 403, 404, 409, 429, 503)}
 
 
 class CallSerializer(serializers.Serializer):
@@ -49,10 +50,10 @@ class RolloutCallView(LeanPostView):
     lane = "tool"  # a miss executes the tool
 
     @staticmethod
-    def answer(*, task_id: str, rollout_id: str, payload) -> bytes:
+    def answer(*, principal, task_id: str, rollout_id: str, payload) -> bytes:
         if not isinstance(payload, dict) or "call" not in payload:
             raise InvalidInput("Missing field 'call'.", code="missing_field", details={"field": "call"})
-        outcome = services.rollout_call(task_id=task_id, rollout_id=parse_id(rollout_id, "rollout_id"),
+        outcome = services.rollout_call(task_id=principal.task_key(task_id), rollout_id=parse_id(rollout_id, "rollout_id"),
                                         call_json=payload["call"], epoch=parse_epoch(payload))
         metrics.tool_call_observed(tool=payload["call"]["tool"], cached=outcome.cached, ms=outcome.latency_ms)
         return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
@@ -63,7 +64,7 @@ class RolloutCallView(LeanPostView):
 class RolloutView(APIView):
     @extend_schema(responses={204: None, **ERRORS}, summary="End a rollout and free its sandbox")
     def delete(self, request, task_id: str, rollout_id: str):
-        services.rollout_end(task_id=task_id, rollout_id=rollout_id)
+        services.rollout_end(task_id=request.user.task_key(task_id), rollout_id=rollout_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -74,11 +75,14 @@ class StepsView(APIView):
         serializer = StepSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        planned = services.step_announce(task_ids=data["tasks"], rollouts_per_task=data["rollouts_per_task"])
-        return Response({"planned": planned}, status=status.HTTP_202_ACCEPTED)
+        planned = services.step_announce(task_ids=[request.user.task_key(t) for t in data["tasks"]],
+                                         rollouts_per_task=data["rollouts_per_task"])
+        return Response({"planned": {task_public_id(key): plan for key, plan in planned.items()}},
+                        status=status.HTTP_202_ACCEPTED)
 
 
 class PoolsView(APIView):
-    @extend_schema(responses={200: dict}, summary="Sandboxes by pool and state, live snapshots, fork latency, engine health")
+    @extend_schema(responses={200: dict},
+                   summary="The project's sandboxes by pool and state, live snapshots, fork latency; engine health")
     def get(self, request):
-        return Response(selectors.pools_overview())
+        return Response(selectors.pools_overview(project_id=request.user.project_id, public_ids=True))

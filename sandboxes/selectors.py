@@ -8,6 +8,7 @@ from statistics import median, quantiles
 from django.db.models import Count
 
 from cache.models import Snapshot
+from cache.projects import key_project, task_public_id
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
@@ -40,27 +41,49 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
     return median(values), quantiles(values, n=20)[-1]
 
 
-def pools_overview() -> dict:
-    live = Sandbox.objects.exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
+LIVE_EXCLUDED = (Sandbox.State.STOPPED, Sandbox.State.FAILED)
+
+
+def live_sandboxes(*, project_id: int) -> int:
+    """Sandboxes of the project's tasks that hold (or are about to hold) a container or folder."""
+    return Sandbox.objects.filter(task__project_id=project_id).exclude(state__in=LIVE_EXCLUDED).count()
+
+
+def pools_overview(*, project_id: int | None = None, project_ids: list[int] | None = None,
+                   public_ids: bool = False) -> dict:
+    """Pools, live snapshots and fork latency of one project's tasks, of several, or (both None)
+    of every project; the engine's health. `public_ids`: tasks named as their project knows them
+    (the API), else by key (the dashboard), each entry with its project's name."""
+    scope = {}
+    if project_id is not None:
+        scope["task__project_id"] = project_id
+    if project_ids is not None:
+        scope["task__project_id__in"] = project_ids
+    name = task_public_id if public_ids else (lambda key: key)
+    live = Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED)
     pools: dict[tuple[str, str, str], dict] = {}
     for row in live.values("task_id", "backend", "pool", "state").annotate(n=Count("id")):
         key = (row["task_id"], row["backend"], row["pool"])
-        entry = pools.setdefault(key, {"task_id": row["task_id"], "backend": row["backend"], "pool": row["pool"],
+        entry = pools.setdefault(key, {"task_id": name(row["task_id"]), "project": key_project(row["task_id"]),
+                                       "backend": row["backend"], "pool": row["pool"],
                                        "states": {state: 0 for state in ("warming", "ready", "leased", "stopping")}})
         entry["states"][row["state"]] = row["n"]
     snapshots = [
-        {"task_id": s["task_id"], "node_id": s["node_id"], "ref": s["ref"], "backend": s["backend"],
-         "size_bytes": s["size_bytes"], "status": s["status"]}
-        for s in Snapshot.objects.filter(status=Snapshot.Status.LIVE).order_by("-created_at")
+        {"task_id": name(s["task_id"]), "project": key_project(s["task_id"]), "node_id": s["node_id"], "ref": s["ref"],
+         "backend": s["backend"], "size_bytes": s["size_bytes"], "status": s["status"]}
+        for s in Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope).order_by("-created_at")
         .values("task_id", "node_id", "ref", "backend", "size_bytes", "status")[:500]
     ]
-    recent = Sandbox.objects.exclude(start_ms=None).order_by("-created_at")
+    recent = Sandbox.objects.filter(**scope).exclude(start_ms=None).order_by("-created_at")
     warm = [ms for ms in recent.filter(pool=Sandbox.Pool.FORK, rollout=None).values_list("start_ms", flat=True)[:500]]
     cold = [ms for ms in recent.filter(pool=Sandbox.Pool.FORK).exclude(rollout=None).values_list("start_ms", flat=True)[:500]]
     warm_p50, warm_p95 = _percentiles(warm)
     cold_p50, cold_p95 = _percentiles(cold)
+    engine = engine_health()
+    if project_id is not None or project_ids is not None:  # the engine's count spans every project
+        engine = {k: v for k, v in engine.items() if k != "running_sandboxes"}
     return {
-        "engine": engine_health(),
+        "engine": engine,
         "pools": sorted(pools.values(), key=lambda p: (p["task_id"], p["pool"])),
         "snapshots": snapshots,
         "fork_latency_ms": {"warm_p50": warm_p50, "warm_p95": warm_p95, "cold_p50": cold_p50, "cold_p95": cold_p95},

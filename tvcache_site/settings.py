@@ -158,6 +158,7 @@ CELERY_BEAT_SCHEDULE = {
     "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": env.float("TVCACHE_ORPHANS_EVERY_S", default=300.0)},
     "vacuum-tables": {"task": "workers.tasks.tables_vacuum", "schedule": 60.0},  # if autovacuum is off
     "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
+    "prune-request-counts": {"task": "workers.tasks.project_requests_prune", "schedule": 3600.0},
 }
 
 # tvcache limits and policy
@@ -259,6 +260,9 @@ TVCACHE = {
     # task becomes uncacheable for it.
     "DEFAULT_AUDIT_RATE": env.float("TVCACHE_DEFAULT_AUDIT_RATE", default=0.02),
     "AUDIT_MAX_DIVERGENT": env.int("TVCACHE_AUDIT_MAX_DIVERGENT", default=3),
+    # Projects' rate limits are token buckets kept by each server process: set this to the number
+    # of server processes (uvicorn --workers) and each admits its share of a project's rate.
+    "RATE_LIMIT_PROCESSES": env.int("TVCACHE_RATE_LIMIT_PROCESSES", default=1),
 }
 
 if not 1 <= TVCACHE["MAX_JSON_DEPTH"] <= 250:

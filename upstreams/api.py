@@ -77,7 +77,7 @@ class UpstreamView(APIView):
                    summary="Register (or update) an upstream tool server; the answer has the proxy URL for trainers")
     def put(self, request, name: str):
         selectors.upstream_for(principal=request.user, name=name, write=True)
-        upstream, created = services.upstream_put(name=name, data=request.data)
+        upstream, created = services.upstream_put(project_id=request.user.project_id, name=name, data=request.data)
         return Response(upstream_json(request, upstream), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: UpstreamStatsSerializer, **ERRORS}, operation_id="v1_upstreams_get",

@@ -8,12 +8,14 @@ from cache.models import Rollout
 
 
 class Upstream(models.Model):
-    """A user's own tool server; trainers reach it through the proxy path that carries its secret."""
+    """A user's own tool server; trainers reach it through the proxy path that carries its secret.
+    It belongs to a project (its name is unique there), and so do the tasks its requests make."""
 
     class Protocol(models.TextChoices):
         VERL_TOOL = "verl-tool"
 
-    name = models.SlugField(max_length=100, unique=True)
+    project = models.ForeignKey("cache.Project", on_delete=models.PROTECT, related_name="upstreams")
+    name = models.SlugField(max_length=100, db_index=False)
     protocol = models.CharField(max_length=20, choices=Protocol.choices)
     url = models.URLField(max_length=2000)
     # What names a task: these fields' values in a request's extra_fields.
@@ -36,6 +38,9 @@ class Upstream(models.Model):
     upstream_errors = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "name"], name="upstream_unique_name")]
 
     def __str__(self) -> str:
         return self.name

@@ -5,16 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from cache.errors import NotFound
+from cache.projects import role_check
 from upstreams.models import Upstream
 
 STATS = ("hits", "misses", "passed_through", "upstream_requests", "upstream_errors")
 
 
 def upstream_for(*, principal: Any, name: str, write: bool = False) -> Upstream | None:
-    """The upstream `name` as `principal` may see it, or None if there is none such. The one place
-    that decides access: today every trainer token sees and changes every upstream; with projects,
-    a principal sees its project's upstreams only, and `write` asks for the maintainer role."""
-    return Upstream.objects.filter(name=name).first()
+    """The upstream `name` of the principal's project, or None if it has none such (another
+    project's upstream is not found: a 404, never a 403). `write`: changing an upstream that
+    exists takes the maintainer role (cache.projects: 403 maintainer_required), as changing a
+    task does; registering a new one does not."""
+    upstream = Upstream.objects.filter(project_id=principal.project_id, name=name).first()
+    if upstream is not None and write:
+        role_check(principal=principal, action="change an existing upstream")
+    return upstream
 
 
 def upstream_get(*, principal: Any, name: str) -> Upstream:

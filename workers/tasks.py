@@ -49,6 +49,11 @@ def claims_clear() -> int:
     return cache_services.claims_clear()
 
 
+@shared_task(acks_late=True)
+def project_requests_prune() -> int:
+    return cache_services.project_requests_prune()
+
+
 @shared_task(acks_late=True, **RETRY)
 def hit_audit(task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
     """Determinism audit of a sampled tool-server hit (sandboxes.services.audit)."""

@@ -40,12 +40,12 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
-from cache.errors import Overloaded, ServiceUnavailable
+from cache.errors import Overloaded, ServiceUnavailable, TooManyRequests
 from cache.inputs import load_json
 from cache.lanes import HandBack, LaneContext, LockAwaited, SlowWork, lane_set
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
-from .auth import trainer_cached, trainer_for_key
+from .auth import INVALID_TOKEN, Principal, admit, principal_cached, principal_for_key
 from .errors import application_error
 from .lockwatch import AdvisoryLockWatch
 
@@ -67,29 +67,45 @@ def error_body(code: str, message: str, details=None) -> bytes:
     return orjson.dumps({"error": {"code": code, "message": message, "details": details}})
 
 
-def lean_refusal(authorization: str) -> tuple[int, bytes] | None:
-    """Status and JSON body refusing a request whose token is missing or invalid; None for a
-    valid one. Runs before the body is read."""
+def lean_principal(authorization: str) -> Principal | tuple[int, bytes]:
+    """The request's principal (its token's project and role), or the status and JSON body
+    refusing a request whose token is missing or invalid."""
     parts = authorization.split()
     if not parts or parts[0].lower() != "token":
         return 401, error_body("not_authenticated", "Authentication credentials were not provided.")
-    if len(parts) != 2 or trainer_for_key(parts[1]) is None:
-        return 401, error_body("invalid_token", "Invalid or revoked token.")
-    return None
+    principal = principal_for_key(parts[1]) if len(parts) == 2 else None
+    if principal is None:
+        return 401, error_body("invalid_token", INVALID_TOKEN)
+    return principal
+
+
+def lean_refusal(authorization: str) -> tuple[int, bytes] | None:
+    """Status and JSON body refusing a request whose token is missing or invalid; None for a
+    valid one. Runs before the body is read."""
+    found = lean_principal(authorization)
+    return found if isinstance(found, tuple) else None
 
 
 def token_verified(authorization: str) -> bool:
     """The request's token was verified lately by this process (no database read): its body may
     be read before the token is checked again."""
     parts = authorization.split()
-    return len(parts) == 2 and parts[0].lower() == "token" and trainer_cached(parts[1])
+    return len(parts) == 2 and parts[0].lower() == "token" and principal_cached(parts[1])
 
 
 def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: str,
                 read_body: Callable[[], bytes]) -> tuple[int, bytes]:
-    """Status and JSON body for a POST to a hot endpoint: token, then body, then the answer."""
-    return _answered(lambda: lean_refusal(authorization) or (200, answer(**path_kwargs,
-                                                                          payload=load_json(read_body()))))
+    """Status and JSON body for a POST to a hot endpoint: token, its project's rate limit, then
+    body, then the answer (which gets the principal: the task id resolves in its project)."""
+
+    def work() -> tuple[int, bytes]:
+        found = lean_principal(authorization)
+        if isinstance(found, tuple):
+            return found
+        admit(found)
+        return 200, answer(principal=found, **path_kwargs, payload=load_json(read_body()))
+
+    return _answered(work)
 
 
 def _answered(work: Callable[[], tuple[int, bytes] | None]) -> tuple[int, bytes] | None:
@@ -111,10 +127,12 @@ def extra_headers(status: int) -> list[tuple[str, str]]:
         return [("WWW-Authenticate", "Token")]
     if status == 503:
         return [("Retry-After", str(ServiceUnavailable.retry_after))]
+    if status == 429:
+        return [("Retry-After", str(TooManyRequests.retry_after))]
     return []
 
 
-# A POST endpoint whose work is `answer(*, <path arguments>, payload) -> bytes`, a staticmethod
+# A POST endpoint whose work is `answer(*, principal, <path arguments>, payload) -> bytes`, a staticmethod
 # that the front doors call too, for requests to `route` ("/api/v1/tasks/{task_id}/lookup": the
 # URL's pattern, arguments in braces). Under ASGI each `lane` has threads of its own: a lookup
 # ("read") never queues behind a record waiting for its commit ("write"), and neither behind a

@@ -25,7 +25,7 @@ class TaskPutSerializer(serializers.Serializer):
 
 
 class TaskSerializer(serializers.Serializer):
-    id = serializers.CharField()
+    id = serializers.CharField(source="name", help_text="The task's id in its project (the token's).")
     env = serializers.DictField()
     env_fingerprint = serializers.CharField()
     tools = serializers.DictField()
@@ -145,3 +145,25 @@ class ErrorBodySerializer(serializers.Serializer):
 
 class ErrorSerializer(serializers.Serializer):
     error = ErrorBodySerializer()
+
+
+class NodeEvictSerializer(serializers.Serializer):
+    subtree = serializers.BooleanField(default=False, help_text=(
+        "false: evict only the node's live snapshot (its result stays cached); true: evict the live snapshots of "
+        "the node and its descendants and delete those nodes with their results."))
+
+
+class NodePinSerializer(serializers.Serializer):
+    pinned = serializers.BooleanField(help_text="A pinned node's snapshot is never evicted by the budget.")
+
+
+class AuditedSerializer(serializers.Serializer):
+    action = serializers.CharField()
+    outcome = serializers.CharField()
+    target = serializers.CharField()
+    details = serializers.JSONField(help_text="What was done, as the audit log has it.")
+
+
+def audited_json(entry) -> dict:
+    """A maintainer action's answer: its audit log entry."""
+    return {"action": entry.action, "outcome": entry.outcome, "target": entry.target, "details": entry.details}

@@ -12,5 +12,8 @@ urlpatterns = [
     path("tasks/<slug:task_id>/graph", views.GraphView.as_view()),
     path("tasks/<slug:task_id>/nodes/<int:node_id>/snapshots", views.SnapshotRegisterView.as_view()),
     path("tasks/<slug:task_id>/nodes/<int:node_id>/audit", views.NodeAuditView.as_view()),
+    path("tasks/<slug:task_id>/flush", views.TaskFlushView.as_view()),
+    path("tasks/<slug:task_id>/nodes/<int:node_id>/evict", views.NodeEvictView.as_view()),
+    path("tasks/<slug:task_id>/nodes/<int:node_id>/pin", views.NodePinView.as_view()),
     path("leases/<str:lease_id>", views.LeaseView.as_view()),
 ]

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
+from cache.projects import task_public_id
 from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_call_context, parse_claim, parse_id, parse_int,
                           parse_node_id, parse_query_int, parse_record, parse_resume)
 from observability import metrics
@@ -18,7 +19,7 @@ from observability import metrics
 from . import serializers as s
 from .lean import LeanPostView
 
-ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413, 503)}
+ERRORS = {code: s.ErrorSerializer for code in (400, 401, 403, 404, 409, 413, 429, 503)}
 TASK_PAGE = 100  # tasks per answer of the task list unless ?limit= says otherwise
 TASK_PAGE_MAX = 1000
 
@@ -34,6 +35,12 @@ def taskjson_response(task) -> dict:
     return s.TaskSerializer(task).data
 
 
+def task_key(request, task_id: str) -> str:
+    """The internal key of the caller's project's task `task_id` (cache.projects): every route
+    resolves a task here, once, so another project's task is never reached (it answers 404)."""
+    return request.user.task_key(task_id)
+
+
 class TaskListView(APIView):
     @extend_schema(parameters=[OpenApiParameter("q", str, description="task id contains (any case)"),
                                OpenApiParameter("limit", int, description=f"1 to {TASK_PAGE_MAX}, default {TASK_PAGE}"),
@@ -45,7 +52,7 @@ class TaskListView(APIView):
         offset = parse_query_int(request.query_params, "offset", 0, low=0, high=INT32[1])
         search = request.query_params.get("q", "")
         check_json(search, "q")
-        ids = selectors.task_ids(search=search.strip())
+        ids = selectors.task_ids(project_id=request.user.project_id, search=search.strip())
         count = ids.count()
         rows = selectors.task_list_stats(task_ids=list(ids[offset:offset + limit]))
         return Response({"tasks": [{**taskjson_response(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
@@ -57,30 +64,32 @@ class TaskView(APIView):
     @extend_schema(request=s.TaskPutSerializer, responses={200: s.TaskSerializer, 201: s.TaskSerializer, **ERRORS},
                    summary="Create or update a task")
     def put(self, request, task_id: str):
-        parse_id(task_id, "task_id")
+        key = task_key(request, parse_id(task_id, "task_id"))
         if not isinstance(request.data, dict):
             raise InvalidInput("The request body must be a JSON object.")
         if "env" not in request.data:
             raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
         if request.data.get("sandbox_budget") is not None:
             parse_int(request.data["sandbox_budget"], "sandbox_budget", low=0, high=INT32[1])
-        task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
+        task, created = services.task_put(task_id=key, env=request.data["env"], tools=request.data.get("tools"),
                                           sandbox_budget=request.data.get("sandbox_budget"),
-                                          audit_rate=request.data.get("audit_rate"))
+                                          audit_rate=request.data.get("audit_rate"), actor=request.user)
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
     def get(self, request, task_id: str):
-        task = selectors.task_get(task_id=task_id)
-        return Response({**taskjson_response(task), "stats": selectors.task_stats(task_id=task_id)})
+        key = task_key(request, task_id)
+        task = selectors.task_get(task_id=key)
+        return Response({**taskjson_response(task), "stats": selectors.task_stats(task_id=key)})
 
 
 class TaskStatsView(APIView):
     @extend_schema(responses={200: dict, **ERRORS},
                    summary="Calls, hits, hit rate, oracle hit rate, executed and saved ms; per epoch and per tool")
     def get(self, request, task_id: str):
-        selectors.task_get(task_id=task_id)
-        return Response(selectors.task_stats(task_id=task_id))
+        key = task_key(request, task_id)
+        selectors.task_get(task_id=key)
+        return Response(selectors.task_stats(task_id=key))
 
 
 # Request examples: the API docs show them, and schemathesis's examples phase sends them.
@@ -98,9 +107,9 @@ class LookupView(LeanPostView):
 
     @staticmethod
     @metrics.lookup_timed
-    def answer(*, task_id: str, payload) -> bytes:
+    def answer(*, principal, task_id: str, payload) -> bytes:
         context = parse_call_context(payload)
-        answer = services.tcg_lookup(task_id=task_id, context=context, claim=parse_claim(payload, context),
+        answer = services.tcg_lookup(task_id=principal.task_key(task_id), context=context, claim=parse_claim(payload, context),
                                      resume=parse_resume(payload))
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
@@ -132,8 +141,8 @@ class RecordView(LeanPostView):
     lane = "write"
 
     @staticmethod
-    def answer(*, task_id: str, payload) -> bytes:
-        outcome = services.node_record(task_id=task_id, record=parse_record(payload))
+    def answer(*, principal, task_id: str, payload) -> bytes:
+        outcome = services.node_record(task_id=principal.task_key(task_id), record=parse_record(payload))
         return orjson.dumps({"node_id": outcome.node_id, "created": outcome.created, "mutates": outcome.mutates,
                              "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
                              "evicted": outcome.evicted})
@@ -147,7 +156,7 @@ class ClaimReleaseView(APIView):
         if not context.rollout_id:
             raise InvalidInput("'rollout_id' is required: a claim is held by a rollout.", code="missing_field",
                                details={"field": "rollout_id"})
-        return Response({"released": services.claim_release(task_id=task_id, context=context)})
+        return Response({"released": services.claim_release(task_id=task_key(request, task_id), context=context)})
 
 
 class SnapshotRegisterView(APIView):
@@ -156,8 +165,9 @@ class SnapshotRegisterView(APIView):
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.SnapshotRegisterSerializer, request.data)
         parse_node_id(node_id)
-        selectors.task_get(task_id=task_id)
-        snapshot, evicted = services.snapshot_register(task_id=task_id, node_id=node_id, **data)
+        key = task_key(request, task_id)
+        selectors.task_get(task_id=key)
+        snapshot, evicted = services.snapshot_register(task_id=key, node_id=node_id, **data)
         return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
                         status=status.HTTP_201_CREATED)
 
@@ -169,7 +179,7 @@ class NodeAuditView(APIView):
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.NodeAuditSerializer, request.data)
         parse_node_id(node_id)
-        divergent = services.node_audit(task_id=task_id, node_id=node_id, result=data["result"],
+        divergent = services.node_audit(task_id=task_key(request, task_id), node_id=node_id, result=data["result"],
                                         rollout_id=data.get("rollout_id", ""))
         return Response({"divergent": divergent})
 
@@ -186,7 +196,7 @@ class LeaseView(APIView):
         if restore_ms is not None and not 0 <= restore_ms <= MAX_MS:  # nan and inf too
             raise InvalidInput(f"'restore_ms' must be a number from 0 to {MAX_MS:.0f}.",
                                details={"field": "restore_ms", "min": 0, "max": MAX_MS})
-        services.lease_release(lease_id=lease_id, restore_ms=restore_ms)
+        services.lease_release(lease_id=lease_id, restore_ms=restore_ms, project=request.user.project)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -196,4 +206,40 @@ class GraphView(APIView):
     def get(self, request, task_id: str):
         root = parse_query_int(request.query_params, "root", None, low=1, high=INT64[1])
         depth = parse_query_int(request.query_params, "depth", None, low=0, high=INT32[1])
-        return Response(selectors.graph_export(task_id=task_id, root=root, max_depth=depth))
+        graph = selectors.graph_export(task_id=task_key(request, task_id), root=root, max_depth=depth)
+        return Response({**graph, "task_id": task_public_id(graph["task_id"])})
+
+
+# Maintainer actions (the role is checked after the task and node are found: another project's
+# task or node is a 404 to every role). Each is written to the audit log with the token's name, refusals too.
+class TaskFlushView(APIView):
+    @extend_schema(request=None, responses={200: s.AuditedSerializer, **ERRORS},
+                   summary="Maintainers: drop every node, snapshot, rollout and counter of the task (audited)")
+    def post(self, request, task_id: str):
+        key = task_key(request, task_id)
+        selectors.task_get(task_id=key)
+        return Response(s.audited_json(services.admin_task_flush(actor=request.user, task_id=key)))
+
+
+class NodeEvictView(APIView):
+    @extend_schema(request=s.NodeEvictSerializer, responses={200: s.AuditedSerializer, **ERRORS},
+                   summary="Maintainers: evict a node's snapshot, or its whole subtree (audited)")
+    def post(self, request, task_id: str, node_id: int):
+        data = _valid(s.NodeEvictSerializer, request.data)
+        parse_node_id(node_id)
+        key = task_key(request, task_id)
+        selectors.node_check(task_id=key, node_id=node_id)
+        evict = services.admin_subtree_evict if data["subtree"] else services.admin_snapshot_evict
+        return Response(s.audited_json(evict(actor=request.user, task_id=key, node_id=node_id)))
+
+
+class NodePinView(APIView):
+    @extend_schema(request=s.NodePinSerializer, responses={200: s.AuditedSerializer, **ERRORS},
+                   summary="Maintainers: pin a node (its snapshot is never evicted by the budget) or unpin it (audited)")
+    def put(self, request, task_id: str, node_id: int):
+        data = _valid(s.NodePinSerializer, request.data)
+        parse_node_id(node_id)
+        key = task_key(request, task_id)
+        selectors.node_check(task_id=key, node_id=node_id)
+        return Response(s.audited_json(services.admin_node_pin(actor=request.user, task_id=key, node_id=node_id,
+                                                               pinned=data["pinned"])))

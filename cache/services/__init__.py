@@ -3,7 +3,7 @@
 from .audit import divergence_record, node_audit
 from .flight import Flight, single_flight
 from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
-from .maintenance import claims_clear, tables_vacuum
+from .maintenance import claims_clear, project_requests_prune, tables_vacuum
 from .record import RecordOutcome, node_record
 from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
 from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
@@ -34,6 +34,7 @@ __all__ = [
     "task_handle",
     "task_put",
     "tables_vacuum",
+    "project_requests_prune",
     "claims_clear",
     "tcg_lookup",
 ]

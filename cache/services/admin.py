@@ -1,6 +1,9 @@
-"""Staff actions on the cache. Each is one mutation in one transaction, written to the audit log
-(`dashboard.models.AuditEntry`: who, when, what, outcome) in that same transaction; a refused or
-failed action is logged too, and its error re-raised for the caller to show.
+"""Staff and maintainer actions on the cache. Each is one mutation in one transaction, written to
+the audit log (`dashboard.models.AuditEntry`: who, when, what, outcome, in which project) in that
+same transaction; a refused or failed action is logged too, and its error re-raised for the
+caller to show. The actor is a dashboard user (staff or a project's maintainer: the dashboard
+checks) or an API principal (`cache.api.auth.Principal`: a trainer token is refused here, after
+its target was found, with 403 maintainer_required, and that refusal is logged too).
 
 Evicting a subtree deletes it: the live snapshots of the node and of all its descendants are
 evicted and the nodes themselves, with their results, are deleted, so the subtree is gone from
@@ -16,7 +19,8 @@ from typing import Any, Callable
 from django.db import connection, transaction
 
 from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound
-from cache.models import Lease, Node, Snapshot, Task
+from cache.models import Lease, Node, Project, Snapshot, Task
+from cache.projects import key_project, role_check, task_public_id, unknown_node, unknown_task
 from dashboard import broadcast
 from dashboard.models import AuditEntry
 
@@ -35,6 +39,8 @@ WITH RECURSIVE sub(id) AS (
 def _audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
     try:
         with transaction.atomic():
+            if getattr(actor, "role", None) is not None:  # an API token: maintainers only
+                role_check(principal=actor, action=AuditEntry.Action(action).label.lower())
             details = run()
             return _entry(actor, action, task_id, target, AuditEntry.Outcome.OK, details)
     except ApplicationError as exc:
@@ -49,9 +55,21 @@ def _audited(*, actor, action: str, task_id: str, target: str, run: Callable[[],
 
 def _entry(actor, action: str, task_id: str, target: str, outcome: str, details: dict) -> AuditEntry:
     user = actor if getattr(actor, "pk", None) is not None else None
-    name = actor.get_username() if user is not None else str(actor or "system")
+    name = actor.get_username() if user is not None else str(actor or "system")  # a token: "token:<name>"
+    project = Project.objects.filter(name=key_project(task_id)).first() if task_id else None
     return AuditEntry.objects.create(actor=user, actor_name=name[:150], action=action, task_id=task_id,
-                                     target=target[:300], outcome=outcome, details=details)
+                                     project=project, target=target[:300], outcome=outcome, details=details)
+
+
+def audit_entry(*, actor, action: str, task_id: str, target: str, details: dict) -> AuditEntry:
+    """An entry for an action done elsewhere in the caller's transaction (task_put's changes)."""
+    return _entry(actor, action, task_id, target, AuditEntry.Outcome.OK, details)
+
+
+def _named(task_id: str) -> str:
+    """How a target names a task: its id and, outside the default project, its project."""
+    project, name = key_project(task_id), task_public_id(task_id)
+    return f"task {name}" if task_id == name else f"task {name} (project {project})"
 
 
 def system_entry(*, action: str, task_id: str, target: str, details: dict) -> AuditEntry:
@@ -62,8 +80,7 @@ def system_entry(*, action: str, task_id: str, target: str, details: dict) -> Au
 def _node_for_update(task_id: str, node_id: int) -> Node:
     node = Node.objects.select_for_update().filter(task_id=task_id, pk=node_id).first()
     if node is None:
-        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node",
-                       details={"task_id": task_id, "node_id": node_id})
+        raise unknown_node(task_id, node_id)
     return node
 
 
@@ -105,7 +122,7 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
                 "snapshots_evicted": evicted}
 
     return _audited(actor=actor, action=AuditEntry.Action.SUBTREE_EVICT, task_id=task_id,
-                    target=f"task {task_id} / node {node_id} (subtree)", run=run)
+                    target=f"{_named(task_id)} / node {node_id} (subtree)", run=run)
 
 
 def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
@@ -115,15 +132,15 @@ def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         snapshot = (Snapshot.objects.select_for_update().filter(task_id=task_id, node_id=node_id,
                                                                 status=Snapshot.Status.LIVE).first())
         if snapshot is None:
-            raise NotFound(f"Node {node_id} of task '{task_id}' has no live snapshot.", code="no_live_snapshot",
-                           details={"task_id": task_id, "node_id": node_id})
+            raise NotFound(f"Node {node_id} of task '{task_public_id(task_id)}' has no live snapshot.",
+                           code="no_live_snapshot", details={"task_id": task_public_id(task_id), "node_id": node_id})
         if not snapshot_evict(snapshot=snapshot):
             raise Conflict("A rollout holds a lease on this snapshot; try again once it is released.",
                            code="snapshot_leased", details={"snapshot_ids": [snapshot.pk]})
         return {"snapshot": _snapshot_json(snapshot)}  # snapshot_evict announces it
 
     return _audited(actor=actor, action=AuditEntry.Action.SNAPSHOT_EVICT, task_id=task_id,
-                    target=f"task {task_id} / node {node_id} (snapshot)", run=run)
+                    target=f"{_named(task_id)} / node {node_id} (snapshot)", run=run)
 
 
 def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditEntry:
@@ -137,7 +154,7 @@ def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditE
         return {"pinned": pinned, "was_pinned": was}
 
     action = AuditEntry.Action.NODE_PIN if pinned else AuditEntry.Action.NODE_UNPIN
-    return _audited(actor=actor, action=action, task_id=task_id, target=f"task {task_id} / node {node_id}", run=run)
+    return _audited(actor=actor, action=action, task_id=task_id, target=f"{_named(task_id)} / node {node_id}", run=run)
 
 
 def admin_task_flush(*, actor, task_id: str) -> AuditEntry:
@@ -150,7 +167,7 @@ def admin_task_flush(*, actor, task_id: str) -> AuditEntry:
         broadcast.task_changed(task_id, "flushed")
         return {"nodes_deleted": nodes, "snapshots_evicted": live}
 
-    return _audited(actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=f"task {task_id}",
+    return _audited(actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=_named(task_id),
                     run=run)
 
 
@@ -163,7 +180,7 @@ def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
                                details={"sandbox_budget": sandbox_budget})
         task = Task.objects.select_for_update().filter(pk=task_id).first()
         if task is None:
-            raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+            raise unknown_task(task_id)
         old = task.sandbox_budget
         task.sandbox_budget = sandbox_budget
         task.save(update_fields=["sandbox_budget", "updated_at"])
@@ -172,7 +189,7 @@ def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
         return {"old": old, "new": sandbox_budget, "snapshots_evicted": [_snapshot_json(s) for s in evicted]}
 
     return _audited(actor=actor, action=AuditEntry.Action.BUDGET_SET, task_id=task_id,
-                    target=f"task {task_id} (budget {sandbox_budget})", run=run)
+                    target=f"{_named(task_id)} (budget {sandbox_budget})", run=run)
 
 
 def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEntry:

@@ -17,8 +17,8 @@ import orjson
 from django.conf import settings
 from django.db import transaction
 
-from cache.errors import NotFound
 from cache.models import Divergence, Node, Task
+from cache.projects import unknown_node, unknown_task
 from cache.tcg import canonical_json
 from dashboard import broadcast
 from dashboard.models import AuditEntry
@@ -37,7 +37,7 @@ def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str
         # two at once cannot each see the other's node uncounted.
         task = Task.objects.select_for_update().filter(pk=task_id).first()
         if task is None:
-            raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+            raise unknown_task(task_id)
         if node_id is not None and not Node.objects.filter(task_id=task_id, pk=node_id).exists():
             node_id = None  # evicted meanwhile: the divergence still happened
         divergence = Divergence.objects.create(task=task, node_id=node_id, tool=tool, kind=kind, expected=expected,
@@ -81,8 +81,7 @@ def node_audit(*, task_id: str, node_id: int, result: Any, rollout_id: str = "")
     result (the whole result, as canonical JSON); a difference is recorded."""
     row = Node.objects.filter(task_id=task_id, pk=node_id).values_list("tool", "result_json").first()
     if row is None:
-        raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node",
-                       details={"task_id": task_id, "node_id": node_id})
+        raise unknown_node(task_id, node_id)
     tool, result_json = row
     if canonical_json(result).decode() == result_json:
         return False

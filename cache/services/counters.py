@@ -24,6 +24,7 @@ from django.conf import settings
 from django.db import transaction
 
 from cache.inputs import INT32, MAX_ID_LENGTH
+from cache.projects import MAX_TASK_KEY
 
 from .prepared import prepared_cursor
 
@@ -58,6 +59,17 @@ ON CONFLICT (task_id, rollout_id) DO UPDATE SET
     calls = cache_rollout.calls + EXCLUDED.calls, hits = cache_rollout.hits + EXCLUDED.hits, epoch = EXCLUDED.epoch
 """
 
+# API requests per project and minute (cache.api.auth.admit): the project page's request rate.
+REQUESTS_SQL = """
+INSERT INTO cache_projectrequests (project_id, minute, admitted, refused)
+SELECT t.project_id, date_trunc('minute', now()), t.admitted, t.refused
+FROM unnest(%s::bigint[], %s::int[], %s::int[]) AS t(project_id, admitted, refused)
+JOIN cache_project ON cache_project.id = t.project_id
+ON CONFLICT (project_id, minute) DO UPDATE SET
+    admitted = cache_projectrequests.admitted + EXCLUDED.admitted,
+    refused = cache_projectrequests.refused + EXCLUDED.refused
+"""
+
 
 class CounterBuffer:
     def __init__(self) -> None:
@@ -68,6 +80,7 @@ class CounterBuffer:
         self.stats: dict[tuple, list] = defaultdict(lambda: [0, 0, 0, 0.0])
         self.nodes: dict[int, int] = defaultdict(int)
         self.rollouts: dict[tuple, list] = {}
+        self.requests: dict[int, list[int]] = {}  # project id -> [admitted, refused]
 
     def add(self, *, task_id: str, epoch: int, tool: str, rollout_id: str, node_id: int | None, hit: bool,
             seen: bool, saved_ms: float) -> None:
@@ -89,13 +102,20 @@ class CounterBuffer:
                 entry[1] += hit
                 entry[2] = epoch
 
-    def take(self) -> tuple[dict, dict, dict]:
+    def request(self, project_id: int, admitted: bool) -> None:
         with self._lock:
-            taken = (self.stats, self.nodes, self.rollouts)
+            counts = self.requests.get(project_id)
+            if counts is None:
+                counts = self.requests[project_id] = [0, 0]
+            counts[0 if admitted else 1] += 1
+
+    def take(self) -> tuple[dict, dict, dict, dict]:
+        with self._lock:
+            taken = (self.stats, self.nodes, self.rollouts, self.requests)
             self._reset()
         return taken
 
-    def give_back(self, stats: dict, nodes: dict, rollouts: dict) -> None:
+    def give_back(self, stats: dict, nodes: dict, rollouts: dict, requests: dict | None = None) -> None:
         """Merge counts taken by a flush that failed into what came since (rollout epochs: the
         newer wins)."""
         with self._lock:
@@ -109,11 +129,15 @@ class CounterBuffer:
                 entry = self.rollouts.setdefault(key, [0, 0, epoch])
                 entry[0] += calls
                 entry[1] += hits
+            for project_id, (admitted, refused) in (requests or {}).items():
+                counts = self.requests.setdefault(project_id, [0, 0])
+                counts[0] += admitted
+                counts[1] += refused
 
 
 def _storable(task_id: str, epoch: int, tool: str, rollout_id: str) -> bool:
     """The key fits the columns of the flush's statements (text without NUL, int epoch)."""
-    return (INT32[0] <= epoch <= INT32[1] and len(task_id) <= MAX_ID_LENGTH and len(tool) <= MAX_ID_LENGTH
+    return (INT32[0] <= epoch <= INT32[1] and len(task_id) <= MAX_TASK_KEY and len(tool) <= MAX_ID_LENGTH
             and len(rollout_id) <= MAX_ID_LENGTH and "\x00" not in task_id + tool + rollout_id)
 
 
@@ -127,21 +151,27 @@ def counters_add(**kwargs) -> None:
     _ensure_flusher()
 
 
+def requests_add(*, project_id: int, admitted: bool) -> None:
+    """One API request of the project, admitted or refused by its rate limit."""
+    _buffer.request(project_id, admitted)
+    _ensure_flusher()
+
+
 def counters_flush() -> dict:
     """Write the buffered counters; returns what was written (for the live dashboard)."""
     with _flush_lock:
-        stats, nodes, rollouts = _buffer.take()
-        if not (stats or nodes or rollouts):
+        stats, nodes, rollouts, requests = _buffer.take()
+        if not (stats or nodes or rollouts or requests):
             return {}
         try:
-            _write(stats, nodes, rollouts)
+            _write(stats, nodes, rollouts, requests)
         except BaseException:
-            _buffer.give_back(stats, nodes, rollouts)
+            _buffer.give_back(stats, nodes, rollouts, requests)
             raise
     return {key: value for key, value in stats.items()}
 
 
-def _write(stats: dict, nodes: dict, rollouts: dict) -> None:
+def _write(stats: dict, nodes: dict, rollouts: dict, requests: dict) -> None:
     with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
         cursor.execute("SET LOCAL synchronous_commit = off")
         # One flush at a time across processes: each locks many node, stat and rollout rows, in
@@ -158,12 +188,15 @@ def _write(stats: dict, nodes: dict, rollouts: dict) -> None:
             keys, values = list(rollouts), list(rollouts.values())
             cursor.execute(ROLLOUTS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [v[2] for v in values],
                                           [v[0] for v in values], [v[1] for v in values]])
+        if requests:
+            cursor.execute(REQUESTS_SQL, [list(requests), [v[0] for v in requests.values()],
+                                          [v[1] for v in requests.values()]])
 
 
 def _ensure_flusher() -> None:
     """Start the flush thread once per process (after a fork, the child starts its own)."""
     global _flusher
-    interval = settings.TVCACHE["COUNTER_FLUSH_S"]
+    interval = settings.TVCACHE.get("COUNTER_FLUSH_S", 0)
     if not interval or (_flusher and _flusher[0] == os.getpid()):
         return
     thread = threading.Thread(target=_flush_forever, args=(interval,), name="tvcache-counters", daemon=True)

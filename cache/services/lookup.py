@@ -13,10 +13,10 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from cache.errors import NotFound
 from dashboard import broadcast
 from observability import metrics
 from cache.inputs import CallContext
+from cache.projects import unknown_task
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
 from .counters import counters_add
@@ -137,7 +137,7 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
         task = task_handle(task_id=task_id)
         chain, row = _exact_read(task, context, claim)
     if row is None:
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+        raise unknown_task(task_id)
     _, node_id, result_json, exec_ms, mutates, divergent, writes, granted = row
     cacheable = task.policy.for_tool(context.call.tool).cacheable
     hit = node_id is not None and cacheable and not divergent

@@ -11,8 +11,9 @@ import orjson
 from django.db import connection
 from django.utils import timezone
 
-from cache.errors import Conflict, NotFound
+from cache.errors import Conflict
 from cache.models import Rollout
+from cache.projects import unknown_task
 from cache.tcg import ToolCall
 
 log = logging.getLogger("tvcache.rollouts")
@@ -59,7 +60,7 @@ def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra_column
             cursor.execute(sql, [task_id, rollout_id])
             row = cursor.fetchone()
     if row is None:  # the task was deleted
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+        raise unknown_task(task_id)
     pk, claimed, history, finished, detached, extra = row
     if not claimed:
         raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",

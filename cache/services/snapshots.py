@@ -7,11 +7,12 @@ import uuid
 from datetime import timedelta
 
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, Sum
 from django.utils import timezone
 
-from cache.errors import Conflict, InvalidInput, NotFound
-from cache.models import BackendCost, Lease, Node, Snapshot, Task
+from cache.errors import Conflict, Forbidden, InvalidInput, NotFound
+from cache.models import BackendCost, Lease, Node, Project, Snapshot, Task
+from cache.projects import key_project, unknown_node
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
 from cache.tcg.snapshots import SnapshotCosts, moving_average
 from dashboard import broadcast
@@ -68,7 +69,7 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, siz
     with transaction.atomic():
         node = Node.objects.select_for_update().filter(pk=node_id, task_id=task_id).first()
         if node is None:
-            raise NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node")
+            raise unknown_node(task_id, node_id)
         if not node.mutates:
             raise InvalidInput("A read-only call leaves its parent's state: snapshot the parent instead.",
                                code="snapshot_on_read_only")
@@ -78,6 +79,7 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, siz
                            details={"snapshot_id": existing.pk, "ref": existing.ref})
         if Snapshot.objects.filter(task_id=task_id, ref=ref).exists():
             raise Conflict(f"Snapshot ref '{ref}' is already registered.", code="duplicate_ref")
+        _snapshot_bytes_granted(task_id, size_bytes)
         snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, ref=ref, owner=owner,
                                            size_bytes=size_bytes, create_ms=create_ms)
         broadcast.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
@@ -87,13 +89,31 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, siz
     return snapshot, [s.ref for s in evicted]
 
 
-def lease_release(*, lease_id: str, restore_ms: float | None = None) -> None:
+def _snapshot_bytes_granted(task_id: str, size_bytes: int | None) -> None:
+    """Refuse a snapshot that would take its project past its grant of live snapshot bytes
+    (403 snapshot_quota_exceeded); projects without the grant are not bounded. The project's row
+    is locked: two snapshots registered at once are counted one after the other."""
+    project = (Project.objects.select_for_update(of=("self",)).filter(tasks__pk=task_id)
+               .values_list("pk", "name", "max_snapshot_bytes").first())
+    if project is None or project[2] is None:
+        return
+    pk, name, most = project
+    live = Snapshot.objects.filter(task__project_id=pk, status=Snapshot.Status.LIVE).aggregate(n=Sum("size_bytes"))["n"] or 0
+    if live + (size_bytes or 0) > most:
+        raise Forbidden(f"Project '{name}' may keep {most} bytes of live snapshots; it keeps {live}, and this one is "
+                        f"{size_bytes or 0}.", code="snapshot_quota_exceeded",
+                        details={"project": name, "max_snapshot_bytes": most, "live_bytes": live, "size_bytes": size_bytes})
+
+
+def lease_release(*, lease_id: str, restore_ms: float | None = None, project: str | None = None) -> None:
+    """Release a lease; with `project` (an API caller's), a lease on another project's snapshot
+    is unknown (404)."""
     try:
         uuid.UUID(str(lease_id))
     except ValueError:
         raise NotFound(f"Unknown lease '{lease_id}'.", code="unknown_lease") from None
     lease = Lease.objects.select_related("snapshot").filter(pk=lease_id).first()
-    if lease is None:
+    if lease is None or (project is not None and key_project(lease.snapshot.task_id) != project):
         raise NotFound(f"Unknown lease '{lease_id}'.", code="unknown_lease")
     if lease.released_at is None:
         Lease.objects.filter(pk=lease_id, released_at__isnull=True).update(released_at=timezone.now())

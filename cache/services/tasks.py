@@ -9,7 +9,8 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from cache.errors import Conflict, InvalidInput, NotFound
-from cache.models import Divergence, Node, Snapshot, Task
+from cache.models import Divergence, Node, Project, Snapshot, Task
+from cache.projects import key_project, role_check, task_public_id, unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 from dashboard import broadcast
 
@@ -57,7 +58,7 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         row = cursor.fetchone()
     if row is None:
         _handles.pop(task_id, None)
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
+        raise unknown_task(task_id)
     version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes = row
     handle = TaskHandle(task_id, version, fingerprint, _policy(tools, uncacheable), backend or "external", budget,
                         audit_rate, divergent_writes)
@@ -128,35 +129,81 @@ def _fingerprint_material(env: dict) -> dict:
         raise as_application_error(exc) from None
 
 
+def _granted(env: dict, project: Project) -> None:
+    """Refuse (403) an env that asks for more than the project is granted (network, images,
+    limits): the sandbox backend's own check, under the service's maxima narrowed to the grants."""
+    from sandboxes.backends.base import SandboxError
+    from sandboxes.services.runtime import as_application_error, env_check_granted
+
+    try:
+        env_check_granted(env, project=project)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+
+
+def _project_of(task_id: str) -> Project:
+    from .projects import project_named
+
+    name = key_project(task_id)
+    project = project_named(name)
+    if project is None:
+        raise NotFound(f"Unknown project '{name}'.", code="unknown_project", details={"project": name})
+    return project
+
+
 @transaction.atomic
 def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any = None,
-             audit_rate: Any = None) -> tuple[Task, bool]:
-    """Create or update a task. A changed environment changes the fingerprint and drops the
-    task's old nodes: they can never hit again, and keeping them would only mislead the graph.
-    A changed `audit_rate` keeps them."""
+             audit_rate: Any = None, actor: Any = None) -> tuple[Task, bool]:
+    """Create or update the task keyed `task_id` (cache.projects.task_key: its project is part of
+    the key). A changed environment changes the fingerprint and drops the task's old nodes: they
+    can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
+    keeps them; an update that names no budget keeps the task's.
+
+    `actor`: the API principal asking, if any. Changing an existing task's env, tools or budget
+    takes the maintainer role (a trainer gets 403 maintainer_required; creating a task, or
+    putting one again as it is, does not) and is written to the audit log in this transaction."""
     env = _validate_env(env)
     tools = _validate_tools(tools or {})
     audit_rate = _validate_audit_rate(audit_rate)
-    if sandbox_budget is None:
-        sandbox_budget = settings.TVCACHE["DEFAULT_SANDBOX_BUDGET"]
-    if not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool) or sandbox_budget < 0:
+    if sandbox_budget is not None and (not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool)
+                                       or sandbox_budget < 0):
         raise InvalidInput("'sandbox_budget' must be a non-negative integer.", code="invalid_payload", details={"field": "sandbox_budget"})
+    project = _project_of(task_id)
+    _granted(env, project)
     fingerprint = env_fingerprint({"env": env, "material": _fingerprint_material(env)})
     with connection.cursor() as cursor:  # PUTs creating one task at once: each waits, then updates the first's
         cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"task_put:{task_id}"])
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
-        task = Task.objects.create(id=task_id, env=env, env_fingerprint=fingerprint, tools=tools,
-                                   sandbox_budget=sandbox_budget, audit_rate=audit_rate)
+        if sandbox_budget is None:
+            sandbox_budget = settings.TVCACHE["DEFAULT_SANDBOX_BUDGET"]
+        task = Task.objects.create(id=task_id, project=project, name=task_public_id(task_id), env=env,
+                                   env_fingerprint=fingerprint, tools=tools, sandbox_budget=sandbox_budget,
+                                   audit_rate=audit_rate)
         broadcast.task_changed(task_id, "created")
         return task, True
+    if sandbox_budget is None:
+        sandbox_budget = task.sandbox_budget
+    changed = [field for field, differs in (("env", task.env_fingerprint != fingerprint), ("tools", task.tools != tools),
+                                            ("sandbox_budget", task.sandbox_budget != sandbox_budget)) if differs]
+    if changed and actor is not None:
+        role_check(principal=actor, action=f"change an existing task's {' and '.join(changed)}")
+    dropped = 0
     if task.env_fingerprint != fingerprint or task.tools != tools:
         # A changed tool policy changes the state keys too (what counts as a write).
+        dropped = task.nodes.count()
         _drop_nodes(task)
+    old = {"env_fingerprint": task.env_fingerprint, "tools": task.tools, "sandbox_budget": task.sandbox_budget}
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
     task.audit_rate = audit_rate
     task.version += 1  # every process re-reads its handle (keys, policy, audit rate)
     task.save()
+    if changed and actor is not None:
+        from .admin import audit_entry
+
+        audit_entry(actor=actor, action="task_update", task_id=task_id, target=f"task {task.name} ({', '.join(changed)})",
+                    details={"changed": changed, "nodes_dropped": dropped, "old": old,
+                             "new": {"env_fingerprint": fingerprint, "tools": tools, "sandbox_budget": sandbox_budget}})
     broadcast.task_changed(task_id, "updated")
     return task, False
 
@@ -175,7 +222,7 @@ def task_flush(*, task_id: str) -> int:
     """Drop every node, snapshot, rollout and counter of a task; the task itself stays."""
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+        raise unknown_task(task_id)
     count = task.nodes.count()
     _drop_nodes(task)
     task.version += 1  # lookups holding the old handle re-read the task

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django import template
 
+from cache.projects import task_public_id
+
 register = template.Library()
 
 
@@ -55,3 +57,9 @@ def tojson(value) -> str:
     import json
 
     return json.dumps(value, separators=(",", ":"), default=str)
+
+
+@register.filter
+def task_name(key: str) -> str:
+    """A task's id in its project, from its key (cache.projects)."""
+    return task_public_id(key) if isinstance(key, str) else key

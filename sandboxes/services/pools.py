@@ -16,14 +16,16 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from cache.models import Snapshot, Task
+from cache.errors import TooManyRequests
+from cache.models import Project, Snapshot, Task
+from cache.projects import key_project
 from cache.services.background import job_enqueue
 from dashboard import broadcast
 from observability import metrics
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
-from .runtime import backend_named, forget, is_managed, labels, remember, sandbox_config
+from .runtime import backend_named, env_check_granted, forget, is_managed, labels, remember, sandbox_config
 
 log = logging.getLogger("tvcache.sandboxes")
 
@@ -36,18 +38,52 @@ def set_state(row: Sandbox, state: str, **fields) -> None:
     broadcast.pool_changed(task_id=row.task_id, pool=row.pool, sandbox_id=row.pk, state=state)
 
 
+class SandboxQuotaExceeded(TooManyRequests):
+    code = "sandbox_quota_exceeded"
+
+
+def _room(task: Task) -> int | None:
+    """How many more sandboxes the task's project may hold now (its grant of live sandboxes;
+    None: no bound). Locks the project's row until the caller's transaction ends: sandboxes made
+    at once are counted one after the other."""
+    project = Project.objects.select_for_update().filter(pk=task.project_id).values_list("max_live_sandboxes",
+                                                                                             flat=True).first()
+    if project is None:
+        return None
+    live = Sandbox.objects.filter(task__project_id=task.project_id).exclude(
+        state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED)).count()
+    return max(0, project - live)
+
+
+def sandbox_row(*, task: Task, **fields) -> Sandbox:
+    """A new sandbox row of the task, within its project's grant of live sandboxes (else 429
+    sandbox_quota_exceeded: its rollouts are told to retry once others end)."""
+    with transaction.atomic():
+        if _room(task) == 0:
+            raise SandboxQuotaExceeded(
+                f"Project '{key_project(task.pk)}' holds as many live sandboxes as it is granted; end rollouts "
+                "(DELETE .../rollouts/<id>) or retry shortly.", details={"project": key_project(task.pk)})
+        return Sandbox.objects.create(task=task, **fields)
+
+
 def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) -> list[int]:
-    """Create WARMING rows and have workers start them (after this transaction commits)."""
+    """Create WARMING rows and have workers start them (after this transaction commits); fewer if
+    the project's grant of live sandboxes leaves less room (forks first: they are the hot ones)."""
     from workers.tasks import sandbox_warm as warm_task
 
-    task = Task.objects.get(pk=task_id)
-    backend = task.env.get("backend", "external")
-    rows = [Sandbox(task=task, backend=backend, pool=Sandbox.Pool.ROOT) for _ in range(roots)]
-    rows += [Sandbox(task=task, backend=backend, pool=Sandbox.Pool.FORK, snapshot_id=sid) for sid in snapshot_ids]
-    created = Sandbox.objects.bulk_create(rows)
-    ids = [row.pk for row in created]
-    for sandbox_id in ids:
-        job_enqueue(warm_task, sandbox_id)
+    with transaction.atomic():
+        task = Task.objects.get(pk=task_id)
+        room = _room(task)
+        if room is not None:
+            snapshot_ids = list(snapshot_ids)[:room]
+            roots = max(0, min(roots, room - len(snapshot_ids)))
+        backend = task.env.get("backend", "external")
+        rows = [Sandbox(task=task, backend=backend, pool=Sandbox.Pool.ROOT) for _ in range(roots)]
+        rows += [Sandbox(task=task, backend=backend, pool=Sandbox.Pool.FORK, snapshot_id=sid) for sid in snapshot_ids]
+        created = Sandbox.objects.bulk_create(rows)
+        ids = [row.pk for row in created]
+        for sandbox_id in ids:
+            job_enqueue(warm_task, sandbox_id)
     return ids
 
 
@@ -67,12 +103,13 @@ def prefork_if_room(*, task_id: str, snapshot_id: int) -> bool:
 def sandbox_warm(*, sandbox_id: int) -> None:
     """Start (root) or fork (pre-fork) the sandbox of a WARMING row. Idempotent: a row that is
     not WARMING any more is left alone, and a container made by a crashed attempt is reaped."""
-    row = Sandbox.objects.select_related("task", "snapshot").filter(pk=sandbox_id).first()
+    row = Sandbox.objects.select_related("task", "task__project", "snapshot").filter(pk=sandbox_id).first()
     if row is None or row.state != Sandbox.State.WARMING:
         return
     backend = backend_named(row.backend)
     started = time.perf_counter()
     try:
+        env_check_granted(row.task.env, project=row.task.project)  # grants may have shrunk since the task was put
         if row.pool == Sandbox.Pool.FORK:
             snapshot = row.snapshot
             if snapshot is None or snapshot.status != Snapshot.Status.LIVE:

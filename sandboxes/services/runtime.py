@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from pathlib import Path
@@ -10,10 +11,14 @@ from django.conf import settings
 
 from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
+from sandboxes.backends.docker import DockerEnv
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
+    ImageNotAllowed,
     InvalidEnv,
     InvalidToolArgs,
+    LimitExceeded,
+    NetworkNotGranted,
     NotGranted,
     Sandbox,
     SandboxBackend,
@@ -51,6 +56,54 @@ def sandbox_config() -> SandboxConfig:
         directory=DirectoryConfig(max_total_bytes=conf["DIRECTORY_MAX_MB"] * 2**20),
         sqlite=SqliteConfig(max_value_bytes=conf["SQLITE_MAX_VALUE_BYTES"], max_db_bytes=conf["SQLITE_MAX_DB_MB"] * 2**20),
     )
+
+
+def granted_config(config: DockerConfig, project) -> DockerConfig:
+    """The service's docker configuration narrowed to a project's grants (cache.models.Project):
+    network only if both allow it, the project's images (the service's default image stays
+    allowed), and the lower of each pair of maxima."""
+    def lower(service, granted):
+        return service if granted is None else min(service, granted)
+
+    return dataclasses.replace(
+        config, allow_network=config.allow_network and project.network,
+        images=tuple(project.images) if project.images else config.images,
+        max_memory_mb=lower(config.max_memory_mb, project.max_memory_mb),
+        max_cpus=lower(config.max_cpus, project.max_cpus), max_pids=lower(config.max_pids, project.max_pids))
+
+
+def env_check_granted(env, *, project) -> None:
+    """Refuse a docker env that asks for more than `project` is granted: the backend's own check
+    (DockerEnv), first under the service's configuration (its refusals as they are), then under
+    that configuration narrowed to the grants, with the limits the sandbox would get made explicit
+    (a service default above the project's cap is refused too). NotGranted subclasses:
+    network_not_granted, image_not_allowed, limit_exceeded (403)."""
+    if not isinstance(env, dict) or env.get("backend") != "docker":
+        return
+    config = sandbox_config().docker
+    spec = DockerEnv.parse(env, config)
+    narrowed = granted_config(config, project)
+    if narrowed == config:
+        return
+    try:
+        DockerEnv.parse({**env, "limits": spec.limits()}, narrowed)
+    except NotGranted as exc:
+        raise _project_refusal(exc, project.name) from None
+
+
+def _project_refusal(exc: NotGranted, project: str) -> NotGranted:
+    how = f"an operator grants it: manage.py project_set {project} ..."
+    if isinstance(exc, NetworkNotGranted):
+        message = f"network access is not granted to project '{project}' ({how.replace('...', '--network on')})"
+    elif isinstance(exc, ImageNotAllowed):
+        message = f"project '{project}' may not use this image ({how.replace('...', '--images ...')})"
+    elif isinstance(exc, LimitExceeded) and isinstance(exc.details, dict):
+        message = (f"limits.{exc.details.get('limit')} may be at most {exc.details.get('max')} in project '{project}' "
+                   f"(the sandbox would get {exc.details.get('requested')})")
+    else:
+        message = f"{exc.message} (project '{project}')"
+    details = {**exc.details, "project": project} if isinstance(exc.details, dict) else {"project": project}
+    return type(exc)(message, details=details)
 
 
 def is_managed(backend_name: str) -> bool:

@@ -37,10 +37,11 @@ from typing import Any
 import orjson
 from django.utils import timezone
 
-from cache.errors import Conflict, NotFound
+from cache.errors import Conflict, Forbidden, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
 from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
+from cache.projects import task_public_id, unknown_task
 from cache.services import (LookupHit, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
                             rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim, single_flight,
                             snapshot_register, task_handle, tcg_lookup)
@@ -53,8 +54,8 @@ from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, Inval
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
-from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_stop, set_state
-from .runtime import as_application_error, backend_named, forget, handle, labels, remember
+from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_row, sandbox_stop, set_state
+from .runtime import as_application_error, backend_named, env_check_granted, forget, handle, labels, remember
 
 log = logging.getLogger("tvcache.toolserver")
 
@@ -141,10 +142,11 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
             else:
                 lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
                              saved_ms=0.0)
-                task = Task.objects.filter(pk=task_id).first()
+                task = Task.objects.select_related("project").filter(pk=task_id).first()
                 if task is None:  # deleted since the lookup
-                    raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+                    raise unknown_task(task_id)
                 backend = backend_named(task.env.get("backend", "external"))
+                _granted(task)
                 result, node_id, mutates, on_graph = _serve_miss(task, backend, rollout, context, answer,
                                                                  recorded=flight.release, phases=phases)
                 cached = False
@@ -153,6 +155,15 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
     finally:
         rollout_unclaim(rollout_pk=rollout.pk)
     return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, phases.ms)
+
+
+def _granted(task: Task) -> None:
+    """A miss starts or forks a sandbox: the task's env must still be within its project's grants
+    (an operator may have narrowed them since the task was put): 403 otherwise."""
+    try:
+        env_check_granted(task.env, project=task.project)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
 
 
 def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
@@ -348,8 +359,8 @@ def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> _Run
 
 def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
     """Start (or fork) a sandbox on the critical path, leased to the rollout from the outset."""
-    row = Sandbox.objects.create(task=task, backend=backend.name, rollout=rollout, state=Sandbox.State.WARMING,
-                                 pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT, snapshot=snapshot)
+    row = sandbox_row(task=task, backend=backend.name, rollout=rollout, state=Sandbox.State.WARMING,
+                      pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT, snapshot=snapshot)
     started = time.perf_counter()
     try:
         if snapshot is not None:
@@ -414,7 +425,9 @@ def _snapshot(run: _Run, node_id: int) -> None:
         snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
                                               backend=run.backend.name, size_bytes=info.size_bytes,
                                               create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE)
-    except Conflict:  # another rollout's snapshot of the same node won
+    except (Conflict, Forbidden) as exc:  # another rollout's snapshot of the same node won, or over the project's bytes
+        if isinstance(exc, Forbidden):
+            log.info("snapshot of node %s not kept: %s", node_id, exc.message)
         run.backend.delete_snapshot(info.ref)
         return
     prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
@@ -427,7 +440,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
 def rollout_end(*, task_id: str, rollout_id: str) -> None:
     rollout = Rollout.objects.filter(task_id=task_id, rollout_id=rollout_id).first()
     if rollout is None:
-        raise NotFound(f"Task '{task_id}' has no rollout '{rollout_id}'.", code="unknown_rollout")
+        raise NotFound(f"Task '{task_public_id(task_id)}' has no rollout '{rollout_id}'.", code="unknown_rollout")
     Rollout.objects.filter(pk=rollout.pk, finished_at__isnull=True).update(finished_at=timezone.now())
     for sandbox_id in Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).values_list("pk", flat=True):
         sandbox_stop(sandbox_id=sandbox_id)

@@ -34,3 +34,22 @@ def waiting_on_locks(db_name: str) -> int:
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
                        [db_name])
         return cursor.fetchone()[0]
+
+
+PROJECTS = ("alpha", "beta")
+ROLES = ("trainer", "maintainer")
+
+
+def project_clients(projects=PROJECTS, roles=ROLES) -> dict[tuple[str, str], "APIClient"]:
+    """An API client per (project, role), each with a token of its own ("<project>-<role>")."""
+    from rest_framework.test import APIClient
+
+    from cache.api.auth import token_create
+
+    clients = {}
+    for project in projects:
+        for role in roles:
+            client = APIClient()
+            client.credentials(HTTP_AUTHORIZATION=f"Token {token_create(name=f'{project}-{role}', project=project, role=role)}")
+            clients[project, role] = client
+    return clients

@@ -6,6 +6,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from cache.models import Membership
+from cache.projects import DEFAULT_PROJECT, TRAINER
+from cache.services.projects import project_named
 from tests.cache.helpers import call, lookup, record
 
 PASSWORD = "correct horse battery staple"
@@ -18,7 +21,10 @@ def staff_user(db):
 
 @pytest.fixture
 def plain_user(db):
-    return get_user_model().objects.create_user("bob", password=PASSWORD)
+    """A member of the default project with the trainer role: sees its tasks, controls nothing."""
+    user = get_user_model().objects.create_user("bob", password=PASSWORD)
+    Membership.objects.create(project=project_named(DEFAULT_PROJECT), user=user, role=TRAINER)
+    return user
 
 
 @pytest.fixture

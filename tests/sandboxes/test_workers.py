@@ -31,7 +31,7 @@ def test_announced_step_warms_roots_and_the_first_miss_takes_one(api, docker_tas
     assert taken.pool == "root" and taken.ready_at < timezone.now()
     assert Sandbox.objects.filter(task_id=task, state="ready").count() == 1
     pools = api.get("/api/v1/pools").json()
-    assert {"task_id": task, "backend": "docker", "pool": "root",
+    assert {"task_id": task, "project": "default", "backend": "docker", "pool": "root",
             "states": {"warming": 0, "ready": 1, "leased": 1, "stopping": 0}} in pools["pools"]
     assert pools["engine"]["ok"] is True
 

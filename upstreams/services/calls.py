@@ -23,6 +23,7 @@ from django.db import IntegrityError
 
 from cache.errors import NotFound
 from cache.models import Task
+from cache.projects import task_key
 from cache.services import TaskHandle, task_handle, task_put
 from cache.tcg import ToolCall, canonical_json
 from upstreams.models import Upstream
@@ -50,7 +51,8 @@ def task_values(upstream: Upstream, item: ActionItem) -> dict | None:
 
 
 def task_id_for(upstream: Upstream, values: dict) -> str:
-    return f"{upstream.name}--{hashlib.sha256(canonical_json(values)).hexdigest()[:24]}"
+    """The key of the task the values name, in the upstream's project (cache.projects.task_key)."""
+    return task_key(upstream.project.name, f"{upstream.name}--{hashlib.sha256(canonical_json(values)).hexdigest()[:24]}")
 
 
 def _spec(upstream: Upstream, values: dict) -> tuple[dict, dict]:

@@ -46,7 +46,7 @@ def proxy_path(upstream: Upstream) -> str:
 def upstream_by_secret(*, secret: str) -> Upstream:
     """The upstream whose proxy path carries `secret`. Looked up by the secret's digest: the
     index comparison sees a hash, never the secret (no timing hint about it)."""
-    upstream = Upstream.objects.filter(secret_digest=secret_digest(secret)).first()
+    upstream = Upstream.objects.select_related("project").filter(secret_digest=secret_digest(secret)).first()
     if upstream is None:
         raise NotFound("No upstream has this proxy path.", code="unknown_upstream")
     return upstream
@@ -130,18 +130,18 @@ def upstream_config(data: Any) -> dict[str, Any]:
 
 
 @transaction.atomic
-def upstream_put(*, name: str, data: Any) -> tuple[Upstream, bool]:
-    """Create or update an upstream. A change of what shapes its calls or holds its trajectories'
+def upstream_put(*, project_id: int, name: str, data: Any) -> tuple[Upstream, bool]:
+    """Create or update the project's upstream `name`. A change of what shapes its calls or holds its trajectories'
     state (the URL, the fields, the pattern, read_only) detaches its live trajectories: their
     histories were made under the old configuration. `rotate_secret` makes a new proxy path."""
     if len(name) > Upstream._meta.get_field("name").max_length:
         raise _invalid("The upstream's name is too long (100 characters at most).", "invalid_name", "name")
     config = upstream_config(data)
     rotate = _flag(data, "rotate_secret")
-    upstream = Upstream.objects.select_for_update().filter(name=name).first()
+    upstream = Upstream.objects.select_for_update().filter(project_id=project_id, name=name).first()
     created = upstream is None
     if created:
-        upstream = Upstream(name=name)
+        upstream = Upstream(project_id=project_id, name=name)
         _new_secret(upstream)
     elif any(getattr(upstream, field) != config[field] for field in CALL_SHAPE):
         upstream_trajectories_detach(upstream=upstream, reason="the upstream's configuration changed")

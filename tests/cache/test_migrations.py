@@ -1,0 +1,40 @@
+"""Moving to projects keeps what exists working (issue 18): tasks and tokens made before become the
+default project's, tasks keep their ids as keys, and tokens become maintainers (every token could
+do everything before)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+from rest_framework.test import APIClient
+
+from cache.api.auth import key_digest
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BEFORE = [("cache", "0007_node_divergent_state"), ("dashboard", "0002_tool_uncacheable"), ("upstreams", "0001_initial")]
+
+
+def test_existing_tasks_and_tokens_move_to_the_default_project_as_maintainers():
+    executor = MigrationExecutor(connection)
+    latest = executor.loader.graph.leaf_nodes()
+    executor.migrate(BEFORE)
+    old = executor.loader.project_state(BEFORE).apps
+    old.get_model("cache", "Task").objects.create(id="legacy", env={"backend": "external"}, env_fingerprint="f" * 64,
+                                                  tools={}, sandbox_budget=3)
+    old.get_model("cache", "ApiToken").objects.create(name="old-trainer", key_digest=key_digest("tvc_old-key"))
+    executor = MigrationExecutor(connection)
+    executor.migrate(latest)
+
+    from cache.models import ApiToken, Project, Task
+
+    task = Task.objects.get(pk="legacy")
+    assert (task.project.name, task.name) == ("default", "legacy")
+    token = ApiToken.objects.get(name="old-trainer")
+    assert (token.project.name, token.role) == ("default", "maintainer")
+    assert Project.objects.get(name="default").network is True  # the service's network rule alone, as before
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION="Token tvc_old-key")
+    assert client.get("/api/v1/tasks/legacy").json()["id"] == "legacy"
+    assert client.put("/api/v1/tasks/legacy", {"env": {"backend": "external", "v": 2}}, format="json").status_code == 200
