@@ -97,6 +97,8 @@ _DISK_COST_FACTOR = 20
 _DISK_MAX_DEPTH = 128  # folders nested deeper count as over the quota: the measure cannot see them
 _DEATH_SETTLE_S = 0.25
 _SESSION_MAX_FAILURES = 3  # sessions that failed a sandbox before it runs its calls by exec only
+_SESSION_START_S = 5.0  # an agent that has not started a call this long after it was sent is given up
+_SESSION_FIND_S = 1.0  # how long a call that was started is looked for below its agent, to be killed
 _UNSET = object()
 _ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
@@ -362,6 +364,7 @@ class DockerSandbox(Sandbox):
                 try:
                     return self._run_in_session(command, timeout_s)
                 except SessionUnavailable as exc:  # the call did not run: an exec runs it
+                    self._session_end(kill=True)
                     self._session_failed(str(exc))
             return self._run_exec(command, timeout_s)
         finally:
@@ -421,28 +424,32 @@ class DockerSandbox(Sandbox):
         output = _Output(config.output_cap_bytes)
         frames = session.send(command, output)
         try:
+            # The agent says it starts the call at once; one that does not is never waited for long.
+            started = self._pump(session, frames, time.monotonic() + _SESSION_START_S, float("inf"),
+                                 until=lambda: frames.started)
+            if frames.unavailable:
+                self._session_failed("a tool the agent needs is gone", for_good=True)
+                raise SessionUnavailable("a tool the agent needs is gone")
+            if not frames.started:
+                raise self._session_ended(frames, f"the agent did not start the call ({started.value})")
             stop = self._pump(session, frames, deadline, config.output_kill_bytes)
             if stop is _Stop.EOF:
                 raise self._session_ended(frames, "the agent ended during the call")
-            if frames.unavailable:
-                self._session_end(kill=False)
-                self._session_failed("a tool the agent needs is gone", for_good=True)
-                raise SessionUnavailable("a tool the agent needs is gone")
             if stop is not _Stop.DONE:  # the deadline or a flood: kill the call, then drain its output
                 self._kill_session_call(session, frames)
-                if not frames.started:  # the agent never started it: it did not run
-                    raise self._session_ended(frames, "the agent did not start the call")
                 if self._pump(session, frames, time.monotonic() + _KILL_GRACE_S, float("inf")) is not _Stop.DONE:
                     # Its output is held open past the kill (a process that left its tree), or the agent is stuck.
+                    frames.flush()
                     self._session_end(kill=True)
                     self._raise_if_gone()
         except OSError as exc:  # the hijacked connection broke: engine or container went away
             raise self._session_ended(frames, f"the session's stream broke: {exc}", broken=EngineUnavailable) from exc
         return self._result(output, stop, frames.exit_code)
 
-    def _pump(self, session: ShellSession, frames: Any, deadline: float, flood_bytes: float) -> _Stop:
+    def _pump(self, session: ShellSession, frames: Any, deadline: float, flood_bytes: float,
+              until: Any = None) -> _Stop:
         try:
-            return session.stream.pump(frames, deadline, flood_bytes)
+            return session.stream.pump(frames, deadline, flood_bytes, until)
         except ProtocolError as exc:
             raise self._session_ended(frames, f"the agent left its protocol: {exc}") from None
 
@@ -459,19 +466,18 @@ class DockerSandbox(Sandbox):
 
     def _kill_session_call(self, session: ShellSession, frames: Any) -> None:
         """Kills the call the agent runs, from the host: the sessions below the agent (procs.py).
-        A call that is still starting is waited for; one that ended meanwhile leaves nothing to kill."""
-        grace = time.monotonic() + _KILL_GRACE_S
+        A call still starting is waited for a moment; one that ended meanwhile leaves nothing to kill
+        (and a straggler dies with the agent's tree if the call does not end)."""
         if not self._host_sees():
             self._kill_container()
             return
+        grace = time.monotonic() + _SESSION_FIND_S
         while not frames.finished and time.monotonic() < grace:
             agent = session.agent_pid()
             calls = sessions_below(agent, self.sandbox_id) if agent else []
             for pid in calls:
                 kill_call_tree(pid, self.sandbox_id)
-            if calls and frames.started:
-                return
-            if self._pump(session, frames, time.monotonic() + 0.01, float("inf")) is _Stop.EOF:
+            if calls or self._pump(session, frames, time.monotonic() + 0.01, float("inf")) is _Stop.EOF:
                 return
 
     def _session_end(self, *, kill: bool) -> None:

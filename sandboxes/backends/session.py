@@ -36,6 +36,7 @@ import socket
 import struct
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .base import SandboxTampered
@@ -65,7 +66,6 @@ done
 AGENT_NAME = "tvcache-session"
 _NONCE_BYTES = 16
 _MARK = b"\0TVC"
-_END_OUT = re.compile(rb"\x00TVC([0-9a-f]{32}) (\d{1,3})\n\Z")
 _TAIL = len(_MARK) + 2 * _NONCE_BYTES + 1 + 3 + 1  # the longest end marker
 _WRITE_S = 5.0  # a healthy agent reads its stdin at once; a request it does not take in this long ends it
 
@@ -130,12 +130,13 @@ class ExecStream:
         self._recv = getattr(sock, "recv", None) or sock.read
         self._buffer = bytearray(_read_ahead(sock))
 
-    def pump(self, sink: Any, deadline: float, flood_bytes: float) -> Stop:
+    def pump(self, sink: Any, deadline: float, flood_bytes: float, until: Callable[[], bool] | None = None) -> Stop:
         """Frames into `sink` (`add(stream, data)`, `received`, `finished`) until the stream ends,
-        the sink has the call's end, the deadline passes or more than `flood_bytes` came."""
+        the sink has the call's end (or `until()` holds), the deadline passes or more than
+        `flood_bytes` came."""
         self._drain(sink)  # frames read ahead with the response headers
         while True:
-            if sink.finished:
+            if sink.finished or (until is not None and until()):
                 return Stop.DONE
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -197,6 +198,7 @@ class CallFrames:
         self._start = _MARK + self.nonce + b" start\n"
         self._unavailable = _MARK + self.nonce + b" unavailable\n"
         self._end_err = _MARK + self.nonce + b"\n"
+        self._end_out = re.compile(re.escape(_MARK + self.nonce) + rb" (\d{1,3})\n\Z")
         self._held = {1: b"", 2: b""}
         self._ended = {1: False, 2: False}
         self._opened = False  # stderr's start marker was read
@@ -230,6 +232,12 @@ class CallFrames:
         self.output.add(stream, held[:-_TAIL] if len(held) > _TAIL else b"")
         self._held[stream] = held[-_TAIL:]
 
+    def flush(self) -> None:
+        """Keeps what was held back: the call ends without its markers (the session is given up)."""
+        for stream, held in self._held.items():
+            self.output.add(stream, held)
+            self._held[stream] = b""
+
     def _take_start(self, held: bytes) -> bytes | None:
         for marker in (self._start, self._unavailable):
             if held.startswith(marker):
@@ -247,12 +255,10 @@ class CallFrames:
     def _end(self, stream: int, held: bytes) -> int | None:
         if stream == 2:
             return len(held) - len(self._end_err) if held.endswith(self._end_err) else None
-        match = _END_OUT.search(held, max(0, len(held) - _TAIL))
+        match = self._end_out.search(held, max(0, len(held) - _TAIL))
         if match is None:
             return None
-        if match.group(1) != self.nonce:
-            raise ProtocolError("an end marker of another call")
-        self.exit_code = int(match.group(2))
+        self.exit_code = int(match.group(1))
         return match.start()
 
 
