@@ -7,6 +7,7 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from sandboxes.images import build_busybox_image
+from sandboxes.services.reserved import settle
 from sandboxes.services.runtime import backend_named, labels
 from tvcache_site.celery import app as celery_app
 
@@ -26,6 +27,14 @@ def celery_worker(transactional_db, settings):
     with start_worker(celery_app, pool="threads", concurrency=2, queues=[celery_app.conf.task_default_queue],
                       perform_ping_check=False, shutdown_timeout=30):
         yield
+
+
+@pytest.fixture
+def api(api):
+    """The trainer's client; snapshots still being taken after a test's last answer end before the
+    test database is flushed."""
+    yield api
+    assert settle(), "background snapshots still running"
 
 
 @pytest.fixture
