@@ -136,10 +136,35 @@ def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client)
     threading.Timer(0.2, release_fork.set).start()
     service.script("lookup", miss(replay=[set_a], matched=1))
     executor.execute(call("append", key="a", value="2"))
+    executor.flush()  # the registration may still be on its way
     assert len(service.requests("snapshot")) == 1
     assert store.get(service.requests("snapshot")[0].body["ref"]).data == {"a": "1"}
     assert executor.background_wait_ms > 0.0  # counted: the policy's thinking did not cover it
     executor.close()
+
+
+def test_the_next_miss_waits_for_the_frozen_snapshot_not_its_registration(service):
+    release_registration = threading.Event()
+
+    def slow_registrations(request):
+        if request.url.path.endswith("/snapshots"):
+            assert release_registration.wait(10)
+        return service.handle(request)
+
+    set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
+    with served(slow_registrations) as url, TVCacheClient(url, "secret") as client:
+        store = SnapshotStore()
+        executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+        service.script("lookup", miss(replay=[]))
+        service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+        executor.execute(set_a)
+        service.script("lookup", miss(replay=[set_a], matched=1))
+        assert executor.execute(set_b) == {"value": "2"}  # ran while the registration still waits
+        assert service.requests("snapshot") == [] and len(store) == 1
+        release_registration.set()
+        executor.close()
+    (registration,) = service.requests("snapshot")
+    assert store.get(registration.body["ref"]).data == {"a": "1"}  # frozen before set_b ran
 
 
 def test_close_alone_sends_the_last_record(service, client):
