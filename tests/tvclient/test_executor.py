@@ -143,16 +143,21 @@ def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client)
     executor.close()
 
 
-def test_the_next_miss_waits_for_the_frozen_snapshot_not_its_registration(service):
-    release_registration = threading.Event()
+def held_until(service, path_end: str, release: threading.Event):
+    """The fake service, with requests to paths ending in `path_end` held until `release`."""
 
-    def slow_registrations(request):
-        if request.url.path.endswith("/snapshots"):
-            assert release_registration.wait(10)
+    def handle(request):
+        if request.url.path.endswith(path_end):
+            assert release.wait(10)
         return service.handle(request)
 
+    return handle
+
+
+def test_the_next_miss_waits_for_the_frozen_snapshot_not_its_registration(service):
+    release_registration = threading.Event()
     set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
-    with served(slow_registrations) as url, TVCacheClient(url, "secret") as client:
+    with served(held_until(service, "/snapshots", release_registration)) as url, TVCacheClient(url, "secret") as client:
         store = SnapshotStore()
         executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
         service.script("lookup", miss(replay=[]))
@@ -177,14 +182,8 @@ def test_close_alone_sends_the_last_record(service, client):
 
 def test_a_repeat_of_the_call_just_missed_waits_for_its_record_and_hits(service):
     release_record = threading.Event()
-
-    def slow_records(request):
-        if request.url.path.endswith("/record"):
-            assert release_record.wait(10)
-        return service.handle(request)
-
     get_a, get_b = call("get", key="a"), call("get", key="b")
-    with served(slow_records) as url, TVCacheClient(url, "secret") as client:
+    with served(held_until(service, "/record", release_record)) as url, TVCacheClient(url, "secret") as client:
         executor = ToolCallExecutor(client, TASK, Factory(), rollout_id="r1")
         service.script("lookup", {**miss(replay=[]), "claim": "granted"})
         executor.execute(get_a)
