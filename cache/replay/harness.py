@@ -220,6 +220,9 @@ class CallSample:
     started: float = 0.0  # perf_counter at the call's start
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
     mutates: bool | None = None  # whether the call changed the state, as the service or executor tells
+    # Where a miss's time went: the service's phases (tool-server mode), or the executor's lookup,
+    # wait for the previous snapshot and time in the sandbox (client mode).
+    phases_ms: dict[str, float] | None = None
 
 
 @dataclass
@@ -490,6 +493,8 @@ class Replay:
                                       _meter.env_ms, result)
                 sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
                 sample.background_wait_ms = executor.background_wait_ms - waited_ms
+                sample.phases_ms = {"lookup": _meter.lookup_ms, "snapshot_wait": sample.background_wait_ms,
+                                    "sandbox": _meter.env_ms}
                 sample.mutates = len(executor.history) > keyed  # left out of the history: read-only
                 samples.append(sample)
             _meter.env_ms = 0.0
@@ -508,7 +513,7 @@ class Replay:
                     time.sleep(penalty_s)
                 latency = (time.perf_counter() - started) * 1000
                 sample = self._sample(task, epoch, index, position, call, latency, answer.cached, None, answer.result)
-                sample.mutates = answer.mutates
+                sample.mutates, sample.phases_ms = answer.mutates, dict(answer.phases_ms)
                 samples.append(sample)
         finally:
             self.client.end_rollout(task_id, rollout_id)
