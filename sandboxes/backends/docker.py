@@ -1,10 +1,13 @@
 """The docker backend: one container per sandbox, driven through the Docker Engine API (docker SDK).
 
-The `bash` tool runs each command in a fresh shell (`docker exec`) that first restores the
-previous call's working directory and exported variables from a state folder inside the
-container (/.tvcache), and saves them again on exit. Because the state lives in the container's
-filesystem, `commit` captures it: a fork resumes the same shell session. The shell starts from
-an empty environment (`env -i`), so a variable the agent unsets stays unset.
+The `bash` tool runs each command in a fresh shell that first restores the previous call's
+working directory and exported variables from a state folder inside the container (/.tvcache),
+and saves them again on exit. Because the state lives in the container's filesystem, `commit`
+captures it: a fork resumes the same shell session. The shell starts from an empty environment
+(`env -i`), so a variable the agent unsets stays unset. The shell is started by the container's
+session agent (session.py: one per container and process; a call costs it a few forks, not an
+engine round trip) or, where that agent cannot take a call, by a `docker exec` of its own; both
+run it alike.
 
 Containers are confined by the service, not by the task's spec: only the images the operator
 allows (never a snapshot image), no network without the operator's grant, memory/CPU/pid limits up
