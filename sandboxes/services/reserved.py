@@ -2,27 +2,34 @@
 registers is taken off the rollout's critical path.
 
 The work runs in a thread of the serving process. Until it is done the sandbox stays reserved to
-it: the thread holds a session advisory lock keyed on the rollout, on its own database
-connection, and holds it before the call's answer leaves (the hand-off); the rollout's next miss,
-in whichever process serves it, waits for that lock before it touches the sandbox. Hits need no
-sandbox and never wait. A process that dies mid-work drops its connection, and the lock with it.
+it: a session advisory lock keyed on the rollout, taken before the call's answer leaves and
+released when the work ends; the rollout's next miss, in whichever process serves it, waits for
+that lock before it touches the sandbox. Hits need no sandbox and never wait.
+
+The locks of a process are held on one connection of their own (`_Holder`, outside the
+connection pool: a commit can take seconds, and the tool-server threads need the pool), so a
+hand-off costs one statement and a process that dies drops its connection and its reservations
+with it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from django.db import connection
+from django.db import connection, connections
+from django.db.utils import load_backend
 
 log = logging.getLogger("tvcache.toolserver")
 
-HANDOFF_S = 5.0  # a thread that does not hold the reservation by then is not waited for
-_RESERVED_SQL = "SELECT pg_try_advisory_lock(%s)"
 _FREE_SQL = "SELECT CASE WHEN pg_try_advisory_lock(%s) THEN pg_advisory_unlock(%s) ELSE false END"
+_HOLDER_IDLE_S = 30.0  # the holder's connection closes after this long without a reservation
+_STATEMENT_S = 10.0  # a hand-off or release the holder has not done by then is given up
 
 _threads: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
@@ -33,66 +40,116 @@ def reservation_key(rollout_pk: int) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-class _Handoff:
-    """The thread takes the reservation, or the caller gives up on it: whichever comes first."""
+class _Holder:
+    """One thread and one database connection per process that take and release reservations."""
 
     def __init__(self):
+        self._requests: queue.Queue[tuple[str, int, Future]] = queue.Queue()
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._decided = threading.Event()
-        self.state = "pending"  # -> "held" (the thread runs the work) | "abandoned" | "refused"
+        self.held: set[int] = set()
 
-    def decide(self, state: str) -> str:
+    def ask(self, action: str, key: int = 0) -> bool:
+        """`take` (False: held elsewhere, or no database), `release` or `close` (if none is held)."""
+        answer: Future[bool] = Future()
         with self._lock:
-            if self.state == "pending":
-                self.state = state
-                self._decided.set()
-            return self.state
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="tvcache-reservations", daemon=True)
+                self._thread.start()
+            self._requests.put((action, key, answer))
+        try:
+            return answer.result(_STATEMENT_S)
+        except Exception:  # noqa: BLE001 - a holder that does not answer reserves nothing
+            log.exception("reservation %s of %s failed", action, key)
+            if action == "take":  # taken after all, late: give it back
+                self._requests.put(("release", key, Future()))
+            return False
 
-    def wait(self, timeout_s: float) -> str:
-        self._decided.wait(timeout_s)
-        return self.decide("abandoned")
+    def _serve(self) -> None:
+        wrapper = None
+        while True:
+            try:
+                action, key, answer = self._requests.get(timeout=_HOLDER_IDLE_S)
+            except queue.Empty:
+                action, key, answer = "close", 0, Future()
+            try:
+                if action == "close":
+                    if not self.held and wrapper is not None:
+                        wrapper.close()
+                        wrapper = None
+                    answer.set_result(not self.held)
+                    continue
+                wrapper = wrapper or _own_connection()
+                answer.set_result(self._do(wrapper, action, key))
+            except Exception as exc:  # noqa: BLE001 - the connection broke: its locks went with it
+                log.exception("reservations: %s of %s failed", action, key)
+                self.held.clear()
+                if wrapper is not None:
+                    try:
+                        wrapper.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                wrapper = None
+                if not answer.done():
+                    answer.set_exception(exc)
+
+    def _do(self, wrapper, action: str, key: int) -> bool:
+        with wrapper.cursor() as cursor:
+            if action == "take":
+                if key in self.held:  # locks are reentrant on one connection: never take one twice
+                    return False
+                cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
+                taken = cursor.fetchone()[0]
+                if taken:
+                    self.held.add(key)
+                return taken
+            if key not in self.held:
+                return False
+            self.held.discard(key)
+            cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
+            return bool(cursor.fetchone()[0])
+
+
+def _own_connection():
+    """A connection of the default database outside its pool, for the holder's thread."""
+    settings = dict(connections.settings["default"])
+    settings["OPTIONS"] = {k: v for k, v in settings.get("OPTIONS", {}).items() if k != "pool"}
+    return load_backend(settings["ENGINE"]).DatabaseWrapper(settings, "tvcache-reservations")
+
+
+_holder = _Holder()
 
 
 def run_reserved(rollout_pk: int, work: Callable[[], None], *, name: str) -> bool:
-    """Runs `work` in a thread that reserves the rollout's sandbox while it runs. Returns once the
-    thread holds the reservation (True), or False when it could not take it in HANDOFF_S or found
-    it held: then `work` does not run there, and the caller decides."""
-    handoff = _Handoff()
-    thread = threading.Thread(target=_reserved, args=(rollout_pk, work, handoff), name=f"tvcache-{name}", daemon=True)
+    """Runs `work` in a thread of its own, the rollout's sandbox reserved to it until it ends.
+    Returns once the reservation is held (True); False when it is held already or the database
+    cannot take it: then `work` does not run, and the caller decides."""
+    key = reservation_key(rollout_pk)
+    if not _holder.ask("take", key):
+        return False
+    thread = threading.Thread(target=_reserved, args=(rollout_pk, key, work), name=f"tvcache-{name}", daemon=True)
     with _threads_lock:
         _threads.add(thread)
-    thread.start()
-    return handoff.wait(HANDOFF_S) == "held"
-
-
-def _reserved(rollout_pk: int, work: Callable[[], None], handoff: _Handoff) -> None:
-    key = reservation_key(rollout_pk)
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(_RESERVED_SQL, [key])
-            held = cursor.fetchone()[0]
-        if handoff.decide("held" if held else "refused") != "held":
-            if held:
-                _release(key)
-            return
-        try:
-            work()
-        except Exception:  # noqa: BLE001 - the rollout already has its answer; the work only adds reuse
-            log.exception("background work on rollout %s failed", rollout_pk)
-        finally:
-            _release(key)
-    except Exception:  # noqa: BLE001 - no database: the caller gave up on the hand-off, or will
-        handoff.decide("refused")
-        log.exception("background work on rollout %s could not reserve its sandbox", rollout_pk)
+        thread.start()
+    except BaseException:
+        with _threads_lock:
+            _threads.discard(thread)
+        _holder.ask("release", key)
+        raise
+    return True
+
+
+def _reserved(rollout_pk: int, key: int, work: Callable[[], None]) -> None:
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - the rollout already has its answer; the work only adds reuse
+        log.exception("background work on rollout %s failed", rollout_pk)
     finally:
-        connection.close()
+        _holder.ask("release", key)
+        connection.close()  # the work's own connection (the pool's, or a thread's)
         with _threads_lock:
             _threads.discard(threading.current_thread())
-
-
-def _release(key: int) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
 
 
 def wait_unreserved(rollout_pk: int, *, timeout_s: float) -> float | None:
@@ -115,15 +172,15 @@ def wait_unreserved(rollout_pk: int, *, timeout_s: float) -> float | None:
 
 
 def settle(timeout_s: float = 120.0) -> bool:
-    """Waits for this process's background work to end (tests, shutdown); False on timeout."""
+    """Waits for this process's background work to end and closes the reservations' connection
+    (tests, shutdown); False on timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _threads_lock:
             threads = list(_threads)
         if not threads:
-            return True
+            return _holder.ask("close")
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         if time.monotonic() > deadline:
             return False
-

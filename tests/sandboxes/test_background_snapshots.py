@@ -94,3 +94,17 @@ def test_a_failed_snapshot_never_breaks_the_rollout(api, docker_task, monkeypatc
     again = run(api, task, "r1", bash("cat /w/out; pwd"))  # same sandbox, free again
     assert again["cached"] is False and again["result"]["stdout"] == "built\n/w\n"
     assert "snapshot_wait" not in again["phases_ms"]
+
+
+def test_without_a_reservation_the_snapshot_is_taken_before_the_answer(api, docker_task, monkeypatch):
+    from sandboxes.services import reserved
+
+    def no_database():
+        raise OSError("the reservations' connection cannot be opened")
+
+    assert reserved.settle()  # the process's reservations connection is closed: the next take opens one
+    monkeypatch.setattr(reserved, "_own_connection", no_database)
+    task = docker_task("handoff")
+    answer = run(api, task, "r1", SLOW)
+    assert Snapshot.objects.filter(task_id=task, status="live").count() == 1  # registered before the answer
+    assert answer["phases_ms"]["snapshot"] > 0
