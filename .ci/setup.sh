@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything tvcache needs on a fresh Debian machine of this kind; safe to rerun.
-# Sourced by .ci/demo.sh and .ci/test.sh. Exports DATABASE_URL and REDIS_URL for them.
+# Sourced by .ci/demo.sh and .ci/test.sh. Exports DATABASE_URL, REDIS_URL and SECRET_KEY for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/tvcache}
@@ -43,6 +43,14 @@ fi
 # installed without their dependencies (torch and the rest; see the test extras).
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('verl', 'tinker', 'tinker_cookbook'))))" \
   || .venv/bin/pip install -q --disable-pip-version-check --no-deps "verl>=0.9" "tinker>=0.38" "tinker-cookbook>=0.6" 2>&1 | grep -v "^WARNING: Location" || true
+
+# Production settings refuse to start without SECRET_KEY: one per checkout, kept outside git.
+if [ -z "${SECRET_KEY:-}" ]; then
+  mkdir -p var
+  [ -s var/secret_key ] || (umask 077 && .venv/bin/python -c "import secrets; print(secrets.token_urlsafe(50))" > var/secret_key)
+  SECRET_KEY=$(cat var/secret_key)
+  export SECRET_KEY
+fi
 
 # PostgreSQL: create the database if it is missing.
 db_name=$(.venv/bin/python -c "import os,urllib.parse as u; print(u.urlparse(os.environ['DATABASE_URL']).path.lstrip('/'))")

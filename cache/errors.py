@@ -8,6 +8,7 @@ from typing import Any
 class ApplicationError(Exception):
     status = 400
     code = "bad_request"
+    retry_after: int | None = None  # seconds, sent as Retry-After: the condition is expected to pass
 
     def __init__(self, message: str, *, details: Any = None, code: str | None = None):
         super().__init__(message)
@@ -50,3 +51,11 @@ class Conflict(ApplicationError):
 class ServiceUnavailable(ApplicationError):
     status = 503
     code = "unavailable"
+    retry_after = 1
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    """PostgreSQL cannot be reached or dropped the connection (a restart): nothing of the request
+    was written unless it had committed, and the next request gets a new connection."""
+
+    code = "database_unavailable"

@@ -1,6 +1,14 @@
-"""Input parsing for the hot endpoints (lookup, record): plain checks, no serializer overhead.
+"""Input parsing at the edge, once: plain checks, no serializer overhead on the hot endpoints
+(lookup, record, tool-server calls), and the JSON checks that every endpoint's body goes through.
 
-Each failure raises InvalidInput with a stable code and the offending field in `details`.
+Each failure raises InvalidInput with a stable code and the offending field in `details`:
+- `malformed_json`: not JSON (orjson refuses lone surrogates too: they answer `invalid_string`);
+- `invalid_string`: a NUL character or a lone surrogate in a string, object key, tool name or id
+  (PostgreSQL text and jsonb cannot hold NUL). A result may hold NUL: it is stored as JSON text;
+- `nesting_too_deep`: a call's args, a result or a task's env nested deeper than
+  TVCACHE_MAX_JSON_DEPTH (64) arrays and objects;
+- `invalid_payload`: a wrong type, or a number out of its column's range (`details`: field, min, max);
+- `invalid_id`: an id longer than its column (task and rollout ids: 200) or a node id out of range.
 """
 
 from __future__ import annotations
@@ -8,10 +16,142 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from django.conf import settings
 
 from cache.errors import InvalidInput, PayloadTooLarge
 from cache.tcg import ToolCall
+
+INT32 = (-(2**31), 2**31 - 1)  # an integer column (epoch)
+INT64 = (-(2**63), 2**63 - 1)  # a bigint column (node ids, sizes)
+MAX_ID_LENGTH = 200  # Task.id, Rollout.rollout_id, Node.tool
+# Durations (exec_ms, create_ms, restore_ms) and snapshot sizes are added up in float8 and bigint
+# columns and sums (path costs, time saved, a task's snapshot bytes), where PostgreSQL refuses an
+# overflow: each is capped far above what a tool call or snapshot takes (116 days, 1 TiB).
+MAX_MS = 1e10
+MAX_SNAPSHOT_BYTES = 2**40
+# A number that jsonb would give back as an integer beyond 64 bits (it prints 1e300 in full), which
+# no JSON encoder here writes: args and envs hold numbers below it in magnitude.
+_FLOAT_LIMIT = 2.0**63
+# Levels of a request body around the values the depth limit applies to (body, history, call).
+_ENVELOPE = 4
+
+
+def depth_limit() -> int:
+    return settings.TVCACHE.get("MAX_JSON_DEPTH", 64)
+
+
+class _Fault(Exception):
+    """What a JSON value holds that may not be stored: one of the codes below."""
+
+
+_NUL = "invalid_string"
+_DEEP = "nesting_too_deep"
+_NUMBER = "invalid_payload"
+_MESSAGES = {
+    _NUL: "'{field}' holds a NUL character (or a lone surrogate) in a string or key.",
+    _DEEP: "'{field}' nests arrays and objects deeper than {limit} levels.",
+    _NUMBER: "'{field}' holds a number beyond 64 bits (at most 2**63 in magnitude).",
+}
+
+
+def _walk(container: dict | list, depth: int, limit: int, strings: bool) -> None:
+    # One pass over a parsed JSON container; hot (every call's args), hence the inlined checks.
+    if depth > limit:
+        raise _Fault(_DEEP)
+    if type(container) is dict:
+        if strings and "\x00" in "".join(container):
+            raise _Fault(_NUL)
+        items = container.values()
+    else:
+        items = container
+    for item in items:
+        kind = type(item)
+        if kind is str:
+            if strings and "\x00" in item:
+                raise _Fault(_NUL)
+        elif kind is dict or kind is list:
+            _walk(item, depth + 1, limit, strings)
+        elif kind is float and strings and not -_FLOAT_LIMIT < item < _FLOAT_LIMIT:
+            raise _Fault(_NUMBER)
+
+
+def check_json(value: Any, field: str, *, limit: int | None = None, storable: bool = True) -> None:
+    """Refuse a parsed JSON value that cannot be stored: nested deeper than `limit` levels, or
+    (`storable`, for what goes into jsonb and keys) holding NUL or a number jsonb would turn into an
+    integer beyond 64 bits. Strings are never lone surrogates: orjson refuses them."""
+    limit = depth_limit() if limit is None else limit
+    try:
+        if type(value) is dict or type(value) is list:
+            _walk(value, 1, limit, storable)
+        elif storable and type(value) is str and "\x00" in value:
+            raise _Fault(_NUL)
+    except _Fault as fault:
+        code = fault.args[0]
+        details = {"field": field, "limit": limit} if code == _DEEP else {"field": field}
+        raise InvalidInput(_MESSAGES[code].format(field=field, limit=limit), code=code, details=details) from None
+
+
+def load_json(body: bytes) -> Any:
+    """The parsed body, or InvalidInput: `malformed_json`, `invalid_string` (a lone surrogate) or
+    `nesting_too_deep` (orjson stops at 1,024 levels)."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        message = str(exc)
+        if "surrogate" in message:
+            raise InvalidInput(f"A string holds a lone surrogate: {message}", code=_NUL) from None
+        if "depth limit" in message:
+            raise InvalidInput(f"The body nests too deep: {message}", code=_DEEP,
+                               details={"limit": depth_limit()}) from None
+        raise InvalidInput(f"Malformed JSON: {message}", code="malformed_json") from None
+
+
+def load_body(body: bytes) -> Any:
+    """A cold endpoint's body: parsed and checked whole (the values inside it, such as a task's
+    env, get the depth limit; the request's own structure around them a few levels more)."""
+    data = load_json(body)
+    check_json(data, "body", limit=depth_limit() + _ENVELOPE)
+    return data
+
+
+def parse_int(value: Any, field: str, *, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidInput(f"'{field}' must be an integer from {low} to {high}.", code="invalid_payload",
+                           details={"field": field, "min": low, "max": high})
+    return value
+
+
+def parse_query_int(params, field: str, default: int | None, *, low: int, high: int) -> int | None:
+    """An integer query parameter (GET /tasks?offset=...), range-checked like a body's."""
+    raw = params.get(field)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    return parse_int(value, field, low=low, high=high)
+
+
+def parse_id(value: Any, field: str) -> str:
+    """A task or rollout id: a string that fits its column (path or body)."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"'{field}' must be a string.", code="invalid_payload", details={"field": field})
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidInput(f"'{field}' is longer than {MAX_ID_LENGTH} characters.", code="invalid_id",
+                           details={"field": field, "max_length": MAX_ID_LENGTH})
+    if "\x00" in value:
+        raise InvalidInput(f"'{field}' holds a NUL character.", code=_NUL, details={"field": field})
+    return value
+
+
+def parse_node_id(value: int) -> int:
+    """A node id from a path (digits only): within its bigint column."""
+    if not 1 <= value <= INT64[1]:
+        raise InvalidInput(f"Node id {value} is out of range.", code="invalid_id",
+                           details={"field": "node_id", "min": 1, "max": INT64[1]})
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +175,18 @@ def _required(data: dict, field: str) -> Any:
     return data[field]
 
 
-def parse_call(value: Any, field: str) -> ToolCall:
+def parse_call(value: Any, field: str, limit: int | None = None) -> ToolCall:
     if not isinstance(value, dict):
         raise InvalidInput(f"'{field}' must be an object {{tool, args}}.", code="invalid_call", details={"field": field})
     tool, args = value.get("tool"), value.get("args", {})
-    if not isinstance(tool, str) or not tool or len(tool) > 200:
-        raise InvalidInput(f"'{field}.tool' must be a non-empty string.", code="invalid_call", details={"field": f"{field}.tool"})
+    if not isinstance(tool, str) or not tool or len(tool) > MAX_ID_LENGTH:
+        raise InvalidInput(f"'{field}.tool' must be a non-empty string of at most {MAX_ID_LENGTH} characters.",
+                           code="invalid_call", details={"field": f"{field}.tool"})
     if not isinstance(args, dict):
         raise InvalidInput(f"'{field}.args' must be an object.", code="invalid_call", details={"field": f"{field}.args"})
+    if "\x00" in tool:
+        raise InvalidInput(f"'{field}.tool' holds a NUL character.", code=_NUL, details={"field": f"{field}.tool"})
+    check_json(args, f"{field}.args", limit=limit)
     return ToolCall(tool, args)
 
 
@@ -53,7 +197,8 @@ def parse_history(value: Any) -> tuple[ToolCall, ...]:
     if len(value) > limit:
         raise PayloadTooLarge(f"History has {len(value)} calls; the limit is {limit}.", code="history_too_long",
                               details={"limit": limit, "length": len(value)})
-    return tuple(parse_call(item, f"history[{index}]") for index, item in enumerate(value))
+    depth = depth_limit()
+    return tuple(parse_call(item, f"history[{index}]", depth) for index, item in enumerate(value))
 
 
 def _optional(data: dict, field: str, kind: type, default: Any) -> Any:
@@ -72,10 +217,21 @@ def parse_call_context(data: Any) -> CallContext:
     return CallContext(
         history=history,
         call=call,
-        rollout_id=_optional(data, "rollout_id", str, "")[:200],
-        epoch=_optional(data, "epoch", int, 0),
+        rollout_id=_rollout_id(data),
+        epoch=parse_epoch(data),
         env_fingerprint=_optional(data, "env_fingerprint", str, None),
     )
+
+
+def _rollout_id(data: dict) -> str:
+    value = data.get("rollout_id")
+    return "" if value is None else parse_id(value, "rollout_id")
+
+
+def parse_epoch(data: dict) -> int:
+    """A body's "epoch" (default 0): an integer column."""
+    epoch = data.get("epoch")
+    return 0 if epoch is None else parse_int(epoch, "epoch", low=INT32[0], high=INT32[1])
 
 
 def parse_claim(data: dict, context: CallContext) -> bool:
@@ -106,8 +262,10 @@ class RecordInput:
 def parse_record(data: Any) -> RecordInput:
     context = parse_call_context(data)
     result = _required(data, "result")
+    check_json(result, "result", storable=False)  # stored as JSON text, where NUL is escaped
     exec_ms = _required(data, "exec_ms")
-    if not isinstance(exec_ms, (int, float)) or isinstance(exec_ms, bool) or exec_ms < 0:
-        raise InvalidInput("'exec_ms' must be a non-negative number.", code="invalid_payload", details={"field": "exec_ms"})
+    if not isinstance(exec_ms, (int, float)) or isinstance(exec_ms, bool) or not 0 <= exec_ms <= MAX_MS:
+        raise InvalidInput(f"'exec_ms' must be a number from 0 to {MAX_MS:.0f}.", code="invalid_payload",
+                           details={"field": "exec_ms", "min": 0, "max": MAX_MS})
     mutated = _optional(data, "mutated", bool, None)
     return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated)

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 from cache.api.lean import LeanPostView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
 from cache.errors import InvalidInput
+from cache.inputs import parse_epoch, parse_id
 from observability import metrics
 from sandboxes import selectors, services
 
@@ -51,10 +52,8 @@ class RolloutCallView(LeanPostView):
     def answer(*, task_id: str, rollout_id: str, payload) -> bytes:
         if not isinstance(payload, dict) or "call" not in payload:
             raise InvalidInput("Missing field 'call'.", code="missing_field", details={"field": "call"})
-        epoch = payload.get("epoch", 0)
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
-            raise InvalidInput("'epoch' must be an integer.", details={"field": "epoch"})
-        outcome = services.rollout_call(task_id=task_id, rollout_id=rollout_id, call_json=payload["call"], epoch=epoch)
+        outcome = services.rollout_call(task_id=task_id, rollout_id=parse_id(rollout_id, "rollout_id"),
+                                        call_json=payload["call"], epoch=parse_epoch(payload))
         metrics.tool_call_observed(tool=payload["call"]["tool"], cached=outcome.cached, ms=outcome.latency_ms)
         return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
                              "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates,

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 from observability.logs import logs_configure
 
@@ -17,8 +18,14 @@ env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
 DEBUG = env.bool("DEBUG", default=False)
-# Development-only fallback; production must set SECRET_KEY.
-SECRET_KEY = env("SECRET_KEY", default="dev-only-insecure-key-do-not-deploy")
+# Sessions, CSRF tokens and signed values rest on it: without DEBUG the service refuses to start
+# without one rather than fall back to a key anyone can read here.
+SECRET_KEY = env("SECRET_KEY", default="")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured("SECRET_KEY is not set. Set it in the environment (or in .env); with DEBUG=1 a "
+                                   "development-only key is used instead.")
+    SECRET_KEY = "dev-only-insecure-key-do-not-deploy"
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=["http://127.0.0.1:8000", "http://localhost:8000"])
 
@@ -31,11 +38,15 @@ EMBEDDED = []
 # WSGI workers keep one persistent connection each (cheapest per request). Under ASGI, sync
 # views run on changing threads and persistent per-thread connections would pile up: set
 # DB_POOL_SIZE to use a psycopg pool per process instead (the run command does).
+# After a PostgreSQL restart every kept connection is dead: with health checks each is checked
+# before a request uses it (under a pool, each one the pool hands out), so the service recovers by
+# itself. A request whose connection died under it answers 503 database_unavailable.
 if env.int("DB_POOL_SIZE", default=0):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": env.int("DB_POOL_SIZE"), "timeout": 10}
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
@@ -55,6 +66,7 @@ INSTALLED_APPS = [
     "channels",
     "cache",
     "sandboxes",
+    "upstreams",
     "workers",
     "dashboard",
 ]
@@ -148,6 +160,9 @@ CELERY_BEAT_SCHEDULE = {
 TVCACHE = {
     "MAX_RESULT_BYTES": env.int("TVCACHE_MAX_RESULT_BYTES", default=1024 * 1024),
     "MAX_HISTORY": env.int("TVCACHE_MAX_HISTORY", default=10_000),
+    # Levels of arrays and objects a call's args, a result or a task's env may nest (refused
+    # deeper: 400 nesting_too_deep). At most 250: the JSON encoder stops at 254.
+    "MAX_JSON_DEPTH": env.int("TVCACHE_MAX_JSON_DEPTH", default=64),
     "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
     "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
     # Lookup counters are written in batches this often by a thread per process; 0 = only when
@@ -224,13 +239,18 @@ TVCACHE = {
     "AUDIT_MAX_DIVERGENT": env.int("TVCACHE_AUDIT_MAX_DIVERGENT", default=3),
 }
 
+if not 1 <= TVCACHE["MAX_JSON_DEPTH"] <= 250:
+    raise ImproperlyConfigured("TVCACHE_MAX_JSON_DEPTH must be 1 to 250.")
+
 # Metrics (/metrics, Prometheus text format): readable without a token from these addresses or
 # networks only (REMOTE_ADDR: behind a proxy, list the proxy). Every process of the service counts
 # into files under PROMETHEUS_MULTIPROC_DIR and a scrape adds them up (prometheus-client's
 # multiprocess mode: uvicorn runs several workers, a Celery worker forks sandboxes); empty = one
 # process, counts in memory. prometheus_client reads the variable when first imported: set here.
+# The default is one folder per database: two services of one checkout on two databases (the
+# demo and a replay) never add up each other's counts.
 METRICS_ALLOW = env.list("TVCACHE_METRICS_ALLOW", default=["127.0.0.0/8", "::1"])
-METRICS_DIR = env("PROMETHEUS_MULTIPROC_DIR", default=str(VAR_DIR / "metrics"))
+METRICS_DIR = env("PROMETHEUS_MULTIPROC_DIR", default=str(VAR_DIR / "metrics" / str(DATABASES["default"]["NAME"])))
 if METRICS_DIR:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = METRICS_DIR
 else:

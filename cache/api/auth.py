@@ -40,6 +40,12 @@ def token_create(*, name: str) -> str:
     return key
 
 
+def trainer_cached(key: str) -> bool:
+    """The key was verified lately in this process (no database read)."""
+    cached = _verified.get(key_digest(key))
+    return cached is not None and cached[1] > time.monotonic()
+
+
 def trainer_for_key(key: str) -> Trainer | None:
     digest = key_digest(key)
     cached = _verified.get(digest)

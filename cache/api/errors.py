@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import psycopg
 from django.core.exceptions import RequestDataTooBig
+from django.db import InterfaceError, OperationalError
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
-from cache.errors import ApplicationError
+from cache.errors import ApplicationError, DatabaseUnavailable
 
 DRF_CODES = {
     drf.ParseError: "malformed_json",
@@ -21,14 +23,32 @@ DRF_CODES = {
     drf.ValidationError: "invalid_payload",
 }
 
+# PostgreSQL went away (a restart, a dropped connection, no free connection): the request is
+# answered 503 and the connection is dropped, so the next request gets a healthy one. Django
+# translates psycopg's errors; the psycopg classes are for connections used directly.
+DATABASE_DOWN = (OperationalError, InterfaceError, psycopg.OperationalError, psycopg.InterfaceError)
+
+
+def application_error(exc: BaseException) -> ApplicationError | None:
+    """The typed error an exception answers as, or None for a bug (a 500)."""
+    if isinstance(exc, ApplicationError):
+        return exc
+    if isinstance(exc, DATABASE_DOWN):
+        return DatabaseUnavailable("The database is unavailable (restarting or unreachable); retry shortly.")
+    return None
+
 
 def error_response(status: int, code: str, message: str, details=None) -> Response:
     return Response({"error": {"code": code, "message": message, "details": details}}, status=status)
 
 
 def exception_handler(exc, context):
-    if isinstance(exc, ApplicationError):
-        return error_response(exc.status, exc.code, exc.message, exc.details)
+    error = application_error(exc)
+    if error is not None:
+        response = error_response(error.status, error.code, error.message, error.details)
+        if error.retry_after is not None:
+            response["Retry-After"] = str(error.retry_after)
+        return response
     if isinstance(exc, RequestDataTooBig):
         return error_response(413, "payload_too_large", "Request body exceeds the size limit.")
     if isinstance(exc, drf.APIException):

@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from http import HTTPStatus
 from typing import Literal, NamedTuple
 
@@ -39,10 +40,12 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
-from cache.errors import ApplicationError
+from cache.errors import ServiceUnavailable
+from cache.inputs import load_json
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
-from .auth import trainer_for_key
+from .auth import trainer_cached, trainer_for_key
+from .errors import application_error
 
 log = logging.getLogger("tvcache.api")
 
@@ -60,24 +63,51 @@ def error_body(code: str, message: str, details=None) -> bytes:
     return orjson.dumps({"error": {"code": code, "message": message, "details": details}})
 
 
-def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes]) -> tuple[int, bytes]:
-    """Status and JSON body for a POST to a hot endpoint: token, then body, then the answer."""
+def lean_refusal(authorization: str) -> tuple[int, bytes] | None:
+    """Status and JSON body refusing a request whose token is missing or invalid; None for a
+    valid one. Runs before the body is read."""
     parts = authorization.split()
     if not parts or parts[0].lower() != "token":
         return 401, error_body("not_authenticated", "Authentication credentials were not provided.")
     if len(parts) != 2 or trainer_for_key(parts[1]) is None:
         return 401, error_body("invalid_token", "Invalid or revoked token.")
+    return None
+
+
+def token_verified(authorization: str) -> bool:
+    """The request's token was verified lately by this process (no database read): its body may
+    be read before the token is checked again."""
+    parts = authorization.split()
+    return len(parts) == 2 and parts[0].lower() == "token" and trainer_cached(parts[1])
+
+
+def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: str,
+                read_body: Callable[[], bytes]) -> tuple[int, bytes]:
+    """Status and JSON body for a POST to a hot endpoint: token, then body, then the answer."""
+    return _answered(lambda: lean_refusal(authorization) or (200, answer(**path_kwargs,
+                                                                          payload=load_json(read_body()))))
+
+
+def _answered(work: Callable[[], tuple[int, bytes] | None]) -> tuple[int, bytes] | None:
+    """What `work` answers, with typed errors (and a database that went away) as error answers."""
     try:
-        payload = orjson.loads(read_body())
-    except orjson.JSONDecodeError as exc:
-        return 400, error_body("malformed_json", f"Malformed JSON: {exc}")
+        return work()
     except RequestDataTooBig:
         return 413, error_body("payload_too_large", "Request body exceeds the size limit.")
-    try:
-        return 200, answer(**path_kwargs, payload=payload)
-    except ApplicationError as exc:
-        return exc.status, error_body(exc.code, exc.message, exc.details)
+    except Exception as exc:
+        error = application_error(exc)
+        if error is None:
+            raise
+        return error.status, error_body(error.code, error.message, error.details)
+
+
+def extra_headers(status: int) -> list[tuple[str, str]]:
+    """What the exception handler adds to an error answer of this status."""
+    if status == 401:
+        return [("WWW-Authenticate", "Token")]
+    if status == 503:
+        return [("Retry-After", str(ServiceUnavailable.retry_after))]
+    return []
 
 
 # A POST endpoint whose work is `answer(*, <path arguments>, payload) -> bytes`, a staticmethod
@@ -104,8 +134,8 @@ class LeanPostView(APIView):
                                    authorization=request.META.get("HTTP_AUTHORIZATION", ""),
                                    read_body=lambda: request.body)
         response = json_response(body, status)
-        if status == 401:
-            response["WWW-Authenticate"] = "Token"
+        for header, value in extra_headers(status):
+            response[header] = value
         return response
 
 
@@ -134,6 +164,11 @@ def _check_connection(db, *, keep: bool) -> None:
     if keep:
         db.close_at = None  # no age limit (CONN_MAX_AGE is 0 under a pool)
     db.close_if_unusable_or_obsolete()
+    if keep:
+        # Without a pool, CONN_HEALTH_CHECKS would cost a round trip per lookup: a connection that
+        # died (PostgreSQL restarted) answers its next request 503 instead, and the check after
+        # that request closes it, so the one after reconnects.
+        db.health_check_done = True
 
 
 # What a path argument of a hot route matches: Django's slug and str converters.
@@ -198,6 +233,17 @@ class HotPath:
         """Status, headers, body and the time spent in database statements; `request` builds a
         Django request for the 500 path. The request's id (`incoming_id`, the X-Request-ID header,
         if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does."""
+        return self._run(view, lambda: lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
+                                                   read_body=read_body), request, incoming_id)
+
+    def refuse(self, view: type[LeanPostView], *, authorization: str, request: Callable[[], object],
+               incoming_id: str | None) -> Answered | None:
+        """The answer that refuses the request's token, or None if the token is valid: the check
+        that runs before the body is read (the token is then cached, see `token_verified`)."""
+        return self._run(view, lambda: _answered(lambda: lean_refusal(authorization)), request, incoming_id)
+
+    def _run(self, view: type[LeanPostView], work: Callable[[], tuple[int, bytes] | None],
+             request: Callable[[], object], incoming_id: str | None) -> Answered | None:
         db = connections[DEFAULT_DB_ALIAS]
         keep = view.lane != "tool"
         timer = _StatementTimer()
@@ -206,11 +252,12 @@ class HotPath:
         _check_connection(db, keep=keep)
         try:
             with db.execute_wrapper(timer):
-                status, body = lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization,
-                                           read_body=read_body)
-            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-            if status == 401:
-                headers.append(("WWW-Authenticate", "Token"))
+                answered = work()
+            if answered is None:
+                return None
+            status, body = answered
+            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                       *extra_headers(status)]
         except Exception as exc:  # the same logging, signal and JSON 500 as Django's handler
             response = response_for_exception(request(), exc)
             status, body = response.status_code, response.content
@@ -314,6 +361,25 @@ class HotPathASGI:
     async def _answer(self, scope, receive, send, headers: dict[bytes, bytes], path_kwargs: dict[str, str],
                       view: type[LeanPostView]):
         arrived = time.perf_counter()
+        loop = asyncio.get_running_loop()
+
+        async def in_lane(work: Callable[[], Answered | None]) -> tuple[Answered | None, float, float]:
+            def timed():
+                started = time.perf_counter()
+                return work(), started, time.perf_counter()
+            return await loop.run_in_executor(self.executors[view.lane], timed)
+
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        incoming_id = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not token_verified(authorization):
+            # Checked before the body is read: a client without a valid token never gets its
+            # body buffered (a flood of large unauthenticated bodies costs a header each).
+            refusal, started, done = await in_lane(partial(self.hot.refuse, view, authorization=authorization,
+                                                           request=lambda: ASGIRequest(scope, io.BytesIO()),
+                                                           incoming_id=incoming_id))
+            if refusal is not None:
+                return await self._send(send, refusal, server_timing(arrived, started, done, time.perf_counter(),
+                                                                     refusal.db_s))
         length = int(headers[b"content-length"])
         if self.hot.too_big(length):
             body = None  # answered 413 without reading it
@@ -327,16 +393,13 @@ class HotPathASGI:
                 raise RequestDataTooBig()
             return body
 
-        def respond() -> tuple[Answered, float, float]:
-            started = time.perf_counter()
-            answer = self.hot.respond(view, path_kwargs=path_kwargs,
-                                      authorization=headers.get(b"authorization", b"").decode("latin-1"),
-                                      read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
-                                      incoming_id=headers.get(b"x-request-id", b"").decode("latin-1"))
-            return answer, started, time.perf_counter()
+        answer, started, done = await in_lane(partial(
+            self.hot.respond, view, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body,
+            request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")), incoming_id=incoming_id))
+        await self._send(send, answer, server_timing(arrived, started, done, time.perf_counter(), answer.db_s))
 
-        answer, started, done = await asyncio.get_running_loop().run_in_executor(self.executors[view.lane], respond)
-        timing = server_timing(arrived, started, done, time.perf_counter(), answer.db_s)
+    @staticmethod
+    async def _send(send, answer: Answered, timing: tuple[str, str]) -> None:
         await send({"type": "http.response.start", "status": answer.status,
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in [*answer.headers, timing]]})
         await send({"type": "http.response.body", "body": answer.body})

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import orjson
-from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 
+from cache.inputs import load_body
+
 
 class ORJSONParser(BaseParser):
+    """Every JSON body of the cold endpoints is checked here, once: malformed JSON, NUL, lone
+    surrogates, nesting and out-of-range numbers are refused before a view sees the data."""
+
     media_type = "application/json"
 
     def parse(self, stream, media_type=None, parser_context=None):
-        try:
-            return orjson.loads(stream.read())
-        except orjson.JSONDecodeError as exc:
-            raise ParseError(f"Malformed JSON: {exc}") from exc
+        return load_body(stream.read())
 
 
 class ORJSONRenderer(BaseRenderer):

@@ -2,9 +2,11 @@
 
 from rest_framework import serializers
 
+from cache.inputs import INT32, MAX_ID_LENGTH, MAX_MS, MAX_SNAPSHOT_BYTES
+
 
 class ToolCallSerializer(serializers.Serializer):
-    tool = serializers.CharField(max_length=200)
+    tool = serializers.CharField(max_length=MAX_ID_LENGTH)
     args = serializers.DictField()
 
 
@@ -16,7 +18,7 @@ class ToolPolicySerializer(serializers.Serializer):
 class TaskPutSerializer(serializers.Serializer):
     env = serializers.DictField(help_text='{"backend": "docker"|"directory"|"sqlite"|"external", ...}')
     tools = serializers.DictField(child=ToolPolicySerializer(), required=False)
-    sandbox_budget = serializers.IntegerField(min_value=0, required=False)
+    sandbox_budget = serializers.IntegerField(min_value=0, max_value=INT32[1], required=False)
     audit_rate = serializers.FloatField(min_value=0.0, max_value=1.0, required=False, help_text=(
         "Determinism audit: the fraction of hits re-executed at their parent state and compared (default 0.02; "
         "0 turns it off). Changing it keeps the graph."))
@@ -45,8 +47,8 @@ class TaskListSerializer(serializers.Serializer):
 class CallContextSerializer(serializers.Serializer):
     history = ToolCallSerializer(many=True)
     call = ToolCallSerializer()
-    rollout_id = serializers.CharField(required=False)
-    epoch = serializers.IntegerField(required=False)
+    rollout_id = serializers.CharField(required=False, max_length=MAX_ID_LENGTH)
+    epoch = serializers.IntegerField(required=False, min_value=INT32[0], max_value=INT32[1])
     env_fingerprint = serializers.CharField(required=False, help_text="Refuse (409 env_changed) if the task's environment changed.")
 
 
@@ -64,7 +66,7 @@ class LookupSerializer(CallContextSerializer):
 
 
 class ClaimReleaseSerializer(CallContextSerializer):
-    rollout_id = serializers.CharField(help_text="The rollout that holds the claim.")
+    rollout_id = serializers.CharField(max_length=MAX_ID_LENGTH, help_text="The rollout that holds the claim.")
 
 
 class ClaimReleasedSerializer(serializers.Serializer):
@@ -99,7 +101,7 @@ class LookupResponseSerializer(serializers.Serializer):
 
 class RecordSerializer(CallContextSerializer):
     result = serializers.JSONField()
-    exec_ms = serializers.FloatField(min_value=0)
+    exec_ms = serializers.FloatField(min_value=0, max_value=MAX_MS)
     mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(
         "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
         "whatever its tool declares; omit it when unsure."))
@@ -116,13 +118,13 @@ class RecordResponseSerializer(serializers.Serializer):
 class SnapshotRegisterSerializer(serializers.Serializer):
     ref = serializers.CharField(max_length=300)
     backend = serializers.CharField(max_length=40)
-    size_bytes = serializers.IntegerField(min_value=0, required=False)
-    create_ms = serializers.FloatField(min_value=0, required=False)
+    size_bytes = serializers.IntegerField(min_value=0, max_value=MAX_SNAPSHOT_BYTES, required=False)
+    create_ms = serializers.FloatField(min_value=0, max_value=MAX_MS, required=False)
 
 
 class NodeAuditSerializer(serializers.Serializer):
     result = serializers.JSONField(help_text="The call's result, re-executed at the node's parent state.")
-    rollout_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    rollout_id = serializers.CharField(max_length=MAX_ID_LENGTH, required=False, allow_blank=True)
 
 
 class NodeAuditedSerializer(serializers.Serializer):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import orjson
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
@@ -11,13 +11,14 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
-from cache.inputs import parse_call_context, parse_claim, parse_record, parse_resume
+from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_call_context, parse_claim, parse_id, parse_int,
+                          parse_node_id, parse_query_int, parse_record, parse_resume)
 from observability import metrics
 
 from . import serializers as s
 from .lean import LeanPostView
 
-ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413)}
+ERRORS = {code: s.ErrorSerializer for code in (400, 401, 404, 409, 413, 503)}
 TASK_PAGE = 100  # tasks per answer of the task list unless ?limit= says otherwise
 TASK_PAGE_MAX = 1000
 
@@ -40,15 +41,11 @@ class TaskListView(APIView):
                    responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
                    operation_id="v1_tasks_list", summary="List tasks with their totals, a page at a time (by id)")
     def get(self, request):
-        try:
-            limit = int(request.query_params.get("limit", TASK_PAGE))
-            offset = int(request.query_params.get("offset", 0))
-        except ValueError:
-            raise InvalidInput("'limit' and 'offset' must be integers.") from None
-        if not 1 <= limit <= TASK_PAGE_MAX or offset < 0:
-            raise InvalidInput(f"'limit' must be 1 to {TASK_PAGE_MAX} and 'offset' at least 0.",
-                               details={"limit": limit, "offset": offset})
-        ids = selectors.task_ids(search=request.query_params.get("q", "").strip())
+        limit = parse_query_int(request.query_params, "limit", TASK_PAGE, low=1, high=TASK_PAGE_MAX)
+        offset = parse_query_int(request.query_params, "offset", 0, low=0, high=INT32[1])
+        search = request.query_params.get("q", "")
+        check_json(search, "q")
+        ids = selectors.task_ids(search=search.strip())
         count = ids.count()
         rows = selectors.task_list_stats(task_ids=list(ids[offset:offset + limit]))
         return Response({"tasks": [{**taskjson_response(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
@@ -60,10 +57,13 @@ class TaskView(APIView):
     @extend_schema(request=s.TaskPutSerializer, responses={200: s.TaskSerializer, 201: s.TaskSerializer, **ERRORS},
                    summary="Create or update a task")
     def put(self, request, task_id: str):
+        parse_id(task_id, "task_id")
         if not isinstance(request.data, dict):
             raise InvalidInput("The request body must be a JSON object.")
         if "env" not in request.data:
             raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
+        if request.data.get("sandbox_budget") is not None:
+            parse_int(request.data["sandbox_budget"], "sandbox_budget", low=0, high=INT32[1])
         task, created = services.task_put(task_id=task_id, env=request.data["env"], tools=request.data.get("tools"),
                                           sandbox_budget=request.data.get("sandbox_budget"),
                                           audit_rate=request.data.get("audit_rate"))
@@ -83,8 +83,16 @@ class TaskStatsView(APIView):
         return Response(selectors.task_stats(task_id=task_id))
 
 
-@extend_schema_view(post=extend_schema(request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
-                                        summary="Longest-prefix lookup of a call after a history"))
+# Request examples: the API docs show them, and schemathesis's examples phase sends them.
+_CLONE = {"tool": "bash", "args": {"command": "git clone /src/repo /repo"}}
+_TEST = {"tool": "bash", "args": {"command": "cd /repo && make test", "timeout_s": 600}}
+
+
+@extend_schema_view(post=extend_schema(
+    request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
+    summary="Longest-prefix lookup of a call after a history",
+    examples=[OpenApiExample("The second call of a rollout", request_only=True,
+                             value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1})]))
 class LookupView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/lookup"
 
@@ -112,8 +120,13 @@ class LookupView(LeanPostView):
         return orjson.dumps(body)
 
 
-@extend_schema_view(post=extend_schema(request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
-                                        summary="Record a call's result (idempotent)"))
+@extend_schema_view(post=extend_schema(
+    request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
+    summary="Record a call's result (idempotent)",
+    examples=[OpenApiExample("The result of a miss, executed by the client", request_only=True,
+                             value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1,
+                                    "result": {"stdout": "4 passed\n", "stderr": "", "exit_code": 0, "timed_out": False},
+                                    "exec_ms": 8250.0})]))
 class RecordView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/record"
     lane = "write"
@@ -142,6 +155,7 @@ class SnapshotRegisterView(APIView):
                    summary="Register a snapshot a client took after 'snapshot: wanted'")
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.SnapshotRegisterSerializer, request.data)
+        parse_node_id(node_id)
         selectors.task_get(task_id=task_id)
         snapshot, evicted = services.snapshot_register(task_id=task_id, node_id=node_id, **data)
         return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
@@ -154,6 +168,7 @@ class NodeAuditView(APIView):
                            "makes the node divergent: it is no longer served")
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.NodeAuditSerializer, request.data)
+        parse_node_id(node_id)
         divergent = services.node_audit(task_id=task_id, node_id=node_id, result=data["result"],
                                         rollout_id=data.get("rollout_id", ""))
         return Response({"divergent": divergent})
@@ -167,7 +182,10 @@ class LeaseView(APIView):
         try:
             restore_ms = float(restore_ms) if restore_ms is not None else None
         except ValueError:
-            raise InvalidInput("'restore_ms' must be a number.", details={"field": "restore_ms"}) from None
+            restore_ms = -1.0
+        if restore_ms is not None and not 0 <= restore_ms <= MAX_MS:  # nan and inf too
+            raise InvalidInput(f"'restore_ms' must be a number from 0 to {MAX_MS:.0f}.",
+                               details={"field": "restore_ms", "min": 0, "max": MAX_MS})
         services.lease_release(lease_id=lease_id, restore_ms=restore_ms)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
@@ -176,9 +194,6 @@ class GraphView(APIView):
     @extend_schema(parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
                    responses={200: dict, **ERRORS}, summary="Nodes and edges of the task's tool call graph (optionally a subtree)")
     def get(self, request, task_id: str):
-        try:
-            root = int(request.query_params["root"]) if "root" in request.query_params else None
-            depth = int(request.query_params["depth"]) if "depth" in request.query_params else None
-        except ValueError:
-            raise InvalidInput("'root' and 'depth' must be integers.") from None
+        root = parse_query_int(request.query_params, "root", None, low=1, high=INT64[1])
+        depth = parse_query_int(request.query_params, "depth", None, low=0, high=INT32[1])
         return Response(selectors.graph_export(task_id=task_id, root=root, max_depth=depth))

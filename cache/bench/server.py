@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
@@ -76,15 +77,24 @@ def stop(processes, timeout_s: float = 15) -> None:
             process.wait()
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunningServer:
     url: str
-    pid: int
+    pid: int  # the web server's main process (a new one after restart())
     queue: str | None = None  # where its background jobs go (a queue of its own), if it has a broker
+    _restart: Callable[[], int] | None = field(default=None, repr=False, compare=False)
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the server and its live child processes."""
         return sum(_cpu_s(pid) for pid in _tree(self.pid))
+
+    def restart(self) -> None:
+        """Kill the web server (SIGKILL to its whole process tree: a crash, requests in flight get
+        no answer) and start it again on the same port, database and queue; returns once it
+        answers. The Celery worker keeps running."""
+        if self._restart is None:
+            raise RuntimeError("this server cannot be restarted")
+        self.pid = self._restart()
 
 
 def _tree(root: int) -> list[int]:
@@ -145,16 +155,29 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
                                                   / f"{queue}-beat-schedule")]
     with contextlib.ExitStack() as stack:
         processes = []
+        logs = {name: stack.enter_context(open(log_dir / f"{name}.log", "wb")) if log_dir else subprocess.DEVNULL
+                for name in commands}
+        url = f"http://127.0.0.1:{port}"
+
+        def restart_web() -> int:
+            old = processes[0]
+            for pid in _tree(old.pid):  # the workers too: they hold the listening socket
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            old.wait()
+            wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} to stop")
+            processes[0] = subprocess.Popen(commands[kind], cwd=ROOT, env=env, stdout=logs[kind], stderr=subprocess.STDOUT)
+            wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} (restarted)", processes)
+            return processes[0].pid
+
         try:
             for name, argv in commands.items():
-                log = stack.enter_context(open(log_dir / f"{name}.log", "wb")) if log_dir else subprocess.DEVNULL
-                processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-            url = f"http://127.0.0.1:{port}"
+                processes.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT))
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
             if "celery" in commands:
                 wait_until(lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
                            "the Celery worker", processes)
-            yield RunningServer(url, processes[0].pid, queue)
+            yield RunningServer(url, processes[0].pid, queue, restart_web)
         finally:
             stop(processes, timeout_s=30)
             if queue:

@@ -12,8 +12,9 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from .faults import FaultPlan
 from .harness import Arm, Replay, ReplayConfig, TimedClient, Workload
-from .report import build_report, headline, write_report
+from .report import build_report, fault_headline, headline, write_report
 
 DEFAULT_OUT = Path(settings.BASE_DIR) / "artifacts" / "replay"
 
@@ -47,6 +48,12 @@ class ReplayCommand(BaseCommand):
         parser.add_argument("--out", default=str(DEFAULT_OUT))
         parser.add_argument("--no-plots", action="store_true")
         parser.add_argument("--tag", default="", help="added to task ids and output names")
+        parser.add_argument("--faults", action="store_true",
+                            help="the fault arm: seeded timeouts, environment errors, sandbox deaths and a service "
+                                 "restart per arm (the restart needs a service started here: not with --url); the "
+                                 "report adds wrong answers, divergences and the hit-rate cost (cache/replay/faults.py)")
+        parser.add_argument("--fault-rate", type=float, default=0.25, help="with --faults: share of rollouts that "
+                                                                               "meet a fault, per task and epoch")
 
     def make_workload(self, options: dict[str, Any]) -> Workload:
         raise NotImplementedError
@@ -64,20 +71,27 @@ class ReplayCommand(BaseCommand):
         out_dir = Path(options["out"])
         workload = self.make_workload(options)
         config = {key: options[key] for key in ("tasks", "rollouts", "epochs", "seed", "concurrency", "think_ms",
-                                                  "warm_wait_s")}
+                                                  "warm_wait_s", "faults")}
         config.update(arms=[a.name for a in arms], **self.workload_config(options))
+        faults = FaultPlan(seed=options["seed"], rate=options["fault_rate"]) if options["faults"] else None
+        if faults is not None:
+            config["fault_rate"] = faults.rate
         try:
-            with self._service(options, out_dir) as (url, token, started_here):
+            with self._service(options, out_dir) as (url, token, service):
+                if faults is not None and service is None:
+                    self.stderr.write("--faults with --url: no service restart (the replay did not start the service)")
                 with TimedClient(url, token, timeout=600) as client:
                     replay = Replay(workload, client, ReplayConfig(
                         epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
                         run_tag=stamp.replace("t", ""), think_ms=options["think_ms"], warm_wait_s=options["warm_wait_s"],
-                        release_sandboxes=started_here))
+                        release_sandboxes=service is not None, faults=faults,
+                        restart_service=service.restart if service is not None else None,
+                        keep_examples=10 if faults is not None else 5))
                     began = time.perf_counter()
                     replay.run()
                     report = build_report(replay, workload=self.workload_name, config=config, started_at=started_at,
                                           seconds=time.perf_counter() - began,
-                                          server={"url": url, "started_here": started_here})
+                                          server={"url": url, "started_here": service is not None})
         finally:
             workload.close()
         path = write_report(report, out_dir, stamp)
@@ -87,6 +101,8 @@ class ReplayCommand(BaseCommand):
             report["plots"] = write_plots(report, out_dir, stamp)
             path.write_text(json.dumps(report, indent=1, default=str))
         self.stdout.write(headline(report))
+        if "faults" in report:
+            self.stdout.write(fault_headline(report))
         self.stdout.write(json.dumps(report["targets"], indent=1))
         self.stdout.write(f"report: {path}")
         for plot in report["plots"]:
@@ -95,10 +111,11 @@ class ReplayCommand(BaseCommand):
 
     @contextlib.contextmanager
     def _service(self, options, out_dir: Path):
+        """(url, token, the service if this command started it, else None)."""
         if options["url"]:
             if not options["token"]:
                 raise CommandError("--url needs --token")
-            yield options["url"], options["token"], False
+            yield options["url"], options["token"], None
             return
         from cache.api.auth import token_create
         from cache.bench.server import service_running
@@ -109,4 +126,4 @@ class ReplayCommand(BaseCommand):
         # Proactive forks and the periodic tasks (reaping, eviction, vacuum) run as deployed.
         with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True,
                              log_dir=log_dir) as service:
-            yield service.url, token, True
+            yield service.url, token, service

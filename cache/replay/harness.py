@@ -6,6 +6,8 @@ Arms:
 - `server`: POST .../rollouts/{id}/calls, the service runs the sandboxes (tool-server mode).
 A budget suffix (`client-b8`, `server-b8`) gives the arm's tasks that snapshot budget; without
 one the budget is unlimited (NO_BUDGET). Each arm has tasks of its own, so graphs never mix.
+With a FaultPlan (`--faults`, faults.py) the rollouts meet timeouts, environment errors, sandbox
+deaths and service restarts, and the check and the oracle take them into account.
 
 The policies are open loop (a rollout's calls never depend on the results), so the `nocache`
 arm executes exactly the history of every cached call in a fresh sandbox: the exactness check
@@ -28,11 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tqdm import tqdm
 from tvclient import SnapshotStore, TVCacheClient, ToolCallExecutor, ToolExecutionEnvironment
+from tvclient.errors import TVCacheError, TVCacheUnavailable
 
 from cache.tcg import TaskPolicy, ToolCall, call_digest, next_state_key, root_state_key
 from sandboxes.models import Sandbox
 from sandboxes.services import tasks_release
+
+from .faults import Fault, FaultPlan, divergence_count, faulty_answer, kill_rollout_sandbox, timed_out
 
 log = logging.getLogger("tvcache.replay")
 
@@ -40,6 +46,12 @@ Call = dict[str, Any]
 NO_BUDGET = 100_000  # live snapshots per task: in effect unlimited
 MODES = ("nocache", "client", "server")
 STATS_SETTLE_S = 0.6  # over twice the service's default counter flush interval (0.25 s)
+# Under faults: how long a rollout keeps sending a request the service did not answer (a restart).
+RETRY_WINDOW_S = 120.0
+ENV_FAULTS = ("error_after", "timeout_after")
+EXACT_KEYS = ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches", "not_compared",
+              "after_event_hits_checked", "after_event_hits_mismatches", "after_event_misses_checked",
+              "after_event_misses_mismatches")
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,13 @@ class Workload(ABC):
     # Tool-server mode: charged by the harness after every call the service executed (a miss),
     # for latency the service's own backend does not model (the sql workload's remote database).
     server_miss_penalty_ms: float = 0.0
+    # The faults its rollouts can meet under --faults (faults.KIND_MODES); `timeout` needs timeout_call.
+    fault_kinds: tuple[str, ...] = ("error_after", "timeout_after")
+
+    def timeout_call(self, call: Call, timeout_s: float) -> Call | None:
+        """`call` with a `timeout_s` that kills it mid-run at a point that does not depend on
+        timing, or None when the workload has no such call."""
+        return None
 
     @abstractmethod
     def tasks(self) -> list[ReplayTask]: ...
@@ -99,6 +118,10 @@ class _Meter(threading.local):
     env_ms = 0.0
     lookup_ms = 0.0
     lookup_server_ms: float | None = 0.0
+    # Under faults: (kind, call) an environment fault waits for on this rollout's thread, and
+    # whether it fired (the rollout's environment ran that call).
+    armed: tuple[str, Call] | None = None
+    fired = False
 
 
 class TimedClient(TVCacheClient):
@@ -158,11 +181,21 @@ class MeteredEnvironment(ToolExecutionEnvironment):
 
     def execute(self, call: Call) -> dict[str, Any]:
         self._ran = True
-        return self._timed(self.inner.execute, call)
+        return self._faulted(call, self._timed(self.inner.execute, call))
 
     def execute_observed(self, call: Call) -> tuple[dict[str, Any], bool | None]:
         self._ran = True
-        return self._timed(self.inner.execute_observed, call)
+        result, observed = self._timed(self.inner.execute_observed, call)
+        return self._faulted(call, result), observed
+
+    @staticmethod
+    def _faulted(call: Call, result: dict[str, Any]) -> dict[str, Any]:
+        """The call ran; an environment fault armed for it on this thread answers (or raises) now."""
+        armed = _meter.armed
+        if armed is None or armed[1] != call:
+            return result
+        _meter.armed, _meter.fired = None, True
+        return faulty_answer(armed[0], result)
 
     def fork(self) -> MeteredEnvironment:
         twin = self._timed(self.inner.fork)
@@ -217,12 +250,35 @@ class CallSample:
     # client mode: time the call waited for the previous miss's background work (record, snapshot)
     background_wait_ms: float | None = None
     result: Any = None  # kept only until compared
-    started: float = 0.0  # perf_counter at the call's start
+    started: float = 0.0  # perf_counter when the call was sent (last sent, if it was sent again)
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
     mutates: bool | None = None  # whether the call changed the state, as the service or executor tells
     # Where a miss's time went: the service's phases (tool-server mode), or the executor's lookup,
     # wait for the previous snapshot and time in the sandbox (client mode).
     phases_ms: dict[str, float] | None = None
+    # Under faults (faults.py):
+    fault: str | None = None  # the fault that hit this call (sandbox_death: its container died just before)
+    injected: bool = False  # its answer is an injected fault's, not the tool's: not compared
+    failed: bool = False  # it got no answer (the service failed, also when sent again): not compared
+    retries: int = 0  # times it was sent again because the service did not answer
+    answer_timed_out: bool = False  # its answer says timed out (a hit too: the cache kept a timed-out answer)
+    event: bool = False  # it left its rollout's state unknown (mark_unknown_state): its answer is not to share
+    unshared: bool = False  # it comes after such an event of its rollout: off the shared graph
+
+
+def mark_unknown_state(samples: list[CallSample]) -> None:
+    """The known-state rule on one rollout's samples, in order: a call that ran and timed out, an
+    injected environment fault and a call left without an answer leave the state unknown; the
+    rollout's calls from there are off the shared graph. A sandbox death between two calls does
+    not: no call was running, the service retires the dead sandbox and the rollout goes on from
+    its history (which the wrong-answer counts check). A hit that answers timed out ran nothing:
+    it is a wrong answer (counted), not an event."""
+    unknown = False
+    for sample in samples:
+        sample.unshared = unknown
+        sample.answer_timed_out = timed_out(sample.result)
+        sample.event = sample.injected or sample.failed or (sample.answer_timed_out and not sample.cached)
+        unknown = unknown or sample.event
 
 
 @dataclass
@@ -246,38 +302,6 @@ class EpochRun:
     exact: dict[str, Any] = field(default_factory=dict)
 
 
-class Progress:
-    """A one-line progress bar on stderr (rewritten at most 5 times a second)."""
-
-    def __init__(self, total: int, *, stream=None, width: int = 30) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.stream = stream or sys.stderr
-        self.width = width
-        self.started = time.perf_counter()
-        self._shown = 0.0
-        self._lock = threading.Lock()
-        self.label = ""
-
-    def advance(self, n: int = 1, label: str | None = None) -> None:
-        with self._lock:
-            self.done += n
-            if label is not None:
-                self.label = label
-            now = time.perf_counter()
-            if now - self._shown < 0.2 and self.done < self.total:
-                return
-            self._shown = now
-            filled = int(self.width * self.done / self.total)
-            elapsed = now - self.started
-            eta = elapsed / self.done * (self.total - self.done) if self.done else 0.0
-            self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} rollouts "
-                              f"{elapsed:6.0f}s eta {eta:5.0f}s {self.label:<24}")
-            if self.done >= self.total:
-                self.stream.write("\n")
-            self.stream.flush()
-
-
 # ---------------------------------------------------------------------------------------------
 # The replay
 
@@ -295,6 +319,9 @@ class ReplayConfig:
     # Stop the tool-server arms' sandboxes and free their snapshots at the end: set when the
     # service was started for the run and goes with it.
     release_sandboxes: bool = False
+    faults: FaultPlan | None = None
+    # Kills the service and starts it again (the fault arm's restart); None: no restart.
+    restart_service: Callable[[], None] | None = None
 
 
 class Replay:
@@ -305,10 +332,16 @@ class Replay:
         self.tasks = workload.tasks()
         self.runs: list[EpochRun] = []
         self.per_tool: dict[str, list[dict[str, Any]]] = {}
+        self.divergences: dict[str, dict[str, int] | None] = {}  # per arm, as the service's stats report them
         self.mismatch_examples: list[dict[str, Any]] = []
+        self.faults_planned: dict[str, Counter[str]] = {arm.name: Counter() for arm in config.arms}
+        self.restarts: list[dict[str, Any]] = []
         self._counts = {arm.name: SandboxCounts() for arm in config.arms}
         self._snapshots = {arm.name: SnapshotStore() for arm in config.arms if arm.mode == "client"}
         self._progress_stream = progress_stream
+        self._faults: dict[tuple[str, int, int], Fault | None] = {}
+        self._calls_done = 0
+        self._calls_lock = threading.Lock()
 
     def task_id(self, task: ReplayTask, arm: Arm) -> str:
         return f"rp-{self.config.run_tag}-{task.name}-{arm.name}"[:200]
@@ -318,10 +351,11 @@ class Replay:
 
     def run(self) -> list[EpochRun]:
         self._put_tasks()
-        plans = {(task.name, epoch): self.workload.rollouts(task, epoch)
+        plans = {(task.name, epoch): self._plan(task, epoch)
                  for epoch in range(self.config.epochs) for task in self.tasks}
         total = sum(len(p) for p in plans.values()) * len(self.config.arms)
-        progress = Progress(total, stream=self._progress_stream)
+        progress = tqdm(total=total, unit="rollout", file=self._progress_stream or sys.stderr, mininterval=0.2,
+                        dynamic_ncols=True)
         try:
             for epoch in range(self.config.epochs):
                 epoch_runs = {}
@@ -331,12 +365,35 @@ class Replay:
                 self.runs.extend(epoch_runs.values())
             self._collect_per_tool()
         finally:
+            progress.close()
             for store in self._snapshots.values():
                 store.close()
             if self.config.release_sandboxes:
                 tasks_release(task_ids=[task_id for arm in self.config.arms if arm.mode == "server"
                                         for task_id in self.arm_task_ids(arm)])
         return self.runs
+
+    def _plan(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
+        """The epoch's rollouts of the task as every arm issues them; under faults, each
+        rollout's fault is chosen here and the faults that are part of the world applied."""
+        rollouts = self.workload.rollouts(task, epoch)
+        plan = self.config.faults
+        if plan is None:
+            return rollouts
+        out = []
+        for index, calls in enumerate(rollouts):
+            fault = plan.choose(self.workload, task.name, epoch, index, calls)
+            self._faults[(task.name, epoch, index)] = fault
+            for arm in self.config.arms:
+                if fault is not None and fault.applies(arm.mode):
+                    self.faults_planned[arm.name][fault.kind] += 1
+            out.append(plan.world(self.workload, calls, fault))
+        return out
+
+    def fault(self, arm: Arm, task: ReplayTask, epoch: int, index: int) -> Fault | None:
+        """The rollout's fault in this arm, if it meets one there."""
+        fault = self._faults.get((task.name, epoch, index))
+        return fault if fault is not None and fault.applies(arm.mode) else None
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -353,7 +410,7 @@ class Replay:
 
     # -- one epoch of one arm ---------------------------------------------------------------------
 
-    def _run_epoch(self, arm: Arm, epoch: int, plans, progress: Progress) -> EpochRun:
+    def _run_epoch(self, arm: Arm, epoch: int, plans, progress: tqdm) -> EpochRun:
         run = EpochRun(arm=arm.name, epoch=epoch)
         if arm.mode == "server":
             run.warm_wait_s = self._announce(arm, epoch, plans)
@@ -365,18 +422,28 @@ class Replay:
             task, index, calls = job
             started = time.perf_counter()
             samples = self._rollout(arm, task, epoch, index, calls)
+            mark_unknown_state(samples)
             for sample, key in zip(samples, call_keys(task, samples, calls)):
                 sample.key = key
             seconds = time.perf_counter() - started
             with lock:
                 run.calls.extend(samples)
                 run.rollouts.append(RolloutSample(task.name, index, seconds, len(calls)))
-            progress.advance(label=f"epoch {epoch} {arm.name}")
+                progress.set_description(f"epoch {epoch} {arm.name}", refresh=False)
+                progress.update()
 
+        self._calls_done = 0
+        finished = threading.Event()
+        restart = self._restart_thread(arm, epoch, sum(len(calls) for _, _, calls in jobs), finished)
         started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
-            for future in [pool.submit(one, job) for job in jobs]:
-                future.result()
+        try:
+            with ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
+                for future in [pool.submit(one, job) for job in jobs]:
+                    future.result()
+        finally:
+            finished.set()
+            if restart is not None:
+                restart.join()
         run.step_s = time.perf_counter() - started
         run.sandboxes = self._counts[arm.name].take()
         if arm.mode == "server":
@@ -385,16 +452,51 @@ class Replay:
             run.service = self._service_epoch(arm, epoch)
         return run
 
+    def _call_done(self) -> None:
+        with self._calls_lock:
+            self._calls_done += 1
+
+    def _restart_thread(self, arm: Arm, epoch: int, calls: int, finished: threading.Event) -> threading.Thread | None:
+        """Under faults, in the arm's restart epoch: a thread that restarts the service once the
+        rollouts have made the planned number of calls (they are in flight meanwhile), unless
+        the epoch is over first."""
+        plan = self.config.faults
+        if plan is None or arm.mode == "nocache" or self.config.restart_service is None:
+            return None
+        point = plan.restart_point(arm.name, self.config.epochs, calls)
+        if point is None or point[0] != epoch:
+            return None
+        after_calls = point[1]
+
+        def restart() -> None:
+            while self._calls_done < after_calls:
+                if finished.wait(0.005):
+                    return
+            started = time.perf_counter()
+            entry: dict[str, Any] = {"arm": arm.name, "epoch": epoch, "after_calls": self._calls_done}
+            try:
+                self.config.restart_service()
+            except Exception as exc:  # reported; the rollouts then fail their retries and say so
+                log.exception("restarting the service failed")
+                entry["error"] = repr(exc)
+            entry["down_s"] = round(time.perf_counter() - started, 3)
+            self.restarts.append(entry)
+
+        thread = threading.Thread(target=restart, name=f"replay-restart-{arm.name}", daemon=True)
+        thread.start()
+        return thread
+
     def _announce(self, arm: Arm, epoch: int, plans) -> float:
         """Tool-server mode: announce the step, then give the workers up to warm_wait_s to warm
         the roots and pre-forks (in training this overlaps the policy's first generation)."""
         rollouts = max(len(plans[(task.name, epoch)]) for task in self.tasks)
-        ids = self.arm_task_ids(arm)
+        ids = set(self.arm_task_ids(arm))
         started = time.perf_counter()
-        self.client.announce_step(ids, rollouts, epoch)
+        self.client.announce_step(sorted(ids), rollouts, epoch)
         deadline = started + self.config.warm_wait_s
         while time.perf_counter() < deadline:
-            if not Sandbox.objects.filter(task_id__in=ids, state=Sandbox.State.WARMING).exists():
+            pools = self.client.pools()["pools"]
+            if not any(pool["states"].get("warming") for pool in pools if pool["task_id"] in ids):
                 break
             time.sleep(0.1)
         return time.perf_counter() - started
@@ -440,9 +542,10 @@ class Replay:
         think = self.thinking(task, epoch, index, len(calls))
         if arm.mode == "nocache":
             return self._rollout_nocache(arm, task, epoch, index, calls, think)
+        fault = self.fault(arm, task, epoch, index)
         if arm.mode == "client":
-            return self._rollout_client(arm, task, epoch, index, calls, think)
-        return self._rollout_server(arm, task, epoch, index, calls, think)
+            return self._rollout_client(arm, task, epoch, index, calls, think, fault)
+        return self._rollout_server(arm, task, epoch, index, calls, think, fault)
 
     def thinking(self, task: ReplayTask, epoch: int, index: int, calls: int) -> list[float]:
         """Seconds the policy generates before each call: 0.5x to 1.5x the mean, seeded per
@@ -453,6 +556,7 @@ class Replay:
         return [mean_s * rng.uniform(0.5, 1.5) for _ in range(calls)]
 
     def _sample(self, task, epoch, index, position, call, latency_ms, cached, env_ms, result) -> CallSample:
+        self._call_done()
         return CallSample(task.name, epoch, index, position, call["tool"], latency_ms, cached, env_ms, digest(result),
                           result=result, started=time.perf_counter() - latency_ms / 1000)
 
@@ -473,7 +577,7 @@ class Replay:
             env.stop()
         return samples
 
-    def _rollout_client(self, arm, task, epoch, index, calls, think) -> list[CallSample]:
+    def _rollout_client(self, arm, task, epoch, index, calls, think, fault: Fault | None) -> list[CallSample]:
         samples = []
         counts = self._counts[arm.name]
 
@@ -485,39 +589,103 @@ class Replay:
             for position, call in enumerate(calls):
                 time.sleep(think[position])
                 _meter.env_ms = _meter.lookup_ms = _meter.lookup_server_ms = 0.0
+                armed = fault is not None and fault.kind in ENV_FAULTS and fault.position == position
+                _meter.armed, _meter.fired = ((fault.kind, call) if armed else None), False
                 hits, keyed, waited_ms = executor.hits, len(executor.history), executor.background_wait_ms
                 started = time.perf_counter()
-                result = executor.execute(call)
+                try:
+                    result, retries, failed, sent = self._client_execute(executor, call)
+                finally:
+                    _meter.armed = None
                 latency = (time.perf_counter() - started) * 1000
                 sample = self._sample(task, epoch, index, position, call, latency, executor.hits > hits,
                                       _meter.env_ms, result)
+                sample.started = sent
                 sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
                 sample.background_wait_ms = executor.background_wait_ms - waited_ms
                 sample.phases_ms = {"lookup": _meter.lookup_ms, "snapshot_wait": sample.background_wait_ms,
                                     "sandbox": _meter.env_ms}
-                sample.mutates = len(executor.history) > keyed  # left out of the history: read-only
+                # Left out of the history: read-only. A call the environment failed after ran, and
+                # a rollout off the shared graph keeps no history: those are keyed as the tool's
+                # policy says.
+                detached = getattr(executor, "detached", False)
+                sample.mutates = None if _meter.fired or failed or detached else len(executor.history) > keyed
+                sample.injected, sample.failed, sample.retries = _meter.fired, failed, retries
+                sample.fault = fault.kind if _meter.fired else ("timeout" if timed_out(result) and not sample.cached
+                                                                else None)
                 samples.append(sample)
             _meter.env_ms = 0.0
         return samples
 
-    def _rollout_server(self, arm, task, epoch, index, calls, think) -> list[CallSample]:
+    def _client_execute(self, executor: ToolCallExecutor, call: Call) -> tuple[Any, int, bool, float]:
+        """The executor's answer, the times the call was sent again, whether it got none and
+        when it was last sent. An injected environment fault is the answer; a failed lookup or
+        replay record (the service restarting) leaves the executor where it was, so the call is
+        sent again."""
+
+        def execute() -> Any:
+            try:
+                return executor.execute(call)
+            except Exception as exc:
+                if _meter.fired:  # the environment ran the call, then failed
+                    return {"error": f"{type(exc).__name__}: {exc}"}
+                raise
+
+        result, retries, error, sent = self._retrying(execute)
+        return (result, retries, False, sent) if error is None else ({"error": error}, retries, True, sent)
+
+    def _rollout_server(self, arm, task, epoch, index, calls, think, fault: Fault | None) -> list[CallSample]:
         samples = []
         task_id, rollout_id = self.task_id(task, arm), f"e{epoch}-r{index}"
         penalty_s = self.workload.server_miss_penalty_ms / 1000
+        death = fault.position if fault is not None and fault.kind == "sandbox_death" else None
         try:
             for position, call in enumerate(calls):
                 time.sleep(think[position])
+                killed = None
+                if death is not None and position >= death:
+                    killed = kill_rollout_sandbox(task_id, rollout_id)  # the first time it has one
+                    death = None if killed else death
                 started = time.perf_counter()
-                answer = self.client.call(task_id, rollout_id, call, epoch=epoch)
-                if not answer.cached and penalty_s:
+                answer, retries, error, sent = self._retrying(
+                    lambda: self.client.call(task_id, rollout_id, call, epoch=epoch))
+                if answer is not None and not answer.cached and penalty_s:
                     time.sleep(penalty_s)
                 latency = (time.perf_counter() - started) * 1000
-                sample = self._sample(task, epoch, index, position, call, latency, answer.cached, None, answer.result)
-                sample.mutates, sample.phases_ms = answer.mutates, dict(answer.phases_ms)
+                result = answer.result if answer is not None else {"error": error}
+                sample = self._sample(task, epoch, index, position, call, latency,
+                                      answer.cached if answer is not None else False, None, result)
+                sample.mutates = answer.mutates if answer is not None else None
+                sample.phases_ms = dict(answer.phases_ms) if answer is not None else None
+                sample.failed, sample.retries, sample.started = answer is None, retries, sent
+                sample.fault = "sandbox_death" if killed else ("timeout" if timed_out(result) and not sample.cached
+                                                               else None)
                 samples.append(sample)
         finally:
-            self.client.end_rollout(task_id, rollout_id)
+            self._retrying(lambda: self.client.end_rollout(task_id, rollout_id))
         return samples
+
+    def _retrying(self, request: Callable[[], Any]) -> tuple[Any, int, str | None, float]:
+        """(answer, times sent again, None, when last sent: the oracle orders calls by it), or
+        (None, times sent again, the last error, when last sent) when the service gave no answer
+        within RETRY_WINDOW_S. Only under faults is a request sent again, while the service is
+        unreachable or down (TVCacheUnavailable: a restart, a sandbox that died) or still holds
+        the rollout for a request that a restart cut off."""
+        sent = time.perf_counter()
+        if self.config.faults is None:
+            return request(), 0, None, sent
+        retries, deadline = 0, time.monotonic() + RETRY_WINDOW_S
+        while True:
+            try:
+                return request(), retries, None, sent
+            except TVCacheError as exc:
+                if not (isinstance(exc, TVCacheUnavailable) or exc.code == "rollout_busy"):
+                    raise
+                if time.monotonic() > deadline:
+                    return None, retries, f"{type(exc).__name__}: {exc}", sent
+            retries += 1
+            time.sleep(0.2)
+            sent = time.perf_counter()
 
     # -- exactness --------------------------------------------------------------------------------
 
@@ -533,34 +701,57 @@ class Replay:
             for sample in run.calls:
                 if sample.cached is None:
                     continue
+                if sample.injected or sample.failed:  # the answer is the fault's, or there is none
+                    tally["not_compared"] += 1
+                    continue
                 reference = fresh[(sample.task, sample.rollout, sample.position)]
                 kind = "hits" if sample.cached else "misses"
-                tally[f"{kind}_checked"] += 1
+                # Also after an unknown-state event: the fresh execution met the same timeouts, and
+                # an environment fault or a dead sandbox came after its call had run.
+                prefixes = ("", "after_event_") if sample.unshared else ("",)
+                for prefix in prefixes:
+                    tally[f"{prefix}{kind}_checked"] += 1
                 if reference.result_digest != sample.result_digest:
-                    tally[f"{kind}_mismatches"] += 1
+                    for prefix in prefixes:
+                        tally[f"{prefix}{kind}_mismatches"] += 1
                     mismatched_tools[sample.tool] += 1
-                    if len(self.mismatch_examples) < self.config.keep_examples:
-                        self.mismatch_examples.append({
-                            "arm": run.arm, "epoch": run.epoch, "task": sample.task, "rollout": sample.rollout,
-                            "position": sample.position, "cached": sample.cached, "call": sample.tool,
-                            "result": json.loads(json.dumps(sample.result)),
-                            "fresh": json.loads(json.dumps(reference.result))})
-            run.exact = {key: tally.get(key, 0) for key in
-                         ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches")}
+                    self._keep_example(run, sample, reference)
+            run.exact = {key: tally.get(key, 0) for key in EXACT_KEYS}
             run.exact["mismatched_tools"] = dict(mismatched_tools)
         for run in epoch_runs.values():
             for sample in run.calls:
                 sample.result = None
+
+    def _keep_example(self, run: EpochRun, sample: CallSample, reference: CallSample) -> None:
+        if len(self.mismatch_examples) >= self.config.keep_examples:
+            return
+        fault = self._faults.get((sample.task, run.epoch, sample.rollout))
+        self.mismatch_examples.append({
+            "arm": run.arm, "epoch": run.epoch, "task": sample.task, "rollout": sample.rollout,
+            "position": sample.position, "cached": sample.cached, "call": sample.tool,
+            "result": json.loads(json.dumps(sample.result)), "fresh": json.loads(json.dumps(reference.result)),
+            **({"after_unknown_state": sample.unshared, "retries": sample.retries,
+                "rollout_fault": None if fault is None or not fault.applies(Arm.parse(run.arm).mode)
+                else {"kind": fault.kind, "position": fault.position}}
+               if self.config.faults is not None else {})})
 
     def _collect_per_tool(self) -> None:
         for arm in self.config.arms:
             if arm.mode == "nocache":
                 continue
             tools: dict[str, Counter] = defaultdict(Counter)
+            divergences: dict[str, int] | None = None  # None: the service's stats carry none
             for task_id in self.arm_task_ids(arm):
-                for row in self.client.stats(task_id)["per_tool"]:
+                stats = self.client.stats(task_id)
+                for row in stats["per_tool"]:
                     for key in ("calls", "hits", "oracle_hits", "saved_ms", "executed_ms"):
                         tools[row["tool"]][key] += row.get(key, 0) or 0
+                counted = divergence_count(stats)
+                if counted is not None:
+                    divergences = divergences or {}
+                    for key, n in counted.items():
+                        divergences[key] = divergences.get(key, 0) + n
+            self.divergences[arm.name] = divergences
             self.per_tool[arm.name] = [
                 {"tool": tool, **dict(c), "hit_rate": c["hits"] / c["calls"] if c["calls"] else 0.0,
                  "oracle_hit_rate": c["oracle_hits"] / c["calls"] if c["calls"] else 0.0}

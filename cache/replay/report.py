@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .harness import Arm, EpochRun, Replay, mean, percentile
+from .harness import EXACT_KEYS, Arm, CallSample, EpochRun, Replay, mean, percentile
 
 HIT_VS_ORACLE_POINTS = 0.5  # target: |hit rate - oracle hit rate| below this many points (no budget)
 MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at least this much
@@ -51,7 +53,7 @@ def miss_phases(runs: list[EpochRun]) -> dict[str, Any]:
     """Where misses' time went, per phase: over the misses that had the phase, its latency figures,
     and its share of all misses' time; `other` is what no phase covers (HTTP, queueing, the
     executor's own work such as replays' records)."""
-    misses = [s for run in runs for s in run.calls if s.cached is False and s.phases_ms is not None]
+    misses = [s for run in runs for s in run.calls if s.cached is False and s.phases_ms is not None and not s.failed]
     if not misses:
         return {}
     total_ms = sum(s.latency_ms for s in misses) or 1.0
@@ -75,25 +77,75 @@ def _miss_fields(runs: list[EpochRun]) -> dict[str, dict[str, float]]:
                for field in ("lookup_ms", "lookup_server_ms", "background_wait_ms")}}
 
 
-def issued_oracle(runs: list[EpochRun]) -> dict[int, int]:
-    """The harness's own oracle, per epoch: calls whose state and call an earlier call of any
-    rollout of the arm had issued (by start time; the graph is kept across epochs). It counts a
-    call issued while an identical one was still running, which the service's oracle (the node
-    existed at lookup) does not: the bound for a cache that merges concurrent identical misses."""
-    seen: set[tuple[str, tuple[str, str]]] = set()
+@dataclass(frozen=True)
+class IssuedOracle:
+    """The harness's own oracle of one arm, per epoch: calls whose state and call an earlier call
+    of any rollout of the arm had issued (by start time; the graph is kept across epochs). It
+    counts a call issued while an identical one was still running, which the service's oracle (the
+    node existed at lookup) does not: the bound for a cache that merges concurrent identical misses.
+
+    `hits` keeps the known-state rule: a call after an unknown-state event of its rollout
+    (`CallSample.unshared`) can only hit what the same rollout issued after the event. `no_rule_hits`
+    is the same oracle as if no event took a rollout off the shared graph (the no-fault oracle);
+    in neither is the answer of an event's own call (timed out, failed, injected) there to hit.
+    `forbidden` counts the hits the rule forbids: after an unknown-state event of the rollout,
+    from anything but what the rollout itself issued after it; and on the shared graph, from what
+    only rollouts off it had issued."""
+
+    hits: dict[int, int]
+    no_rule_hits: dict[int, int]
+    forbidden: dict[int, int]
+    forbidden_examples: list[dict[str, Any]]  # the first few of them
+
+
+def issued_oracle(runs: list[EpochRun], keep_examples: int = 10) -> IssuedOracle:
+    hits, forbidden = _oracle_pass(runs, rule=True)
+    no_rule_hits, _ = _oracle_pass(runs, rule=False)
+    examples = [{"epoch": s.epoch, "task": s.task, "rollout": s.rollout, "position": s.position, "tool": s.tool,
+                 "after_unknown_state": s.unshared}
+                for s in sorted((s for samples in forbidden.values() for s in samples), key=lambda s: s.started)]
+    return IssuedOracle(hits, no_rule_hits, {epoch: len(samples) for epoch, samples in forbidden.items()},
+                        examples[:keep_examples])
+
+
+def _oracle_pass(runs: list[EpochRun], *, rule: bool) -> tuple[dict[int, int], dict[int, list[CallSample]]]:
+    """Oracle hits per epoch, and the hits the rule forbids (with `rule`)."""
+    seen: set[tuple] = set()
+    off_graph: set[tuple] = set()  # what rollouts off the shared graph issued, keyed as if shared
     hits: dict[int, int] = {}
+    forbidden: dict[int, list[CallSample]] = {}
     for run in sorted(runs, key=lambda r: r.epoch):
-        hits[run.epoch] = 0
+        hits[run.epoch], forbidden[run.epoch] = 0, []
         for sample in sorted(run.calls, key=lambda s: s.started):
             if sample.key is None:
                 continue
-            key = (sample.task, sample.key)
+            key = _oracle_key(sample, rule)
             hits[run.epoch] += key in seen
-            seen.add(key)
-    return hits
+            if sample.cached and key not in seen and (sample.unshared or key in off_graph):
+                forbidden[run.epoch].append(sample)
+            if not sample.event:
+                seen.add(key)
+                if rule and sample.unshared:
+                    off_graph.add(_oracle_key(sample, False))
+    return hits, forbidden
 
 
-def epoch_metrics(run: EpochRun, issued_oracle_hits: int) -> dict[str, Any]:
+def _oracle_key(sample: CallSample, rule: bool) -> tuple:
+    if rule and sample.unshared:  # its rollout's own branch
+        return sample.task, sample.epoch, sample.rollout, sample.key
+    return sample.task, sample.key
+
+
+def _fault_counts(calls: list[CallSample]) -> dict[str, Any]:
+    return {"fired": dict(Counter(s.fault for s in calls if s.fault)),
+            "calls_after_unknown_state": sum(1 for s in calls if s.unshared),
+            "retried_calls": sum(1 for s in calls if s.retries), "retries": sum(s.retries for s in calls),
+            "failed_calls": sum(1 for s in calls if s.failed),
+            # The cache kept an answer that says timed out, and served it.
+            "timed_out_hits": sum(1 for s in calls if s.cached and s.answer_timed_out)}
+
+
+def epoch_metrics(run: EpochRun, oracle: IssuedOracle, faults: bool = False) -> dict[str, Any]:
     latencies = [s.latency_ms for s in run.calls]
     hits = sum(1 for s in run.calls if s.cached)
     rollout_s = [r.seconds for r in run.rollouts]
@@ -111,8 +163,12 @@ def epoch_metrics(run: EpochRun, issued_oracle_hits: int) -> dict[str, Any]:
         "warm_wait_s": round(run.warm_wait_s, 3),
         "sandboxes": {key: round(value, 1) for key, value in run.sandboxes.items()},
         "exact": run.exact,
-        "issued_oracle_hit_rate": issued_oracle_hits / len(run.calls) if run.calls else 0.0,
+        "issued_oracle_hit_rate": oracle.hits[run.epoch] / len(run.calls) if run.calls else 0.0,
     }
+    if faults:
+        out["no_fault_oracle_hit_rate"] = oracle.no_rule_hits[run.epoch] / len(run.calls) if run.calls else 0.0
+        out["forbidden_hits"] = oracle.forbidden[run.epoch]
+        out["faults"] = _fault_counts(run.calls)
     out.update(_miss_fields([run]))
     phases = miss_phases([run])
     if phases:
@@ -124,7 +180,7 @@ def epoch_metrics(run: EpochRun, issued_oracle_hits: int) -> dict[str, Any]:
     return out
 
 
-def arm_summary(runs: list[EpochRun], issued_oracle_hits: dict[int, int]) -> dict[str, Any]:
+def arm_summary(runs: list[EpochRun], oracle: IssuedOracle, faults: bool = False) -> dict[str, Any]:
     calls = [s for run in runs for s in run.calls]
     latencies = [s.latency_ms for s in calls]
     service = [run.service for run in runs if run.service]
@@ -137,15 +193,19 @@ def arm_summary(runs: list[EpochRun], issued_oracle_hits: dict[int, int]) -> dic
         "latency_quantiles_ms": _quantiles(latencies),
         "tool_time_s": round(sum(latencies) / 1000, 3),
         "step_s_total": round(sum(run.step_s for run in runs), 3),
-        "issued_oracle_hit_rate": sum(issued_oracle_hits.values()) / len(calls) if calls else 0.0,
-        "exact": {key: sum(run.exact.get(key, 0) for run in runs)
-                  for key in ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches")},
+        "issued_oracle_hit_rate": sum(oracle.hits.values()) / len(calls) if calls else 0.0,
+        "exact": {key: sum(run.exact.get(key, 0) for run in runs) for key in EXACT_KEYS},
     }
+    if faults:
+        out["no_fault_oracle_hit_rate"] = sum(oracle.no_rule_hits.values()) / len(calls) if calls else 0.0
+        out["forbidden_hits"] = sum(oracle.forbidden.values())
+        out["faults"] = _fault_counts(calls)
     out.update(_miss_fields(runs))
     phases = miss_phases(runs)
     if phases:
         out["miss_phases"] = phases
     if service:
+        out["service_calls"] = service_calls
         out["service_hit_rate"] = sum(s.get("hits", 0) for s in service) / service_calls if service_calls else 0.0
         out["oracle_hit_rate"] = sum(s.get("oracle_hits", 0) for s in service) / service_calls if service_calls else 0.0
         out["snapshots_live_end"] = service[-1].get("snapshots_live", 0)
@@ -160,6 +220,11 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "met": all(a["exact"]["hits_mismatches"] == 0 for a in cached.values()),
         "hits_checked": sum(a["exact"]["hits_checked"] for a in cached.values()),
         "mismatches": sum(a["exact"]["hits_mismatches"] for a in cached.values()),
+    }
+    out["zero_mismatched_misses"] = {
+        "met": all(a["exact"]["misses_mismatches"] == 0 for a in cached.values()),
+        "misses_checked": sum(a["exact"]["misses_checked"] for a in cached.values()),
+        "mismatches": sum(a["exact"]["misses_mismatches"] for a in cached.values()),
     }
     unbudgeted = {name: a for name, a in cached.items() if Arm.parse(name).budget is None}
     gaps = {name: round(100 * (a.get("oracle_hit_rate", 0) - a.get("service_hit_rate", 0)), 3)
@@ -205,17 +270,53 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]],
+                  issued: dict[str, IssuedOracle]) -> dict[str, Any]:
+    """The fault arm's figures per cached arm: wrong answers (results that differ from the fresh
+    execution of the same history), hits the known-state rule forbids, the service's divergences,
+    and what the faults cost in hit rate (points) against the no-fault oracle: the rule's share
+    (no-fault oracle - the rule's oracle) and the rest (the rule's oracle - the hit rate)."""
+    out: dict[str, Any] = {"plan": replay.config.faults.describe(), "restarts": replay.restarts, "arms": {}}
+    for name, a in arms.items():
+        if Arm.parse(name).mode == "nocache":
+            continue
+        exact = a["exact"]
+        hit, rule, no_fault = a["hit_rate"], a["issued_oracle_hit_rate"], a["no_fault_oracle_hit_rate"]
+        out["arms"][name] = {
+            "wrong_hits": exact["hits_mismatches"], "wrong_misses": exact["misses_mismatches"],
+            "after_unknown_state": {key.removeprefix("after_event_"): exact[key] for key in EXACT_KEYS
+                                    if key.startswith("after_event_")},
+            # Hits after an unknown-state event from the shared graph: the known-state rule forbids them.
+            "forbidden_hits": a["forbidden_hits"], "forbidden_hit_examples": issued[name].forbidden_examples,
+            "not_compared": exact["not_compared"],
+            "planned": dict(replay.faults_planned[name]), **a["faults"],
+            "divergences": replay.divergences.get(name),
+            "hit_rate": round(hit, 4), "issued_oracle_hit_rate": round(rule, 4),
+            "no_fault_oracle_hit_rate": round(no_fault, 4),
+            "cost_points": {"vs_no_fault_oracle": round(100 * (no_fault - hit), 3),
+                            "known_state_rule": round(100 * (no_fault - rule), 3),
+                            "beyond_rule": round(100 * (rule - hit), 3)},
+            # Calls made less the calls the service's stats count: counters it had not flushed when
+            # it was killed are lost, and the calls of a rollout off the shared graph are not looked
+            # up in client mode (positive); a call answered with an error and sent again counts
+            # twice (negative).
+            "calls_minus_service_counted": a["calls"] - a["service_calls"] if "service_calls" in a else None,
+        }
+    return out
+
+
 def build_report(replay: Replay, *, workload: str, config: dict[str, Any], started_at: dt.datetime,
                  seconds: float, server: dict[str, Any]) -> dict[str, Any]:
     by_arm: dict[str, list[EpochRun]] = {}
     for run in replay.runs:
         by_arm.setdefault(run.arm, []).append(run)
     epochs = []
+    faults = replay.config.faults is not None
     issued = {name: issued_oracle(runs) for name, runs in by_arm.items()}
     for epoch in range(replay.config.epochs):
-        epochs.append({"epoch": epoch, "arms": {run.arm: epoch_metrics(run, issued[run.arm][run.epoch])
+        epochs.append({"epoch": epoch, "arms": {run.arm: epoch_metrics(run, issued[run.arm], faults)
                                                 for run in replay.runs if run.epoch == epoch}})
-    arms = {name: arm_summary(runs, issued[name]) for name, runs in by_arm.items()}
+    arms = {name: arm_summary(runs, issued[name], faults) for name, runs in by_arm.items()}
     return {
         "workload": workload,
         "started_at": started_at.isoformat(),
@@ -229,6 +330,8 @@ def build_report(replay: Replay, *, workload: str, config: dict[str, Any], start
         "summary": arms,
         "per_tool": replay.per_tool,
         "mismatch_examples": replay.mismatch_examples,
+        "divergences": replay.divergences,
+        **({"faults": fault_summary(replay, arms, issued)} if faults else {}),
         "targets": targets(workload, arms),
         "plots": [],
     }
@@ -275,6 +378,29 @@ def phase_table(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {phase} | {figures['n']} | {figures['p50']:.1f} | {figures['p95']:.1f} | "
                          f"{100 * figures['share']:.1f} % |")
     return lines
+
+
+def fault_headline(report: dict[str, Any]) -> str:
+    """A markdown table of the fault arm: one row per cached arm."""
+    lines = ["| arm | faults planned / fired | restarts | wrong hits / misses (after an unknown state) | "
+             "forbidden hits | divergences | hit rate | oracle: rule / no fault | cost points: rule + rest |",
+             "|---|---|---:|---|---:|---:|---:|---|---|"]
+    for name, f in report["faults"]["arms"].items():
+        after = f["after_unknown_state"]
+        restarts = sum(1 for r in report["faults"]["restarts"] if r["arm"] == name)
+        divergences = "-" if f["divergences"] is None else f["divergences"].get("count", "-")
+        cost = f["cost_points"]
+        lines.append(f"| {name} | {_kinds(f['planned'])} / {_kinds(f['fired'])} | {restarts} | "
+                     f"{f['wrong_hits']} / {f['wrong_misses']} ({after['hits_mismatches']} / "
+                     f"{after['misses_mismatches']}) | {f['forbidden_hits']} | {divergences} | "
+                     f"{100 * f['hit_rate']:.1f} % | {100 * f['issued_oracle_hit_rate']:.1f} / "
+                     f"{100 * f['no_fault_oracle_hit_rate']:.1f} % | {cost['vs_no_fault_oracle']:.1f}: "
+                     f"{cost['known_state_rule']:.1f} + {cost['beyond_rule']:.1f} |")
+    return "\n".join(lines)
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) or "none"
 
 
 def _bytes(n: float) -> str:

@@ -224,10 +224,7 @@ TASKS = [
         setup=("mkdir -p /srv/app && cd /srv/app && pwd",
                heredoc("stats.py", STATS_PY), heredoc("test_stats.py", TESTS_PY), heredoc("run_tests.py", RUNNER_PY),
                "sleep 2 && mkdir -p deps && echo 'installed 4 requirements' | tee deps/INSTALLED",
-               # Hash-checked bytecode: with the default (source mtime, whole seconds, and size), a
-               # same-size edit within a second of compiling ran the stale .pyc, so the test run's
-               # output depended on timing, not on the state (the replay's audit of misses caught it).
-               "python3 -m compileall --invalidation-mode checked-hash -q . && echo compiled",
+               "python3 -m compileall -q . && echo compiled",
                "python3 run_tests.py; echo exit=$?"),
         alternatives={5: "python3 -B -c 'import stats' && echo imported"},
         inspections=("grep -n 'def ' stats.py", "python3 -c 'import stats; print(stats.mean([2, 4]))'",
@@ -286,6 +283,7 @@ TASKS = [
 
 class TerminalWorkload(Workload):
     name = "terminal"
+    fault_kinds = ("timeout", "error_after", "sandbox_death")
     P_ALTERNATIVE = 0.15  # a rollout takes a setup variant (an early branch)
     P_INSPECT = 0.6  # inspect before a fix
     MAX_ATTEMPTS = 3
@@ -316,6 +314,14 @@ class TerminalWorkload(Workload):
             out.append(ReplayTask(spec.name, {}, client_env, server_env,
                                   lambda: DockerEnvironment({"backend": "docker", "image": IMAGE, "network": False})))
         return out
+
+    def timeout_call(self, call: Call, timeout_s: float) -> Call | None:
+        """The slow "dependency" steps start with a 2 s sleep: a timeout under that kills them
+        mid-run, inside the sleep, before anything of theirs is written, on any machine."""
+        command = call["args"]["command"]
+        if not command.startswith("sleep 2 ") or timeout_s >= 2:
+            return None
+        return {"tool": "bash", "args": {"command": command, "timeout_s": timeout_s}}
 
     def rollouts(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
         spec = next(s for s in self.specs if s.name == task.name)

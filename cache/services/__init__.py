@@ -1,16 +1,20 @@
 """Writes to the tool call graphs. Plain functions named <entity>_<action>."""
 
 from .audit import divergence_record, node_audit
+from .flight import Flight, single_flight
 from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
 from .maintenance import claims_clear, tables_vacuum
 from .record import RecordOutcome, node_record
+from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
 from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
 
 __all__ = [
+    "Flight",
     "LookupHit",
     "LookupMiss",
     "RecordOutcome",
+    "RolloutClaim",
     "TaskHandle",
     "claim_release",
     "divergence_record",
@@ -18,6 +22,11 @@ __all__ = [
     "lease_release",
     "lookup_count",
     "node_record",
+    "rollout_claim",
+    "rollout_detach",
+    "rollout_history_append",
+    "rollout_unclaim",
+    "single_flight",
     "snapshot_evict",
     "snapshot_register",
     "task_enforce_budget",

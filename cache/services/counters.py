@@ -4,6 +4,11 @@ A lookup only reads; its counters go into this buffer and are written in one tra
 quarter second by a daemon thread (or by `counters_flush()`, which readers of stats call first).
 A crash loses at most one interval of counters, never a recorded result: counters are
 statistics, and the hot path stays one indexed read (4x cheaper for PostgreSQL than a write).
+
+A batch is written whole or not at all, so one row PostgreSQL refuses would lose everyone's
+counters: the edge (cache.inputs) keeps such keys out, the buffer drops any that still come
+(logged), and a flush that fails (PostgreSQL restarting) puts its counts back for the next one
+(one whose commit was lost with its connection may so count its batch twice: statistics).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections import defaultdict
 
 from django.conf import settings
 from django.db import transaction
+
+from cache.inputs import INT32, MAX_ID_LENGTH
 
 from .prepared import prepared_cursor
 
@@ -64,6 +71,10 @@ class CounterBuffer:
 
     def add(self, *, task_id: str, epoch: int, tool: str, rollout_id: str, node_id: int | None, hit: bool,
             seen: bool, saved_ms: float) -> None:
+        if not _storable(task_id, epoch, tool, rollout_id):
+            log.error("counters of a key no column can hold dropped: task %r epoch %r tool %r rollout %r",
+                      task_id[:MAX_ID_LENGTH], epoch, tool[:MAX_ID_LENGTH], rollout_id[:MAX_ID_LENGTH])
+            return
         with self._lock:
             stat = self.stats[(task_id, epoch, tool)]
             stat[0] += 1
@@ -84,6 +95,27 @@ class CounterBuffer:
             self._reset()
         return taken
 
+    def give_back(self, stats: dict, nodes: dict, rollouts: dict) -> None:
+        """Merge counts taken by a flush that failed into what came since (rollout epochs: the
+        newer wins)."""
+        with self._lock:
+            for key, values in stats.items():
+                stat = self.stats[key]
+                for index, value in enumerate(values):
+                    stat[index] += value
+            for node_id, hits in nodes.items():
+                self.nodes[node_id] += hits
+            for key, (calls, hits, epoch) in rollouts.items():
+                entry = self.rollouts.setdefault(key, [0, 0, epoch])
+                entry[0] += calls
+                entry[1] += hits
+
+
+def _storable(task_id: str, epoch: int, tool: str, rollout_id: str) -> bool:
+    """The key fits the columns of the flush's statements (text without NUL, int epoch)."""
+    return (INT32[0] <= epoch <= INT32[1] and len(task_id) <= MAX_ID_LENGTH and len(tool) <= MAX_ID_LENGTH
+            and len(rollout_id) <= MAX_ID_LENGTH and "\x00" not in task_id + tool + rollout_id)
+
 
 _buffer = CounterBuffer()
 _flusher: tuple[int, threading.Thread] | None = None
@@ -101,23 +133,31 @@ def counters_flush() -> dict:
         stats, nodes, rollouts = _buffer.take()
         if not (stats or nodes or rollouts):
             return {}
-        with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
-            cursor.execute("SET LOCAL synchronous_commit = off")
-            # One flush at a time across processes: each locks many node, stat and rollout rows, in
-            # whatever order its batch has, and two of them at once deadlocked under load.
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
-            if stats:
-                keys, values = list(stats), list(stats.values())
-                cursor.execute(STATS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
-                                           [v[0] for v in values], [v[1] for v in values], [v[2] for v in values],
-                                           [v[3] for v in values]])
-            if nodes:
-                cursor.execute(NODES_SQL, [list(nodes), list(nodes.values())])
-            if rollouts:
-                keys, values = list(rollouts), list(rollouts.values())
-                cursor.execute(ROLLOUTS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [v[2] for v in values],
-                                              [v[0] for v in values], [v[1] for v in values]])
+        try:
+            _write(stats, nodes, rollouts)
+        except BaseException:
+            _buffer.give_back(stats, nodes, rollouts)
+            raise
     return {key: value for key, value in stats.items()}
+
+
+def _write(stats: dict, nodes: dict, rollouts: dict) -> None:
+    with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
+        cursor.execute("SET LOCAL synchronous_commit = off")
+        # One flush at a time across processes: each locks many node, stat and rollout rows, in
+        # whatever order its batch has, and two of them at once deadlocked under load.
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
+        if stats:
+            keys, values = list(stats), list(stats.values())
+            cursor.execute(STATS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+                                       [v[0] for v in values], [v[1] for v in values], [v[2] for v in values],
+                                       [v[3] for v in values]])
+        if nodes:
+            cursor.execute(NODES_SQL, [list(nodes), list(nodes.values())])
+        if rollouts:
+            keys, values = list(rollouts), list(rollouts.values())
+            cursor.execute(ROLLOUTS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [v[2] for v in values],
+                                          [v[0] for v in values], [v[1] for v in values]])
 
 
 def _ensure_flusher() -> None:
@@ -137,7 +177,7 @@ def _flush_forever(interval: float) -> None:
         try:
             counters_flush()
         except Exception:  # the next interval retries; counters are never worth a crash
-            log.exception("counter flush failed")
+            log.exception("counter flush failed")  # a connection that died is dropped by the rollback
 
 
 @atexit.register

@@ -142,6 +142,8 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
     if not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool) or sandbox_budget < 0:
         raise InvalidInput("'sandbox_budget' must be a non-negative integer.", code="invalid_payload", details={"field": "sandbox_budget"})
     fingerprint = env_fingerprint({"env": env, "material": _fingerprint_material(env)})
+    with connection.cursor() as cursor:  # PUTs creating one task at once: each waits, then updates the first's
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"task_put:{task_id}"])
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
         task = Task.objects.create(id=task_id, env=env, env_fingerprint=fingerprint, tools=tools,

@@ -17,6 +17,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from cache.models import Snapshot, Task
+from cache.services.background import job_enqueue
 from dashboard import broadcast
 from observability import metrics
 from sandboxes.backends.base import SandboxError
@@ -46,7 +47,7 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
     created = Sandbox.objects.bulk_create(rows)
     ids = [row.pk for row in created]
     for sandbox_id in ids:
-        transaction.on_commit(lambda sandbox_id=sandbox_id: warm_task.delay(sandbox_id))
+        job_enqueue(warm_task, sandbox_id)
     return ids
 
 

@@ -33,7 +33,6 @@ its result and are answered from the cache, and their sandboxes catch up on thei
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from contextlib import contextmanager
@@ -41,15 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from django.conf import settings
-from django.db import connection, transaction
 from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
 from cache.inputs import CallContext, RecordInput, parse_call
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
-from cache.services import (LookupHit, LookupMiss, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
+from cache.services import (LookupHit, TaskHandle, divergence_record, lease_release, lookup_count, node_record,
+                            rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim, single_flight,
                             snapshot_register, task_handle, tcg_lookup)
+from cache.services.background import job_enqueue
 from cache.tcg import TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
@@ -64,30 +63,13 @@ from .runtime import as_application_error, backend_named, forget, handle, labels
 
 log = logging.getLogger("tvcache.toolserver")
 
-# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row).
-# The last column: the rollout has a sandbox of its own, which it brings up to date rather than
-# fork a snapshot (its lookups then lease none).
-CLAIM_SQL = """
-SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL,
-       EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased'),
-       detached_at IS NOT NULL
-FROM cache_rollout r WHERE task_id = %s AND rollout_id = %s
-"""
-
-CREATE_SQL = """
-INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
-SELECT id, %s, %s, 0, 0, '[]'::jsonb, now() FROM cache_task WHERE id = %s
-ON CONFLICT (task_id, rollout_id) DO NOTHING
-"""
+# The rollout_claim column of tool-server mode: the rollout has a sandbox of its own, which it
+# brings up to date rather than fork a snapshot (its lookups then lease none).
+HAS_SANDBOX_SQL = "EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased')"
 
 # How long a miss waits for its rollout's previous snapshot (a docker commit gives up after the
 # engine API's timeout; past this the snapshot is stuck and waited for no longer).
 RESERVED_WAIT_S = 300.0
-
-APPEND_SQL = """
-UPDATE cache_rollout SET history = history || %s::jsonb
-WHERE id = %s AND jsonb_array_length(history) = %s AND finished_at IS NULL
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +124,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    rollout, history, has_sandbox, detached = _rollout_claimed(task_id, rollout_id, epoch)
+    claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra_column=HAS_SANDBOX_SQL)
+    rollout, history, has_sandbox, detached = claim.rollout, claim.history, claim.extra, claim.detached
     phases = Phases()
     try:
         if detached:
@@ -154,7 +137,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
         with phases.timed("lookup"):
             answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox)
-        with _single_flight(handle, context, answer, resume=not has_sandbox, phases=phases) as flight:
+        with single_flight(task=handle, context=context, answer=answer, resume=not has_sandbox,
+                           timings=phases.ms) as flight:
             answer = flight.answer
             if isinstance(answer, LookupHit):
                 lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
@@ -174,100 +158,10 @@ def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 
                                                                  recorded=flight.release, phases=phases)
                 cached = False
         if mutates and on_graph:
-            _append(rollout, call, len(history))
+            rollout_history_append(rollout_pk=rollout.pk, call=call, length=len(history))
     finally:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout.pk])
+        rollout_unclaim(rollout_pk=rollout.pk)
     return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, phases.ms)
-
-
-def _rollout_claimed(task_id: str, rollout_id: str, epoch: int) -> tuple[Rollout, tuple[ToolCall, ...], bool, bool]:
-    """The rollout (created on its first call) with its history, whether it has a sandbox and
-    whether it is detached (known-state rule),
-    claimed by this call: one call of a rollout at a time, since a second one would run in the same sandbox and leave it ahead of
-    the history. It is refused (409), never queued: the client broke the order."""
-    with connection.cursor() as cursor:
-        cursor.execute(CLAIM_SQL, [task_id, rollout_id])
-        row = cursor.fetchone()
-        if row is None:
-            cursor.execute(CREATE_SQL, [rollout_id, epoch, task_id])
-            cursor.execute(CLAIM_SQL, [task_id, rollout_id])
-            row = cursor.fetchone()
-    if row is None:  # the task was deleted
-        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
-    pk, claimed, history, finished, has_sandbox, detached = row
-    if not claimed:
-        raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
-                       code="rollout_busy")
-    if finished:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_unlock(%s)", [pk])
-        raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
-    rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
-    return rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), has_sandbox, detached
-
-
-class _Flight:
-    """A miss's claim on executing (task, state, call): held by one rollout at a time."""
-
-    def __init__(self, key: int | None, answer):
-        self.key, self.answer, self.waited = key, answer, False
-
-    def try_lead(self) -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", [self.key])
-            return cursor.fetchone()[0]
-
-    def release(self) -> None:
-        """Called once the result is recorded: the waiting rollouts find it."""
-        if self.key is not None:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s)", [self.key])
-            self.key = None
-
-
-@contextmanager
-def _single_flight(task: TaskHandle, context: CallContext, answer, resume: bool, phases: Phases):
-    """Lead the execution of a miss, or wait while another rollout executes the same call in the
-    same state and take its result. A leader that fails or times out records nothing: the next
-    waiter leads. Session advisory locks: a leader's connection that dies frees its claim."""
-    flight = _Flight(None, answer)
-    # Not for a node that exists (a divergent one): its call is executed by every rollout anyway.
-    if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable and not answer.seen:
-        digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
-        flight.key = int.from_bytes(digest[:8], "big", signed=True)
-        deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
-        waited = time.perf_counter()
-        while not flight.try_lead():
-            flight.waited = True
-            if time.monotonic() > deadline:  # a leader stuck this long: execute alongside it
-                flight.key = None
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        if flight.waited and flight.key is not None:  # the leader is done: its result, if it recorded one
-            _drop_lease(flight.answer)
-            flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
-            if isinstance(flight.answer, LookupHit):
-                flight.release()
-        if flight.waited:
-            phases.ms["wait"] = (time.perf_counter() - waited) * 1000
-    try:
-        yield flight
-    finally:
-        flight.release()
-
-
-def _drop_lease(answer) -> None:
-    if isinstance(answer, LookupMiss) and answer.lease_id:
-        lease_release(lease_id=answer.lease_id)
-
-
-def _append(rollout: Rollout, call: ToolCall, length: int) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(APPEND_SQL, [orjson.dumps([call.to_json()]).decode(), rollout.pk, length])
-        if cursor.rowcount != 1:
-            raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
 def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
@@ -356,8 +250,7 @@ def _executed(run: _Run, *, applied: int) -> None:
 def _detach(run: _Run, reason: str, *, retire: bool = False) -> None:
     """Take the rollout off the shared graph (known-state rule). It keeps its sandbox, unless the
     sandbox cannot be trusted with another call; nothing is snapshotted from it."""
-    log.info("rollout %s of task %s detached: %s", run.rollout.rollout_id, run.task.pk, reason)
-    Rollout.objects.filter(pk=run.rollout.pk).update(detached_at=timezone.now(), detached_reason=reason[:2000])
+    rollout_detach(rollout=run.rollout, reason=reason)
     if retire:
         _retire(run.row, run.backend, reason)
     else:
@@ -382,33 +275,44 @@ def _execute(run: _Run, call: ToolCall) -> tuple[dict, float, bool | None]:
 
 def _rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases) -> _Run:
     """The rollout's sandbox brought up to date with its history (everything before the call) and
-    checked against the state its history's node recorded."""
+    checked against the state its history's node recorded: its own sandbox, else a materialized
+    one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
+    root. A sandbox whose replay failed midway is retired: its state is unknown."""
     policy = TaskPolicy.from_json(task.tools)
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
-    history = context.history
     if row is not None and row.executing:
         _retire(row, backend, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
         row = None
-    if row is not None:
-        try:
-            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
-            pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
-            if not pending or _replay_verified(run, pending, context, answer):
-                return run
-            _retire(row, backend, f"diverged from its history: {run.diverged}")
-            return _from_root(task, backend, policy, rollout, context, answer, phases)
-        except SandboxGone:  # died between calls: materialize a new one below
-            set_state(row, Sandbox.State.FAILED, rollout=None, error="gone between calls")
     try:
-        with phases.timed("materialize"):
-            run = _materialize(task, backend, policy, rollout, answer, phases)
-        replay = run_replay(answer, run)
-        if (replay or run.row.pool == Sandbox.Pool.FORK) and not _replay_verified(run, replay, context, answer):
-            _retire(run.row, backend, f"diverged from its history: {run.diverged}")
-            run = _from_root(task, backend, policy, rollout, context, answer, phases)
+        if row is not None:
+            run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+            pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+            if not pending or _caught_up(run, pending, context, answer):
+                return run
+        else:
+            with phases.timed("materialize"):
+                run = _materialize(task, backend, policy, rollout, answer, phases)
+            replay = run_replay(answer, run)
+            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context, answer):
+                return run
+        return _from_root(task, backend, policy, rollout, context, answer, phases)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    return run
+
+
+def _caught_up(run: _Run, calls, context: CallContext, answer) -> bool:
+    """Replay `calls` and verify; False when the sandbox diverged or died (it is retired then).
+    Another failure midway retires it and raises."""
+    try:
+        if _replay_verified(run, calls, context, answer):
+            return True
+        _retire(run.row, run.backend, f"diverged from its history: {run.diverged}")
+    except SandboxGone as exc:
+        _retire(run.row, run.backend, exc.message)
+    except SandboxError as exc:
+        _retire(run.row, run.backend, f"its replay failed midway: {exc.code}: {exc.message}")
+        raise
+    return False
 
 
 def _from_root(task, backend, policy, rollout, context: CallContext, answer, phases: Phases) -> _Run:
@@ -421,7 +325,11 @@ def _from_root(task, backend, policy, rollout, context: CallContext, answer, pha
         raise SandboxGone("could not start a fresh sandbox")
     run = _Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
     if answer.full_replay:
-        _replay_verified(run, answer.full_replay, context, answer)
+        try:
+            _replay_verified(run, answer.full_replay, context, answer)
+        except SandboxError:
+            _retire(row, backend, "its replay from the root failed midway")
+            raise
     return run
 
 
@@ -534,7 +442,7 @@ def _snapshot(run: _Run, node_id: int) -> None:
     if evicted:
         from workers.tasks import snapshots_collect as collect_task
 
-        transaction.on_commit(collect_task.delay)
+        job_enqueue(collect_task)
 
 
 def rollout_end(*, task_id: str, rollout_id: str) -> None:

@@ -32,3 +32,16 @@ def test_concurrent_records_of_the_same_path_yield_one_node(live_server):
     assert Node.objects.filter(task_id="race").count() == 1
     stats = httpx.get(f"{base}/stats", headers=headers).json()
     assert stats["executions"] == 1
+
+
+def test_concurrent_puts_creating_the_same_task_all_succeed(live_server):
+    token = token_create(name="put-race")
+
+    def put(n):
+        response = httpx.put(f"{live_server.url}/api/v1/tasks/put-race", json={"env": {"backend": "external", "n": n}},
+                             headers={"Authorization": f"Token {token}"}, timeout=30)
+        return response.status_code
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        statuses = sorted(pool.map(put, range(8)))
+    assert statuses == [200] * 7 + [201], statuses  # one created it, the others updated it

@@ -213,3 +213,45 @@ def test_an_unexpected_error_is_djangos_json_500(door, toy_task, auth, monkeypat
     assert status == 500
     assert json.loads(content)["error"]["code"] == "internal_error"
     assert ("x-content-type-options", "nosniff") in headers
+
+
+class Unread(io.RawIOBase):
+    """A request body that fails the test if anything reads it."""
+
+    def read(self, *args):
+        raise AssertionError("the body was read")
+
+    readinto = readline = read
+
+
+@pytest.mark.parametrize("authorization", [None, "Token wrong", "Bearer x"])
+def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(door, toy_task, authorization):
+    send, fast, _, _ = door
+    path = f"/api/v1/tasks/{toy_task}/lookup"
+    headers = {"HTTP_AUTHORIZATION": authorization} if authorization else {}
+    if send is wsgi:
+        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "QUERY_STRING": "", "SCRIPT_NAME": "",
+                   "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8000", "HTTP_HOST": "127.0.0.1:8000",
+                   "wsgi.url_scheme": "http", "wsgi.input": Unread(), "wsgi.errors": io.StringIO(),
+                   "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(2 * 1024 * 1024), **headers}
+        statuses = []
+        body = b"".join(fast(environ, lambda status, headers, exc_info=None: statuses.append(status)))
+        status = int(statuses[0].split()[0])
+    else:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"127.0.0.1:8000"), (b"content-length", str(2 * 1024 * 1024).encode()),
+                             *([(b"authorization", authorization.encode())] if authorization else [])],
+                 "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+        sent = []
+
+        async def receive():
+            raise AssertionError("the body was read")
+
+        async def collect(message):
+            sent.append(message)
+
+        asyncio.run(asyncio.wait_for(fast(scope, receive, collect), 30))
+        status, body = sent[0]["status"], sent[1]["body"]
+    assert status == 401
+    assert json.loads(body)["error"]["code"] == ("invalid_token" if authorization == "Token wrong" else "not_authenticated")

@@ -100,3 +100,57 @@ def test_replay_terminal(service, tmp_path):
                     no_plots=True)
     check(report, "terminal", ["server", "client"])
     assert report["epochs"][0]["arms"]["server"]["sandboxes"]["starts"] > 0
+
+
+# The fault arm (--faults): the command starts its own service, so that it can restart it.
+
+
+def replay_with_faults(command: str, tmp_path, **options) -> dict:
+    out = tmp_path / "out"
+    call_command(command, **{"rollouts": 3, "epochs": 2, "out": str(out), "seed": 3, "think_ms": 10, "faults": True,
+                             "fault_rate": 1.0, "no_plots": True, **options})
+    [report] = out.glob("*.json")
+    return json.loads(report.read_text())
+
+
+def check_faults(report: dict, cached_arms: list[str], kinds: dict[str, set[str]]) -> None:
+    faults = report["faults"]
+    assert report["config"]["faults"] and faults["plan"]["rate"] == 1.0
+    # One restart per cached arm, in the middle epoch, while its rollouts were in flight.
+    assert sorted(r["arm"] for r in faults["restarts"]) == sorted(cached_arms)
+    assert all(r["epoch"] == 1 and "error" not in r for r in faults["restarts"]), faults["restarts"]
+    for name in cached_arms:
+        arm = faults["arms"][name]
+        assert set(arm["planned"]) <= kinds[name] and set(arm["fired"]) <= kinds[name] | {"timeout"}, arm
+        if kinds[name]:  # every rollout gets one (rate 1); it fires when its call runs in the rollout's sandbox
+            assert sum(arm["planned"].values()) > 0 and sum(arm["fired"].values()) > 0, arm
+            assert arm["calls_after_unknown_state"] > 0, arm
+        assert arm["retried_calls"] > 0 and arm["failed_calls"] == 0, arm  # requests the restart cut off
+        # The known-state rule only takes hits away.
+        assert arm["no_fault_oracle_hit_rate"] >= arm["issued_oracle_hit_rate"]
+        assert arm["cost_points"]["known_state_rule"] >= 0
+        assert arm["divergences"] is None or arm["divergences"].get("count", 0) >= 0
+    for name in cached_arms:  # what a user would notice: no answer differs from a fresh execution
+        arm = faults["arms"][name]
+        assert (arm["wrong_hits"], arm["wrong_misses"], arm["forbidden_hits"], arm["timed_out_hits"]) == (0, 0, 0, 0), \
+            (name, arm, report["mismatch_examples"])
+
+
+def test_replay_sql_faults(tmp_path):
+    report = replay_with_faults("replay_sql", tmp_path, tasks=2, latency_ms=5, rows=300)
+    check_faults(report, ["client", "server"], {"client": {"error_after", "timeout_after"}, "server": set()})
+
+
+def test_replay_bfcl_faults(tmp_path):
+    report = replay_with_faults("replay_bfcl", tmp_path, tasks=2)
+    check_faults(report, ["client"], {"client": {"error_after", "timeout_after"}})
+
+
+def test_replay_terminal_faults(tmp_path):
+    docker.from_env().images.get("tvcache/debian:bookworm")  # a missing image fails the test
+    # Seed 9: every kind among the 6 rollouts (timeouts, environment errors, sandbox deaths).
+    report = replay_with_faults("replay_terminal", tmp_path, task_names="config-edit", arms="server,client", seed=9)
+    check_faults(report, ["server", "client"], {"server": {"timeout", "sandbox_death"},
+                                                "client": {"timeout", "error_after"}})
+    # The containers of the rollouts were removed, and the timed-out calls killed, the fresh executions' too.
+    assert set(report["faults"]["arms"]["server"]["fired"]) == {"timeout", "sandbox_death"}

@@ -1,0 +1,91 @@
+"""Rollouts whose history the service keeps (tool-server mode, the verl-tool proxy): the history
+holds the calls that changed the rollout's state; one call of a rollout runs at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from django.db import connection
+from django.utils import timezone
+
+from cache.errors import Conflict, NotFound
+from cache.models import Rollout
+from cache.tcg import ToolCall
+
+log = logging.getLogger("tvcache.rollouts")
+
+# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row),
+# plus a column of the caller's about the rollout `r` (tool-server mode: whether it has a sandbox).
+CLAIM_SQL = """
+SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL, detached_at IS NOT NULL, {extra}
+FROM cache_rollout r WHERE task_id = %s AND rollout_id = %s
+"""
+
+CREATE_SQL = """
+INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
+SELECT id, %s, %s, 0, 0, '[]'::jsonb, now() FROM cache_task WHERE id = %s
+ON CONFLICT (task_id, rollout_id) DO NOTHING
+"""
+
+APPEND_SQL = """
+UPDATE cache_rollout SET history = history || %s::jsonb
+WHERE id = %s AND jsonb_array_length(history) = %s AND finished_at IS NULL
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutClaim:
+    rollout: Rollout
+    history: tuple[ToolCall, ...]
+    # Known-state rule: the rollout left the shared graph (DESIGN.md, "What a hit guarantees").
+    detached: bool
+    extra: Any  # the caller's column
+
+
+def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra_column: str = "NULL") -> RolloutClaim:
+    """The rollout (created on its first call) with its history, claimed by this call until
+    `rollout_unclaim`: one call of a rollout at a time, since a second one would run in the same
+    state and leave it ahead of the history. It is refused (409), never queued: the client broke
+    the order. `extra_column` is SQL over the rollout `r`, read in the same statement."""
+    sql = CLAIM_SQL.format(extra=extra_column)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [task_id, rollout_id])
+        row = cursor.fetchone()
+        if row is None:
+            cursor.execute(CREATE_SQL, [rollout_id, epoch, task_id])
+            cursor.execute(sql, [task_id, rollout_id])
+            row = cursor.fetchone()
+    if row is None:  # the task was deleted
+        raise NotFound(f"Unknown task '{task_id}'.", code="unknown_task")
+    pk, claimed, history, finished, detached, extra = row
+    if not claimed:
+        raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
+                       code="rollout_busy")
+    if finished:
+        rollout_unclaim(rollout_pk=pk)
+        raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
+    rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
+    return RolloutClaim(rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), detached, extra)
+
+
+def rollout_unclaim(*, rollout_pk: int) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [rollout_pk])
+
+
+def rollout_history_append(*, rollout_pk: int, call: ToolCall, length: int) -> None:
+    """Append a state-changing call to a history that has `length` calls."""
+    with connection.cursor() as cursor:
+        cursor.execute(APPEND_SQL, [orjson.dumps([call.to_json()]).decode(), rollout_pk, length])
+        if cursor.rowcount != 1:
+            raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
+
+
+def rollout_detach(*, rollout: Rollout, reason: str) -> None:
+    """Take the rollout off the shared graph (known-state rule): its later calls are served
+    uncached and unrecorded, so nothing it sees is filed under a state key it may not have reached."""
+    log.info("rollout %s of task %s detached: %s", rollout.rollout_id, rollout.task_id, reason)
+    Rollout.objects.filter(pk=rollout.pk).update(detached_at=timezone.now(), detached_reason=reason[:2000])

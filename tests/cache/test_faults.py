@@ -1,0 +1,166 @@
+"""Faults degrade, never break (issue 16): a served instance (cache/bench/server.py, production
+settings, the deployed ASGI application) against the real PostgreSQL, Redis and Docker engine.
+Nothing shared is stopped: PostgreSQL "restarts" by having the served instance's connections
+terminated, Redis is "down" for an instance pointed at a port where nothing listens."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psycopg
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from cache.bench.server import ROOT, database_url, free_port, service_running
+from cache.models import ToolStat
+from sandboxes.models import Sandbox
+
+from .helpers import call, record
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+W = call("write", path="f", content="1")
+
+
+def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout_s} s")
+        time.sleep(0.1)
+
+
+def lookup_of(client: httpx.Client) -> httpx.Response:
+    return client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W})
+
+
+def test_postgresql_dropping_its_connections_answers_503_and_the_service_recovers(api, toy_task, token):
+    record(api, "toy", [], W, {"ok": True})
+    db = settings.DATABASES["default"]
+    with service_running(db=db, workers=1) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
+        assert lookup_of(client).json()["hit"] is True  # the lookup thread holds a connection now
+        assert client.get("/api/v1/tasks/toy").status_code == 200
+
+        def waiting_on_locks() -> int:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+                               [db["NAME"]])
+                return cursor.fetchone()[0]
+
+        # Two requests in flight (a hot-path lookup, a Django view) wait for a lock when every
+        # connection of the service is terminated, as a PostgreSQL restart would.
+        with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(2) as pool:
+            blocker.execute("LOCK TABLE cache_node, cache_task IN ACCESS EXCLUSIVE MODE")
+            in_flight = [pool.submit(lookup_of, client), pool.submit(client.get, "/api/v1/tasks/toy")]
+            wait_for(lambda: waiting_on_locks() == 2, what="two requests waiting")
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                               "WHERE datname = %s AND pid <> pg_backend_pid() AND pid <> %s",
+                               [db["NAME"], blocker.info.backend_pid])
+                assert cursor.fetchone()[0] >= 2
+            answers = [future.result() for future in in_flight]
+            blocker.rollback()
+        for answer in answers:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "database_unavailable"
+            assert answer.headers["Retry-After"] == "1"
+        # It recovers by itself: each connection that died answers at most once more, then all is served.
+        seen = []
+        for _ in range(20):
+            seen += [lookup_of(client).status_code, client.get("/api/v1/tasks/toy").status_code]
+            if seen[-2:] == [200, 200]:
+                break
+        assert set(seen) <= {200, 503} and seen[-2:] == [200, 200], seen
+        assert all(lookup_of(client).json()["hit"] for _ in range(10))
+        # The counters' flush thread (its connection died too) writes them again by itself: no
+        # request reads stats (that would flush them) from here on.
+        served = 1 + seen[::2].count(200) + 10
+        wait_for(lambda: ToolStat.objects.get(task_id="toy", tool="write").calls == served, 30,
+                 f"{served} lookups counted")
+
+
+def test_a_request_with_a_bad_token_is_refused_before_its_body_is_sent(toy_task, token):
+    with service_running(db=settings.DATABASES["default"], workers=1) as service:
+        port = int(service.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /api/v1/tasks/toy/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Authorization: Token wrong\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2097152\r\n\r\n" + b" " * 65536)  # 64 KiB of the 2 MiB declared
+            answer = b""  # the rest of the body is never sent: the answer comes without it
+            while b'"code"' not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+        assert b'"code":"invalid_token"' in answer
+        # A valid token this process has not verified yet is checked first as well, then served.
+        response = httpx.post(service.url + "/api/v1/tasks/toy/lookup", headers={"Authorization": f"Token {token}"},
+                              json={"history": [], "call": W}, timeout=30)
+        assert response.status_code == 200 and response.json()["hit"] is False
+
+
+@pytest.fixture
+def docker_engine():
+    import docker
+
+    from sandboxes.images import build_busybox_image
+
+    client = docker.from_env()
+    client.ping()  # a missing engine fails the run
+    build_busybox_image(client)
+    return client
+
+
+@pytest.mark.docker
+def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_work_runs_in_process(
+        docker_engine, token):
+    from sandboxes.services.runtime import backend_named, labels
+
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    task = "redis-down"
+    try:
+        with service_running(db=settings.DATABASES["default"], redis_url=nowhere, workers=1) as service, \
+                httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+            put = client.put(f"/api/v1/tasks/{task}", json={"env": {"backend": "docker"}, "sandbox_budget": 8})
+            assert put.status_code == 201, put.text
+            # Slow enough to be snapshotted: the snapshot asks for a pre-fork, a job for a worker.
+            miss = client.post(f"/api/v1/tasks/{task}/rollouts/r1/calls",
+                               json={"call": {"tool": "bash", "args": {"command": "sleep 1; echo built > /artifact"}}})
+            assert miss.status_code == 200, miss.text
+            assert miss.json()["cached"] is False and miss.json()["node_id"] is not None
+            # The broker refused the job: the service ran it itself.
+            wait_for(lambda: Sandbox.objects.filter(task_id=task, pool="fork", state="ready").exists(), 120,
+                     "a pre-fork warmed in process")
+            assert client.delete(f"/api/v1/tasks/{task}/rollouts/r1").status_code == 204
+    finally:
+        backend = backend_named("docker")
+        for sandbox in backend.list_sandboxes(labels(task)):
+            backend.remove_sandbox(sandbox.id)
+        for snapshot in backend.list_snapshots(labels(task)):
+            backend.delete_snapshot(snapshot.id)
+
+
+def serve(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application", "--host", "127.0.0.1",
+                           "--port", str(free_port())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_without_a_secret_key_production_settings_refuse_to_start():
+    env = {key: value for key, value in os.environ.items() if key != "SECRET_KEY"}
+    env.update(DJANGO_SETTINGS_MODULE="tvcache_site.settings", DEBUG="0")
+    refused = serve(env)
+    assert refused.returncode != 0 and "SECRET_KEY is not set" in refused.stderr
+    check = [sys.executable, "manage.py", "check"]
+    debug = subprocess.run(check, cwd=ROOT, env={**env, "DEBUG": "1"}, capture_output=True, text=True, timeout=60)
+    assert debug.returncode == 0, debug.stderr  # development keeps its obvious development key
+    with_key = subprocess.run(check, cwd=ROOT, env={**env, "SECRET_KEY": "k" * 50}, capture_output=True, text=True,
+                              timeout=60)
+    assert with_key.returncode == 0, with_key.stderr

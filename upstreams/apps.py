@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class UpstreamsConfig(AppConfig):
+    name = "upstreams"
+    default_auto_field = "django.db.models.BigAutoField"
