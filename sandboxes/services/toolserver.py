@@ -202,8 +202,13 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
-    except SandboxError as exc:  # failed once the call may have run (a broken stream, a tampered sandbox)
-        _detach(run, f"{exc.code}: {exc.message}", retire=isinstance(exc, SandboxTampered))
+    except SandboxTampered as exc:  # the rollout's own doing: it leaves the graph, its sandbox retired
+        _detach(run, f"{exc.code}: {exc.message}", retire=True)
+        raise as_application_error(exc) from None
+    except SandboxError as exc:  # failed once the call may have run (a broken stream, an engine restart):
+        # the sandbox may be ahead of the history, so it is retired; the rollout, which got an error
+        # for the call, goes on from its history in a fresh sandbox
+        _retire(run.row, run.backend, f"failed once its call may have run: {exc.code}: {exc.message}")
         raise as_application_error(exc) from None
     if result.get("timed_out") or run.diverged:
         _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")

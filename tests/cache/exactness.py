@@ -230,8 +230,11 @@ class _Rollout:
 class Referee:
     PROPERTIES = ("exact", "oracle", "isolation", "crash")
 
-    def __init__(self, oracle_factory: Callable[[], Oracle]):
+    def __init__(self, oracle_factory: Callable[[], Oracle], retired: tuple[str, ...] = ()):
+        """`retired`: fault kinds after which the sandbox is retired and the rollout goes on from
+        its history (tool-server mode: a dead sandbox, an engine error once the call may have run)."""
         self._oracle_factory = oracle_factory
+        self.retired = retired
         self.graph = ToolCallGraph(env_fingerprint({"props": 1}), POLICY)
         self.rollouts: dict[int, _Rollout] = {}
         self.violations: dict[str, list[str]] = {name: [] for name in self.PROPERTIES}
@@ -266,7 +269,7 @@ class Referee:
             return
         answer = self.graph.lookup(rollout.history, _tool_call(step.call))
         exact = rollout.tainted_at is None and step.call["tool"] not in NONDETERMINISTIC
-        if outcome.fired and step.fault.kind == "gone" and outcome.failure is not None:
+        if outcome.fired and step.fault.kind in self.retired and outcome.failure is not None:
             # The sandbox died, and whatever the call did went with it: the service retires it and
             # the rollout goes on from its history (the call is not in it), which the exact
             # property checks. Retiring is the known-state rule's other option (DESIGN.md).
