@@ -13,6 +13,7 @@ the service code has no test-only branch. It also offers the two nondeterministi
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 KINDS = ("timeout", "error", "gone")
 # No explain phase: it reruns the failing example many times over, for little here.
-PROPERTY = settings(max_examples=60, deadline=None,
+PROPERTY = settings(max_examples=int(os.environ.get("TVCACHE_PROPERTY_EXAMPLES", "25")), deadline=None,
                     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large])

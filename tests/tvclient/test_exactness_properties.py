@@ -10,6 +10,7 @@ and the meaning of each property.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 KINDS = ("timeout", "error")
 # No explain phase: it reruns the failing example many times over, for little here.
-PROPERTY = settings(max_examples=60, deadline=None,
+PROPERTY = settings(max_examples=int(os.environ.get("TVCACHE_PROPERTY_EXAMPLES", "25")), deadline=None,
                     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                            HealthCheck.data_too_large])
