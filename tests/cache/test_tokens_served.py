@@ -12,7 +12,7 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import TOKEN_CACHE_TTL_S, token_create, token_revoke
-from cache.bench.server import _cpu_s, _tree, service_running
+from cache.bench.server import _cpu_s, process_tree, service_running
 
 from .helpers import call, record
 
@@ -37,7 +37,7 @@ def test_a_revoked_token_is_refused_within_five_seconds_by_every_process(api):
         assert doomed.post("/api/v1/tasks/t/record", json=record_body).status_code == 200
         assert beta.post("/api/v1/tasks/t/lookup", json={"history": [], "call": W}).json()["hit"] is False
         # Every process has verified (and cached) the token: each serves it many times over.
-        workers = [pid for pid in _tree(service.pid) if pid != service.pid
+        workers = [pid for pid in process_tree(service.pid) if pid != service.pid
                    and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(workers) == 2
         cpu = [_cpu_s(pid) for pid in workers]

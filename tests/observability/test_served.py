@@ -10,7 +10,7 @@ import httpx
 import pytest
 from django.db import connection
 
-from cache.bench.server import _tree, service_running
+from cache.bench.server import process_tree, service_running
 from tests.cache.helpers import call, record
 
 from .helpers import Scrape
@@ -35,7 +35,7 @@ def test_two_workers_counts_add_up_and_their_logs_are_json_with_request_ids(api,
             assert answer.headers["X-Request-ID"] == f"lookup-{i}"
         scraped = httpx.get(service.url + "/metrics", headers={"X-Request-ID": "scrape-1"}, timeout=10)
         assert scraped.status_code == 200 and scraped.headers["X-Request-ID"] == "scrape-1"
-        workers = set(_tree(service.pid)) - {service.pid}
+        workers = set(process_tree(service.pid)) - {service.pid}
         counting = {int(f.stem.rsplit("_", 1)[1]) for f in metrics_dir.glob("*.db")}
     assert len(counting) == 2 and counting <= workers  # each worker counts into the shared directory
     metrics = Scrape(scraped.text)
