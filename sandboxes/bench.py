@@ -87,34 +87,6 @@ def cold_forks(backend, image: str, labels: dict[str, str], rounds: int) -> dict
             "second_fork_and_first_exec": summary(second_total)}
 
 
-def call_latency(make_backend: Callable[[bool], Any], image: str, labels: dict[str, str], rounds: int) -> dict[str, Any]:
-    """A bash call's latency in one running sandbox, by `docker exec` per call and in the shell
-    session (one agent per container): plain (`execute`, a replay) and observed (`execute_observed`,
-    a tool-server miss: the layer is listed before and after). The two run interleaved, call by
-    call, so that load on the machine weighs on both alike; the first call of each sandbox (the
-    session's agent starting) is reported apart."""
-    env = {"backend": "docker", "image": image}
-    sandboxes = {"exec": make_backend(False).start(env, labels=labels),
-                 "session": make_backend(True).start(env, labels=labels)}
-    figures: dict[str, dict[str, list[float]]] = {mode: {"first": [], "plain": [], "observed": []} for mode in sandboxes}
-    try:
-        for mode, sandbox in sandboxes.items():
-            figures[mode]["first"].append(timed_ms(lambda: sandbox.execute("bash", {"command": "true"}))[0])
-        for i in range(rounds):
-            for mode, sandbox in sandboxes.items():
-                ms, result = timed_ms(lambda: sandbox.execute("bash", {"command": f"echo {i}"}))
-                if result["stdout"] != f"{i}\n":
-                    raise RuntimeError(f"{mode}: a call lost its output: {result}")
-                figures[mode]["plain"].append(ms)
-                figures[mode]["observed"].append(
-                    timed_ms(lambda: sandbox.execute_observed("bash", {"command": f"cat /etc/hostname > /dev/null; echo {i}"}))[0])
-    finally:
-        for sandbox in sandboxes.values():
-            sandbox.stop()
-    return {"image": image, "rounds": rounds,
-            **{mode: {kind: summary(values) for kind, values in kinds.items()} for mode, kinds in figures.items()}}
-
-
 def snapshot_sizes(backend, image: str, labels: dict[str, str], sizes_mb: list[int], rounds: int) -> list[dict[str, Any]]:
     """Commit time and snapshot size of a sandbox that wrote N MB, and a fork of it."""
     env = {"backend": "docker", "image": image}

@@ -253,9 +253,6 @@ class CallSample:
     started: float = 0.0  # perf_counter when the call was sent (last sent, if it was sent again)
     key: tuple[str, str] | None = None  # (anchor state key, call digest); None for a tool that is not cacheable
     mutates: bool | None = None  # whether the call changed the state, as the service or executor tells
-    # Where a miss's time went: the service's phases (tool-server mode), or the executor's lookup,
-    # wait for the previous snapshot and time in the sandbox (client mode).
-    phases_ms: dict[str, float] | None = None
     # Under faults (faults.py):
     fault: str | None = None  # the fault that hit this call (sandbox_death: its container died just before)
     injected: bool = False  # its answer is an injected fault's, not the tool's: not compared
@@ -603,8 +600,6 @@ class Replay:
                 sample.started = sent
                 sample.lookup_ms, sample.lookup_server_ms = _meter.lookup_ms, _meter.lookup_server_ms
                 sample.background_wait_ms = executor.background_wait_ms - waited_ms
-                sample.phases_ms = {"lookup": _meter.lookup_ms, "snapshot_wait": sample.background_wait_ms,
-                                    "sandbox": _meter.env_ms}
                 # Left out of the history: read-only. A call the environment failed after ran, and
                 # a rollout off the shared graph keeps no history: those are keyed as the tool's
                 # policy says.
@@ -656,7 +651,6 @@ class Replay:
                 sample = self._sample(task, epoch, index, position, call, latency,
                                       answer.cached if answer is not None else False, None, result)
                 sample.mutates = answer.mutates if answer is not None else None
-                sample.phases_ms = dict(answer.phases_ms) if answer is not None else None
                 sample.failed, sample.retries, sample.started = answer is None, retries, sent
                 sample.fault = "sandbox_death" if killed else ("timeout" if timed_out(result) and not sample.cached
                                                                else None)

@@ -43,31 +43,6 @@ def _miss_lookups(run: EpochRun, field: str = "lookup_ms") -> list[float]:
     return [getattr(s, field) for s in run.calls if s.cached is False and getattr(s, field) is not None]
 
 
-# The service's phases of a miss (sandboxes/services/toolserver.py, Phases), in the order they run;
-# client mode's are the executor's: its lookup, its wait for the previous snapshot, the sandbox.
-PHASE_ORDER = ("lookup", "wait", "snapshot_wait", "materialize", "replay", "verify", "exec", "fingerprint", "record",
-               "snapshot", "sandbox")
-
-
-def miss_phases(runs: list[EpochRun]) -> dict[str, Any]:
-    """Where misses' time went, per phase: over the misses that had the phase, its latency figures,
-    and its share of all misses' time; `other` is what no phase covers (HTTP, queueing, the
-    executor's own work such as replays' records)."""
-    misses = [s for run in runs for s in run.calls if s.cached is False and s.phases_ms is not None and not s.failed]
-    if not misses:
-        return {}
-    total_ms = sum(s.latency_ms for s in misses) or 1.0
-    seen = {name for s in misses for name in s.phases_ms}
-    names = [n for n in PHASE_ORDER if n in seen] + sorted(seen - set(PHASE_ORDER))
-    phases: dict[str, Any] = {}
-    for name in names:
-        values = [s.phases_ms[name] for s in misses if name in s.phases_ms]
-        phases[name] = {**_latency(values), "share": round(sum(values) / total_ms, 4)}
-    other = [s.latency_ms - sum(s.phases_ms.values()) for s in misses]
-    phases["other"] = {**_latency(other), "share": round(sum(other) / total_ms, 4)}
-    return {"misses": len(misses), "miss_time_s": round(total_ms / 1000, 3), "phases": phases}
-
-
 def _miss_fields(runs: list[EpochRun]) -> dict[str, dict[str, float]]:
     overheads = [o for run in runs for o in _miss_overheads(run)]
     if not overheads:
@@ -170,9 +145,6 @@ def epoch_metrics(run: EpochRun, oracle: IssuedOracle, faults: bool = False) -> 
         out["forbidden_hits"] = oracle.forbidden[run.epoch]
         out["faults"] = _fault_counts(run.calls)
     out.update(_miss_fields([run]))
-    phases = miss_phases([run])
-    if phases:
-        out["miss_phases"] = phases
     if run.service:
         out["service"] = run.service
         out["oracle_hit_rate"] = run.service["oracle_hit_rate"]
@@ -201,9 +173,6 @@ def arm_summary(runs: list[EpochRun], oracle: IssuedOracle, faults: bool = False
         out["forbidden_hits"] = sum(oracle.forbidden.values())
         out["faults"] = _fault_counts(calls)
     out.update(_miss_fields(runs))
-    phases = miss_phases(runs)
-    if phases:
-        out["miss_phases"] = phases
     if service:
         out["service_calls"] = service_calls
         out["service_hit_rate"] = sum(s.get("hits", 0) for s in service) / service_calls if service_calls else 0.0
@@ -363,21 +332,7 @@ def headline(report: dict[str, Any]) -> str:
             lines.append(f"| {epoch['epoch']} | {name} | {hit} | {oracle} | {m['latency_ms']['p50']:.1f} | "
                          f"{m['latency_ms']['p95']:.1f} | {m['step_s']:.1f} | {m['slowest_rollout_s']:.1f} | "
                          f"{started} | {snaps} | {exact} |")
-    return "\n".join(lines + phase_table(report))
-
-
-def phase_table(report: dict[str, Any]) -> list[str]:
-    """Markdown rows: each cached arm's miss time by phase, all epochs together."""
-    arms = {name: s["miss_phases"] for name, s in report["summary"].items() if s.get("miss_phases")}
-    if not arms:
-        return []
-    lines = ["", "Miss time by phase (all epochs; p50 / p95 ms over the misses that had the phase; share of all miss "
-                 "time):", "", "| arm | phase | misses | p50 ms | p95 ms | share |", "|---|---|---:|---:|---:|---:|"]
-    for name, breakdown in arms.items():
-        for phase, figures in breakdown["phases"].items():
-            lines.append(f"| {name} | {phase} | {figures['n']} | {figures['p50']:.1f} | {figures['p95']:.1f} | "
-                         f"{100 * figures['share']:.1f} % |")
-    return lines
+    return "\n".join(lines)
 
 
 def fault_headline(report: dict[str, Any]) -> str:

@@ -62,9 +62,9 @@ class _Image:
 
 
 class DockerEnvironment(ToolExecutionEnvironment):
-    """A container of the service's own docker backend. fork() of a running environment commits an
-    image and returns a frozen environment holding only it, so frozen snapshots cost an image, not a
-    running container; fork() of a frozen one (a rollout resuming) starts a container from it."""
+    """A container of the service's own docker backend. fork() commits an image and returns an
+    environment that starts its container from it on first use, so frozen snapshots cost an
+    image, not a running container."""
 
     backend = "docker"
 
@@ -93,15 +93,7 @@ class DockerEnvironment(ToolExecutionEnvironment):
 
     def fork(self) -> DockerEnvironment:
         if self._sandbox is None and self._image is not None:
-            # A rollout resuming from a frozen snapshot: its container starts now, so the restore is
-            # measured as one (the executor reports it) and not billed to its first call's exec_ms.
-            twin = DockerEnvironment(self._env, self._image.retain())
-            try:
-                twin._running()
-            except BaseException:
-                twin.stop()
-                raise
-            return twin
+            return DockerEnvironment(self._env, self._image.retain())
         info = self._running().snapshot(labels=LABELS)
         return DockerEnvironment(self._env, _Image(self._docker, info.ref, info.size_bytes))
 

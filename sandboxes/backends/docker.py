@@ -1,13 +1,10 @@
 """The docker backend: one container per sandbox, driven through the Docker Engine API (docker SDK).
 
-The `bash` tool runs each command in a fresh shell that first restores the previous call's
-working directory and exported variables from a state folder inside the container (/.tvcache),
-and saves them again on exit. Because the state lives in the container's filesystem, `commit`
-captures it: a fork resumes the same shell session. The shell starts from an empty environment
-(`env -i`), so a variable the agent unsets stays unset. The shell is started by the container's
-session agent (session.py: one per container and process; a call costs it a few forks, not an
-engine round trip) or, where that agent cannot take a call, by a `docker exec` of its own; both
-run it alike.
+The `bash` tool runs each command in a fresh shell (`docker exec`) that first restores the
+previous call's working directory and exported variables from a state folder inside the
+container (/.tvcache), and saves them again on exit. Because the state lives in the container's
+filesystem, `commit` captures it: a fork resumes the same shell session. The shell starts from
+an empty environment (`env -i`), so a variable the agent unsets stays unset.
 
 Containers are confined by the service, not by the task's spec: only the images the operator
 allows (never a snapshot image), no network without the operator's grant, memory/CPU/pid limits up
@@ -21,10 +18,13 @@ host (procs.py).
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import io
 import logging
 import os
 import re
+import select
+import struct
 import tarfile
 import threading
 import time
@@ -69,11 +69,7 @@ from .config import DockerConfig
 from .folders import TreeUsage, tree_usage
 from .hostfs import StateDigest
 from .overlay import LayerState, LayerTooLarge, LayerWatch, SessionTampered, restore_file_times, settle_after
-from .procs import host_sees, kill_call_tree, sessions_below
-from .session import ExecStream as _ExecStream
-from .session import Output as _Output
-from .session import ProtocolError, SessionBroken, SessionUnavailable, ShellSession
-from .session import Stop as _Stop
+from .procs import host_sees, kill_call_tree
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +96,6 @@ _DISK_CHEAP_ENTRIES = 5_000
 _DISK_COST_FACTOR = 20
 _DISK_MAX_DEPTH = 128  # folders nested deeper count as over the quota: the measure cannot see them
 _DEATH_SETTLE_S = 0.25
-_SESSION_MAX_FAILURES = 3  # sessions that failed a sandbox before it runs its calls by exec only
-_SESSION_START_S = 5.0  # an agent that has not started a call this long after it was sent is given up
-_SESSION_FIND_S = 1.0  # how long a call that was started is looked for below its agent, to be killed
 _UNSET = object()
 _ENGINE_DOWN = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
 
@@ -264,6 +257,97 @@ def engine_errors() -> Iterator[None]:
         raise EngineUnavailable(f"docker engine unreachable: {exc}") from exc
 
 
+class _Stop(enum.Enum):
+    EOF = "eof"
+    DEADLINE = "deadline"
+    FLOOD = "flood"
+
+
+class _Output:
+    """stdout/stderr of one call, each kept up to `cap` bytes."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.streams = {1: bytearray(), 2: bytearray()}
+        self.received = 0
+        self.truncated = False
+
+    def add(self, stream: int, data: bytes) -> None:
+        self.received += len(data)
+        kept = self.streams.get(stream)
+        if kept is None:
+            return
+        room = self.cap - len(kept)
+        if len(data) > room:
+            self.truncated = True
+        kept += data[: max(room, 0)]
+
+    def text(self, stream: int) -> str:
+        return self.streams[stream].decode("utf-8", errors="replace")
+
+
+def _read_ahead(sock: Any) -> bytes:
+    """The stream's first bytes that the HTTP client already buffered while it read the response
+    headers. docker-py hands out the raw socket under that buffer: a short call's whole output
+    can sit in it, and reading only the socket would lose it (seen under load: `echo` printing
+    nothing). Read without blocking, so an empty buffer costs nothing."""
+    response = getattr(sock, "_response", None)
+    buffered = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
+    raw_socket = getattr(sock, "_sock", None)
+    if buffered is None or raw_socket is None or not hasattr(buffered, "read1"):
+        return b""
+    timeout = raw_socket.gettimeout()
+    raw_socket.setblocking(False)
+    try:
+        return buffered.read1(65536) or b""
+    except BlockingIOError:
+        return b""
+    finally:
+        raw_socket.settimeout(timeout)
+
+
+class _ExecStream:
+    """Reads docker's multiplexed exec stream: frames of 8-byte header (stream, 0, 0, 0, size) + data."""
+
+    def __init__(self, sock: Any):
+        self._sock = sock
+        self._recv = getattr(sock, "recv", None) or sock.read
+        self._buffer = bytearray(_read_ahead(sock))
+
+    def pump(self, output: _Output, deadline: float, flood_bytes: int) -> _Stop:
+        self._drain(output)  # frames read ahead with the response headers
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return _Stop.DEADLINE
+            # TLS sockets may hold decrypted bytes that select() cannot see.
+            pending = getattr(self._sock, "pending", lambda: 0)()
+            if not pending and not select.select([self._sock], [], [], remaining)[0]:
+                return _Stop.DEADLINE
+            data = self._recv(65536)
+            if not data:
+                return _Stop.EOF
+            self._buffer += data
+            self._drain(output)
+            if output.received > flood_bytes:
+                return _Stop.FLOOD
+
+    def _drain(self, output: _Output) -> None:
+        offset = 0
+        while len(self._buffer) - offset >= 8:
+            stream, size = struct.unpack_from(">BxxxL", self._buffer, offset)
+            if len(self._buffer) - offset - 8 < size:
+                break
+            output.add(stream, bytes(self._buffer[offset + 8 : offset + 8 + size]))
+            offset += 8 + size
+        del self._buffer[:offset]
+
+    def close(self) -> None:
+        # Closing the HTTP response closes the socket under it; closing the socket first breaks it.
+        response = getattr(self._sock, "_response", None)
+        (response or self._sock).close()
+
+
 class DockerSandbox(Sandbox):
     def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_size: int):
         self.sandbox_id = container_id
@@ -276,8 +360,6 @@ class DockerSandbox(Sandbox):
         self._layer: LayerState | None = None  # the layer as the last observed call left it
         self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
         self._stopped = False
-        self._session: ShellSession | None = None  # this process's agent in the container (session.py)
-        self._session_failures = 0
         self._quota = _DiskQuota(backend.config)
         if self._quota.limit_bytes:
             backend.disk_watch.add(self)
@@ -361,22 +443,10 @@ class DockerSandbox(Sandbox):
         return min(float(timeout_s), config.max_timeout_s)
 
     def _run(self, command: str, timeout_s: float) -> dict[str, Any]:
-        self._raise_if_over_quota()
-        settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
-        try:
-            if self._session_usable():
-                try:
-                    return self._run_in_session(command, timeout_s)
-                except SessionUnavailable as exc:  # the call did not run: an exec runs it
-                    self._session_end(kill=True)
-                    self._session_failed(str(exc))
-            return self._run_exec(command, timeout_s)
-        finally:
-            self._last_end_ns = time.time_ns()
-
-    def _run_exec(self, command: str, timeout_s: float) -> dict[str, Any]:
         config = self._backend.config
         api = self._backend.api
+        self._raise_if_over_quota()
+        settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
         deadline = time.monotonic() + timeout_s
         argv = ["env", "-i", self._shell, "-c", _CALL_SCRIPT, self._shell, command]
         try:
@@ -395,10 +465,8 @@ class DockerSandbox(Sandbox):
             raise EngineUnavailable(f"exec stream broke: {exc}") from exc
         finally:
             stream.close()
+            self._last_end_ns = time.time_ns()
         exit_code = self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S)
-        return self._result(output, stop, exit_code)
-
-    def _result(self, output: _Output, stop: _Stop, exit_code: int | None) -> dict[str, Any]:
         if exit_code is None or exit_code >= 128:  # signalled: maybe by the container's death
             self._raise_if_gone()
         self.check_disk(after_call=True)
@@ -410,117 +478,20 @@ class DockerSandbox(Sandbox):
             "truncated": output.truncated or stop is _Stop.FLOOD,
         }
 
-    # --- the shell session (session.py) ---------------------------------------------------------
-
-    def _session_usable(self) -> bool:
-        return self._backend.sessions and self._session_failures < _SESSION_MAX_FAILURES
-
-    def _session_failed(self, why: str, *, for_good: bool = False) -> None:
-        log.info("container %s: its shell session failed (%s)", self.sandbox_id[:12], why)
-        self._session_failures = _SESSION_MAX_FAILURES if for_good else self._session_failures + 1
-
-    def _run_in_session(self, command: str, timeout_s: float) -> dict[str, Any]:
-        """The call in the container's agent. SessionUnavailable when it did not run; SessionBroken
-        when the agent died or left its protocol while it ran."""
-        config = self._backend.config
-        deadline = time.monotonic() + timeout_s
-        if self._session is None or self._session.closed:
-            self._session = self._gone_if_missing(ShellSession.open, self._backend.api, self.sandbox_id, self._shell,
-                                                  _CALL_SCRIPT)
-        session = self._session
-        output = _Output(config.output_cap_bytes)
-        frames = session.send(command, output)
-        try:
-            # The agent says it starts the call at once; one that does not is never waited for long.
-            started = self._pump(session, frames, time.monotonic() + _SESSION_START_S, float("inf"),
-                                 until=lambda: frames.started)
-            if frames.unavailable:
-                self._session_failed("a tool the agent needs is gone", for_good=True)
-                raise SessionUnavailable("a tool the agent needs is gone")
-            if not frames.started:
-                raise self._session_ended(frames, f"the agent did not start the call ({started.value})")
-            stop = self._pump(session, frames, deadline, config.output_kill_bytes)
-            if stop is _Stop.EOF:
-                raise self._session_ended(frames, "the agent ended during the call")
-            if stop is not _Stop.DONE:  # the deadline or a flood: kill the call, then drain its output
-                self._kill_session_call(session, frames)
-                if self._pump(session, frames, time.monotonic() + _KILL_GRACE_S, float("inf")) is not _Stop.DONE:
-                    # Its output is held open past the kill (a process that left its tree), or the agent is stuck.
-                    frames.flush()
-                    self._session_end(kill=True)
-                    self._raise_if_gone()
-        except OSError as exc:  # the hijacked connection broke: engine or container went away
-            raise self._session_ended(frames, f"the session's stream broke: {exc}", broken=EngineUnavailable) from exc
-        return self._result(output, stop, frames.exit_code)
-
-    def _pump(self, session: ShellSession, frames: Any, deadline: float, flood_bytes: float,
-              until: Any = None) -> _Stop:
-        try:
-            return session.stream.pump(frames, deadline, flood_bytes, until)
-        except ProtocolError as exc:
-            raise self._session_ended(frames, f"the agent left its protocol: {exc}") from None
-
-    def _session_ended(self, frames: Any, why: str, broken: type[SandboxError] = SessionBroken) -> SandboxError | SessionUnavailable:
-        """The error for a session that ended or broke mid-call, once it is torn down: SandboxGone
-        if the container died, SessionUnavailable if the call had not started, else `broken`."""
-        self._session_end(kill=True)
-        if not frames.started:
-            self._raise_if_gone()
-            return SessionUnavailable(why)
-        self._raise_if_gone()
-        self._session_failed(why)
-        return broken(f"container {self.sandbox_id[:12]}: {why}; the call's effects are unknown")
-
-    def _kill_session_call(self, session: ShellSession, frames: Any) -> None:
-        """Kills the call the agent runs, from the host: the sessions below the agent (procs.py).
-        A call still starting is waited for a moment; one that ended meanwhile leaves nothing to kill
-        (and a straggler dies with the agent's tree if the call does not end)."""
-        if not self._host_sees():
-            self._kill_container()
-            return
-        grace = time.monotonic() + _SESSION_FIND_S
-        while not frames.finished and time.monotonic() < grace:
-            agent = session.agent_pid()
-            calls = sessions_below(agent, self.sandbox_id) if agent else []
-            for pid in calls:
-                kill_call_tree(pid, self.sandbox_id)
-            if calls or self._pump(session, frames, time.monotonic() + 0.01, float("inf")) is _Stop.EOF:
-                return
-
-    def _session_end(self, *, kill: bool) -> None:
-        """Closes this process's session; `kill`: its agent's whole tree is killed from the host
-        first (a stuck or tampered agent never gets another call)."""
-        session, self._session = self._session, None
-        if session is None:
-            return
-        if kill and self._host_sees():
-            try:
-                agent = session.agent_pid()
-            except docker.errors.APIError:
-                agent = 0
-            if agent:
-                kill_call_tree(agent, self.sandbox_id)
-        session.close()
-
-    def _host_sees(self) -> bool:
-        init_pid = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
-        return host_sees(self.sandbox_id, init_pid)
-
-    def _kill_container(self) -> None:
-        log.warning("container %s: its processes are out of this host's view; killing the container to end a call",
-                    self.sandbox_id[:12])
-        self._gone_if_missing(self._backend.api.kill, self.sandbox_id)
-
     def _kill_call(self, exec_id: str) -> None:
         """Kills the call's session and process tree from the host (procs.py). Where the engine's
         processes are out of this host's view (a remote engine), the container is killed instead:
         nothing inside it is trusted to do the killing."""
-        if not self._host_sees():
-            self._kill_container()
+        api = self._backend.api
+        init_pid = self._gone_if_missing(api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
+        if host_sees(self.sandbox_id, init_pid):
+            pid = self._exec_pid(exec_id, time.monotonic() + _KILL_GRACE_S)
+            if pid:
+                kill_call_tree(pid, self.sandbox_id)
             return
-        pid = self._exec_pid(exec_id, time.monotonic() + _KILL_GRACE_S)
-        if pid:
-            kill_call_tree(pid, self.sandbox_id)
+        log.warning("container %s: its processes are out of this host's view; killing the container to end a call",
+                    self.sandbox_id[:12])
+        self._gone_if_missing(api.kill, self.sandbox_id)
 
     def _exec_pid(self, exec_id: str, deadline: float) -> int:
         """The call's host pid; 0 once it has ended. On a loaded engine a call can still be starting
@@ -639,9 +610,6 @@ class DockerSandbox(Sandbox):
 
     def stop(self) -> None:
         self._backend.disk_watch.discard(self)
-        session, self._session = self._session, None
-        if session is not None:
-            session.close()
         if not self._stopped:
             self._backend.remove_sandbox(self.sandbox_id)
             self._stopped = True
@@ -665,10 +633,8 @@ class DockerBackend(SandboxBackend):
             return None
         return {key: result.get(key) for key in ("stdout", "stderr", "exit_code")}
 
-    def __init__(self, config: DockerConfig = DockerConfig(), *, sessions: bool = True):
+    def __init__(self, config: DockerConfig = DockerConfig()):
         self.config = config
-        # Calls run in a shell session per container (session.py); False: one `docker exec` each.
-        self.sessions = sessions
         self.limiter = StartLimiter(config.max_concurrent_starts)
         self.disk_watch = _DiskWatch(config.disk_check_s)
         # Whether the engine enforces an overlay size limit (--storage-opt size): None until tried.

@@ -21,11 +21,6 @@ is a divergence (counted per task, tool and node); the sandbox is retired and th
 by a replay from the root; if that does not match either, the call is answered uncached and the
 rollout detached.
 
-Snapshots are taken after the answer: a thread of the serving process commits the state the call
-left while the sandbox stays reserved to it (reserved.py); the rollout's next miss, in whichever
-process, waits for it before it touches the sandbox, while its hits never wait. A snapshot that
-fails costs only the reuse it would have given.
-
 Rollouts of a task run in parallel and start alike, so they often miss on the same call in the
 same state at the same moment. Only one of them executes it (single flight): the others wait for
 its result and are answered from the cache, and their sandboxes catch up on their next miss.
@@ -60,7 +55,6 @@ from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
 from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_row, sandbox_stop, set_state
-from .reserved import run_reserved, wait_unreserved
 from .runtime import as_application_error, backend_named, env_check_granted, forget, handle, labels, remember
 
 log = logging.getLogger("tvcache.toolserver")
@@ -68,10 +62,6 @@ log = logging.getLogger("tvcache.toolserver")
 # The rollout_claim column of tool-server mode: the rollout has a sandbox of its own, which it
 # brings up to date rather than fork a snapshot (its lookups then lease none).
 HAS_SANDBOX_SQL = "EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased')"
-
-# How long a miss waits for its rollout's previous snapshot (a docker commit gives up after the
-# engine API's timeout; past this the snapshot is stuck and waited for no longer).
-RESERVED_WAIT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +75,8 @@ class CallOutcome:
 
 
 class Phases:
-    """Where a call's time goes: lookup, wait (single flight), snapshot_wait (for the rollout's
-    previous snapshot), materialize (start or fork), replay, verify (state fingerprints), exec,
-    fingerprint (of the new state), record, snapshot (its hand-off: it is taken after the answer)."""
+    """Where a call's time goes: lookup, wait (single flight), materialize (start or fork),
+    replay, verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot."""
 
     def __init__(self):
         self.ms: dict[str, float] = {}
@@ -181,10 +170,6 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
                 phases: Phases) -> tuple[Any, int | None, bool, bool]:
     """The call executed in the rollout's sandbox: its result, node, whether it changed the state,
     and whether the rollout is still on the shared graph (False: it was detached)."""
-    # The previous miss's snapshot may still be being taken (in whichever process served it).
-    waited_ms = wait_unreserved(rollout.pk, timeout_s=RESERVED_WAIT_S)
-    if waited_ms is not None:
-        phases.ms["snapshot_wait"] = waited_ms
     restore_ms = None
     try:
         run = _rollout_sandbox(task, backend, rollout, context, answer, phases)
@@ -222,8 +207,8 @@ def _serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
                                   state=(state.full, state.shape) if state else ("", ""))
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
         if outcome.snapshot_wanted:
-            with phases.timed("snapshot"):  # the hand-off: the snapshot itself runs after the answer
-                _snapshot_after_answer(run, outcome.node_id)
+            with phases.timed("snapshot"):
+                _snapshot(run, outcome.node_id)
         _executed(run, applied=len(context.history) + int(mutates))
     except SandboxTampered as exc:
         _detach(run, f"{exc.code}: {exc.message}", retire=True)
@@ -432,16 +417,8 @@ def _replay_verified(run: _Run, calls, context: CallContext, answer) -> bool:
     return not run.diverged
 
 
-def _snapshot_after_answer(run: _Run, node_id: int) -> None:
-    """The snapshot in a thread of this process, the sandbox reserved to it (reserved.py) so that
-    the rollout's next miss waits for it; on the critical path if the thread cannot take the
-    reservation."""
-    if not run_reserved(run.rollout.pk, lambda: _snapshot(run, node_id), name="snapshot"):
-        _snapshot(run, node_id)
-
-
 def _snapshot(run: _Run, node_id: int) -> None:
-    """Snapshot of the state the call left (it is only here now); a worker makes it a ready fork.
+    """Snapshot on the critical path (the state is only here now); a worker makes it a ready fork.
     A failed snapshot costs only the reuse it would have given: the call still succeeds."""
     try:
         info = run.sandbox.snapshot(labels=labels(run.task.pk))

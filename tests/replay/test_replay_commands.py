@@ -14,7 +14,6 @@ from django.core.management import call_command
 from cache.api.auth import token_create
 from cache.bench.server import service_running
 from cache.models import Task
-from cache.replay.harness import Arm
 from sandboxes.services import tasks_release
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -66,10 +65,6 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
     assert report["targets"]["zero_mismatched_hits"]["met"]
     assert report["targets"]["hit_rate_equals_oracle"]["met"]  # no budget: the cache reaches the oracle
     assert report["per_tool"].keys() == set(cached_arms)
-    for name in cached_arms:  # where misses' time went, phase by phase
-        phases = report["summary"][name]["miss_phases"]["phases"]
-        assert phases["lookup"]["n"] > 0 and "other" in phases
-        assert ("exec" if Arm.parse(name).mode == "server" else "sandbox") in phases
     if "client" in cached_arms:  # a miss's lookup as the rollout saw it, and the service's share (Server-Timing)
         lookups, served = report["summary"]["client"]["miss_lookup_ms"], report["summary"]["client"]["miss_lookup_server_ms"]
         assert lookups["n"] == served["n"] > 0 and 0 < served["p50"] <= lookups["p50"]

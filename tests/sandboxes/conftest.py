@@ -9,7 +9,6 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from sandboxes.images import build_busybox_image
-from sandboxes.services.reserved import settle
 from sandboxes.services.runtime import backend_named, labels
 from tvcache_site.celery import app as celery_app
 
@@ -46,14 +45,6 @@ def _logging_restore(kept: dict) -> None:
     for logger in logging.root.manager.loggerDict.values():
         if isinstance(logger, logging.Logger) and logger not in kept:
             logger.disabled = False
-
-
-@pytest.fixture
-def api(api):
-    """The trainer's client; snapshots still being taken after a test's last answer end before the
-    test database is flushed."""
-    yield api
-    assert settle(), "background snapshots still running"
 
 
 @pytest.fixture

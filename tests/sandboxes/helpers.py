@@ -2,8 +2,6 @@
 
 import time
 
-from sandboxes.services.reserved import settle
-
 
 def bash(command: str, **args) -> dict:
     return {"tool": "bash", "args": {"command": command, **args}}
@@ -23,9 +21,3 @@ def wait_for(predicate, timeout=60.0):
             return
         time.sleep(0.2)
     raise AssertionError("condition not reached in time")
-
-
-def snapshots_taken() -> None:
-    """Until the snapshots this process took after its answers are registered: another rollout
-    looking up meanwhile finds none yet (the rollout that made one waits for it on its next miss)."""
-    assert settle(), "background snapshots still running"

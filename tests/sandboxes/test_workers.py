@@ -16,7 +16,7 @@ from sandboxes.backends.base import SandboxGone
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import backend_named, labels
 
-from .helpers import bash, run, snapshots_taken, wait_for
+from .helpers import bash, run, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,7 +40,6 @@ def test_a_snapshot_becomes_a_ready_fork_in_a_worker_and_a_rollout_takes_it(api,
     task = docker_task("prefork")
     setup = bash("sleep 1; echo built > /artifact")
     run(api, task, "r1", setup)
-    snapshots_taken()
     snapshot = Snapshot.objects.get(task_id=task, status="live")
     wait_for(lambda: Sandbox.objects.filter(snapshot=snapshot, state="ready").exists())
     ready = Sandbox.objects.get(snapshot=snapshot, state="ready")
@@ -53,7 +52,6 @@ def test_eviction_spares_a_leased_snapshot_and_never_breaks_a_running_fork(api, 
     task = docker_task("evict")
     setup = bash("sleep 1; echo kept > /f")
     run(api, task, "r1", setup)
-    snapshots_taken()
     snapshot = Snapshot.objects.get(task_id=task, status="live")
     lease = Lease.objects.create(snapshot=snapshot, expires_at=timezone.now() + timedelta(minutes=5))
     Task.objects.filter(pk=task).update(sandbox_budget=0)
@@ -77,7 +75,6 @@ def test_an_idle_rollout_loses_its_sandbox_and_expired_leases_are_released(api, 
     row = Sandbox.objects.get(rollout__rollout_id="r")
     Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
     run(api, task, "other", bash("sleep 1; touch /built"))
-    snapshots_taken()
     snapshot = Snapshot.objects.get(task_id=task)
     Lease.objects.create(snapshot=snapshot, expires_at=timezone.now() - timedelta(seconds=1))
     reaped = services.sandboxes_reap()
@@ -127,7 +124,6 @@ def test_pre_forks_are_capped_per_task_and_unused_ready_sandboxes_are_stopped(ap
     task = docker_task("capped")
     run(api, task, "r", bash("sleep 1; echo a > /a"))
     run(api, task, "r", bash("sleep 1; echo b > /b"))
-    snapshots_taken()
     assert Snapshot.objects.filter(task_id=task, status="live").count() == 2
     assert Sandbox.objects.filter(task_id=task, pool="fork", rollout=None).count() == 1
     waiting = Sandbox.objects.get(task_id=task, pool="fork", rollout=None)

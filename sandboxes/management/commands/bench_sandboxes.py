@@ -1,18 +1,16 @@
 """`python manage.py bench_sandboxes`: managed sandboxes and tool-server mode, measured.
 
-1. the docker backend alone: a call's latency by `docker exec` and in the shell session, cold fork
-   (snapshot -> running container -> first exec), snapshot cost against the size a sandbox wrote,
-   container starts per second at limiter settings;
+1. the docker backend alone: cold fork (snapshot -> running container -> first exec), snapshot
+   cost against the size a sandbox wrote, container starts per second at limiter settings;
 2. hand-over of a READY pre-fork through the pool services (`sandbox_acquire` + attaching its
    handle), in this process;
 3. the service as deployed (uvicorn + a Celery worker on a queue of the run's own), over HTTP:
    a rollout's first miss with and without a ready pre-fork, then tool-server rollouts (tasks x
    rollouts x epochs of bash calls) against the same rollouts run directly in fresh sandboxes.
 
-Figures go to artifacts/bench/sandboxes.json and sandboxes.md (sandboxes-<sections>.* for a part). Every task, rollout, sandbox,
+Figures go to artifacts/bench/sandboxes.json and sandboxes.md. Every task, rollout, sandbox,
 snapshot and token the run creates is removed at the end. Quick smoke run:
-`python manage.py bench_sandboxes --epochs 1 --rollouts 2 --rounds 3 --sizes 0,1 --starts 4`;
-one section only: `--only calls` (exec against session; `--call-rounds` calls each).
+`python manage.py bench_sandboxes --epochs 1 --rollouts 2 --rounds 3 --sizes 0,1 --starts 4`.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ from sandboxes.models import Sandbox
 from sandboxes.services.runtime import TASK_LABEL, backend_named, forget, labels
 from sandboxes.services.runtime import handle as sandbox_handle
 
-SECTIONS = ["calls", "backend", "service"]
 # Slow enough for the snapshot policy (learned docker commit cost + restore cost) to snapshot after it.
 SETUP = "sleep 3; echo ready > /f"
 
@@ -62,8 +59,6 @@ class Command(BaseCommand):
         parser.add_argument("--starts", type=int, default=16, help="containers started per limiter setting")
         parser.add_argument("--uvicorn-workers", type=int, default=2)
         parser.add_argument("--seed", type=int, default=1)
-        parser.add_argument("--call-rounds", type=int, default=200, help="calls per sandbox for exec against session")
-        parser.add_argument("--only", choices=SECTIONS, nargs="+", default=SECTIONS, help="the sections to run")
         parser.add_argument("--out", type=Path, default=Path(settings.BASE_DIR) / "artifacts" / "bench")
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -79,49 +74,34 @@ class Command(BaseCommand):
             "max_concurrent_starts_setting": self.setting, "seed": opts["seed"], "loadavg": {}}}
         self.loadavg = figures["meta"]["loadavg"]
         backend = DockerBackend(DockerConfig(max_concurrent_starts=self.setting))
-        only = set(opts["only"])
         try:
-            if "calls" in only:
-                self._section("a call: docker exec against the shell session")
-                figures["calls"] = [bench.call_latency(
-                    lambda sessions: DockerBackend(DockerConfig(max_concurrent_starts=self.setting), sessions=sessions),
-                    image, self.bench_labels, opts["call_rounds"]) for image in (BUSYBOX_TAG, DEBIAN_TAG)]
-            if "backend" in only:
-                self._backend_sections(backend, figures, opts)
-            if "service" in only:
-                self._service_sections(figures, opts)
+            self._section("cold forks")
+            figures["cold_fork"] = [bench.cold_forks(backend, image, self.bench_labels, opts["rounds"])
+                                    for image in (BUSYBOX_TAG, DEBIAN_TAG)]
+            self._section("snapshot cost against size")
+            figures["snapshot_size"] = bench.snapshot_sizes(backend, BUSYBOX_TAG, self.bench_labels,
+                                                            [int(s) for s in opts["sizes"].split(",")], 3)
+            self._section("container starts per second")
+            figures["starts"] = bench.start_rates(lambda c: DockerBackend(DockerConfig(max_concurrent_starts=c)),
+                                                  BUSYBOX_TAG, self.bench_labels,
+                                                  sorted({1, self.setting, 4}), opts["starts"])
+            self._section("pre-fork hand-over (services, in process)")
+            figures["handover"] = self._handover(opts["rounds"])
+            self._section("the service as deployed")
+            log_dir = Path(settings.VAR_DIR) / "bench"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            with service_running(workers=opts["uvicorn_workers"], celery=True, log_dir=log_dir) as deployment:
+                token = token_create(name=self.token_name)
+                with httpx.Client(base_url=deployment.url, headers={"Authorization": f"Token {token}"},
+                                  timeout=600) as client:
+                    self._section("first miss in tool-server mode")
+                    figures["first_miss"] = self._first_miss(client, max(3, opts["rounds"] // 2))
+                    self._section("tool-server rollouts")
+                    figures["toolserver"] = self._toolserver(deployment.url, token, opts)
         finally:
             self._section("cleanup")
             figures["cleanup"] = self._clean(backend)
-        name = "sandboxes" if only == set(SECTIONS) else "sandboxes-" + "-".join(s for s in SECTIONS if s in only)
-        self._write(opts["out"], name, figures)
-
-    def _backend_sections(self, backend: DockerBackend, figures: dict[str, Any], opts: dict[str, Any]) -> None:
-        self._section("cold forks")
-        figures["cold_fork"] = [bench.cold_forks(backend, image, self.bench_labels, opts["rounds"])
-                                for image in (BUSYBOX_TAG, DEBIAN_TAG)]
-        self._section("snapshot cost against size")
-        figures["snapshot_size"] = bench.snapshot_sizes(backend, BUSYBOX_TAG, self.bench_labels,
-                                                        [int(s) for s in opts["sizes"].split(",")], 3)
-        self._section("container starts per second")
-        figures["starts"] = bench.start_rates(lambda c: DockerBackend(DockerConfig(max_concurrent_starts=c)),
-                                              BUSYBOX_TAG, self.bench_labels,
-                                              sorted({1, self.setting, 4}), opts["starts"])
-
-    def _service_sections(self, figures: dict[str, Any], opts: dict[str, Any]) -> None:
-        self._section("pre-fork hand-over (services, in process)")
-        figures["handover"] = self._handover(opts["rounds"])
-        self._section("the service as deployed")
-        log_dir = Path(settings.VAR_DIR) / "bench"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with service_running(workers=opts["uvicorn_workers"], celery=True, log_dir=log_dir) as deployment:
-            token = token_create(name=self.token_name)
-            with httpx.Client(base_url=deployment.url, headers={"Authorization": f"Token {token}"},
-                              timeout=600) as client:
-                self._section("first miss in tool-server mode")
-                figures["first_miss"] = self._first_miss(client, max(3, opts["rounds"] // 2))
-                self._section("tool-server rollouts")
-                figures["toolserver"] = self._toolserver(deployment.url, token, opts)
+        self._write(opts["out"], figures)
 
     def _section(self, title: str) -> None:
         # Other work on the machine shows here: the figures assume the bench has it to itself.
@@ -319,11 +299,11 @@ class Command(BaseCommand):
         ApiToken.objects.filter(name=self.token_name).delete()
         return done
 
-    def _write(self, out: Path, name: str, figures: dict[str, Any]) -> None:
+    def _write(self, out: Path, figures: dict[str, Any]) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps(figures, indent=2, default=str))
+        (out / "sandboxes.json").write_text(json.dumps(figures, indent=2, default=str))
         markdown = render_markdown(figures)
-        (out / f"{name}.md").write_text(markdown)
+        (out / "sandboxes.md").write_text(markdown)
         self.stdout.write(markdown)
 
 
@@ -343,16 +323,6 @@ def render_markdown(figures: dict[str, Any]) -> str:
     lines = [f"Run {meta['run']} ({meta['cpus']} cores; limiter setting {meta['max_concurrent_starts_setting']}; "
              f"{meta['uvicorn_workers']} uvicorn workers; seed {meta['seed']}; 1-min load average at each section: "
              f"{meta['loadavg']}).", ""]
-    if "calls" in figures:
-        lines += ["A bash call in a running sandbox: one `docker exec` per call against the shell session (one agent per "
-                  "container), interleaved call by call, median / P95 ms:", "",
-                  "| image | calls | exec | session | exec, observed | session, observed | first call: exec / session |",
-                  "|---|---:|---|---|---|---|---|"]
-        for c in figures["calls"]:
-            e, s = c["exec"], c["session"]
-            lines.append(f"| {c['image']} | {c['rounds']} | {_ms(e['plain'])} | {_ms(s['plain'])} | {_ms(e['observed'])} "
-                         f"| {_ms(s['observed'])} | {e['first']['median_ms']} / {s['first']['median_ms']} |")
-        lines += ["", "Observed: execute_observed, as a tool-server miss runs (the layer listed on the host before and after).", ""]
     if "handover" in figures:
         h = figures["handover"]
         lines += ["Hand-over of a READY pre-fork (services in process), median / P95 ms:", "",

@@ -30,13 +30,10 @@ FLIGHT_POLL_MAX_S = 0.25
 
 @dataclass(frozen=True, slots=True)
 class _Background:
-    """A miss's record, snapshot and lease release, going on in a thread of its own."""
+    """The last miss's record, snapshot and lease release, going on in a thread of its own."""
 
     call: Call
     recorded: threading.Event  # set once the record is done, or given up
-    # Set once the environment is free to move on: the snapshot is frozen (its registration
-    # and the lease release may still be on their way), none was wanted, or all of it is over.
-    env_free: threading.Event
     done: Future[None]  # all of it; carries what it raised
 
 
@@ -119,9 +116,8 @@ class ToolCallExecutor:
 
     A miss returns as soon as its call has run: its record, the snapshot the service may ask
     for and the release of its lease go on in a thread of their own, while the policy
-    generates the next call. A hit never waits for them. A later miss waits only until the
-    environment is free to move on (the snapshot is frozen; its registration and the lease
-    release go on); `env`, `flush()` and `close()` wait for all of it. If the service rejects
+    generates the next call. The executor waits for them before it next touches the
+    environment (a later miss, `env`) and in `flush()` and `close()`. If the service rejects
     the record or the snapshot's registration, or cannot be reached, that is logged and
     counted in `record_failures` and the call's result stands: the cache only lacks that node
     or snapshot. Any other error there (the environment failing to fork, say) is raised by
@@ -130,8 +126,7 @@ class ToolCallExecutor:
     Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment),
     `replayed` (calls run again only to rebuild state), `waited` (calls that waited for
     another rollout executing them) and `background_wait_ms` (time the rollout waited for a
-    miss's background work that the policy's thinking did not cover: mostly snapshots being
-    frozen).
+    miss's background work that the policy's thinking did not cover: mostly snapshots).
 
     Single flight (with a `rollout_id`, unless `single_flight=False`): a miss claims the call,
     and a rollout that misses on a call another rollout is executing in the same state waits
@@ -195,9 +190,7 @@ class ToolCallExecutor:
         self.divergent = 0
         self.audits_skipped = 0
         self.detached = False
-        # Misses' background work, oldest first; the last one may still hold the environment.
-        self._background: list[_Background] = []
-        self._counters = threading.Lock()
+        self._background: _Background | None = None
 
     @property
     def history(self) -> tuple[Call, ...]:
@@ -218,7 +211,7 @@ class ToolCallExecutor:
         call = _json_copy(call)
         if self.detached:
             return self._execute_detached(call)
-        background = self._background[-1] if self._background else None
+        background = self._background
         if background is not None and background.call == call:
             # The rollout repeats the call it has just missed: once that is recorded, the
             # lookup hits rather than claiming the call again and executing it a second time.
@@ -259,34 +252,16 @@ class ToolCallExecutor:
             delay = min(delay * 2, FLIGHT_POLL_MAX_S)
 
     def flush(self) -> None:
-        """Wait for the misses' records, snapshots and lease releases to be done.
+        """Wait for the last miss's record, snapshot and lease release to be done.
 
         Raises what that work raised, but for the service errors it logs and counts.
         """
-        pending, self._background = self._background, []
-        if not pending:
+        background, self._background = self._background, None
+        if background is None:
             return
         started = time.perf_counter()
         try:
-            for background in pending:
-                background.done.result()
-        finally:
-            self.background_wait_ms += _elapsed_ms(started)
-
-    def _env_settled(self) -> None:
-        """Wait until the environment is free to move on (the last miss's snapshot is frozen).
-
-        Raises what finished background work raised, as `flush()` does.
-        """
-        if not self._background:
-            return
-        started = time.perf_counter()
-        try:
-            self._background[-1].env_free.wait()
-            finished = [b for b in self._background if b.done.done()]
-            self._background = [b for b in self._background if not b.done.done()]
-            for background in finished:
-                background.done.result()
+            background.done.result()
         finally:
             self.background_wait_ms += _elapsed_ms(started)
 
@@ -338,7 +313,7 @@ class ToolCallExecutor:
                 self.task_id, lookup.node_id, _json_copy(fresh), rollout_id=self.rollout_id
             )
         except TVCacheError as exc:
-            self._count_failure()
+            self.record_failures += 1
             logger.warning("could not report the audit of %s: %s", call, exc)
             return
         self.audited += 1
@@ -355,7 +330,7 @@ class ToolCallExecutor:
                 self._release(lease_id, restore_ms)
 
         try:
-            self._env_settled()  # the previous miss's snapshot is frozen before the environment moves on
+            self.flush()  # the previous miss's snapshot is taken before the environment moves on
             if self._env is None:
                 restore_ms, replay = self._open_env(lookup)
             else:
@@ -380,15 +355,16 @@ class ToolCallExecutor:
             return executed.result, executed.mutated
         # The caller owns the result it gets back; the record sends a copy taken now.
         recorded = replace(executed, result=_json_copy(executed.result))
-        claimed, done_recording, env_free = lookup.claim == "granted", threading.Event(), threading.Event()
-
-        done = _in_background(
-            lambda: self._record_in_background(recorded, claimed, lease_id, restore_ms, done_recording, env_free)
+        claimed, done_recording = lookup.claim == "granted", threading.Event()
+        self._background = _Background(
+            call,
+            done_recording,
+            _in_background(
+                lambda: self._record_in_background(
+                    recorded, claimed, lease_id, restore_ms, done_recording
+                )
+            ),
         )
-        # Whatever happened, the environment is free once all of it is over (a failure included,
-        # which the next miss then raises).
-        done.add_done_callback(lambda _: env_free.set())
-        self._background.append(_Background(call, done_recording, env_free, done))
         return executed.result, executed.mutated
 
     def _record_in_background(
@@ -398,7 +374,6 @@ class ToolCallExecutor:
         lease_id: int | str | None,
         restore_ms: float | None,
         done_recording: threading.Event,
-        env_free: threading.Event,
     ) -> None:
         try:
             try:
@@ -408,16 +383,16 @@ class ToolCallExecutor:
                     self._release_claim(executed.history, executed.call)
                 if not isinstance(exc, TVCacheError):
                     raise
-                self._count_failure()
+                self.record_failures += 1
                 logger.warning("could not record %s: %s", executed.call, exc)
                 return
             finally:
                 done_recording.set()
             # Recorded: the claim stays, so that rollouts waiting on it take the hit.
             try:
-                self._keep_snapshot(recorded, env_free)
+                self._keep_snapshot(recorded)
             except TVCacheError as exc:
-                self._count_failure()
+                self.record_failures += 1
                 logger.warning("could not register a snapshot after %s: %s", executed.call, exc)
         finally:
             if lease_id is not None:
@@ -478,27 +453,17 @@ class ToolCallExecutor:
             mutated=executed.mutated,
         )
 
-    def _keep_snapshot(self, recorded: RecordResult, env_free: threading.Event | None = None) -> None:
-        """Take the snapshot the service asks for after a record, and drop what it evicted.
-
-        `env_free` is set once the environment may move on (the snapshot is frozen)."""
+    def _keep_snapshot(self, recorded: RecordResult) -> None:
+        """Take the snapshot the service asks for after a record, and drop what it evicted."""
         if recorded.snapshot_wanted:
-            self._snapshot(recorded.node_id, env_free)
-        elif env_free is not None:
-            env_free.set()
+            self._snapshot(recorded.node_id)
         self._discard(recorded.evicted)
 
-    def _count_failure(self) -> None:
-        with self._counters:
-            self.record_failures += 1
-
-    def _snapshot(self, node_id: int, env_free: threading.Event | None = None) -> None:
+    def _snapshot(self, node_id: int) -> None:
         assert self._env is not None
         started = time.perf_counter()
         frozen = self._env.fork()
         create_ms = _elapsed_ms(started)
-        if env_free is not None:  # frozen: the rollout's next miss may move the environment on
-            env_free.set()
         ref = uuid.uuid4().hex
         # Stored before the service can offer the ref, so that another executor of this
         # process that is offered it right away finds it.

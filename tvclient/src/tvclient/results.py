@@ -122,8 +122,6 @@ class CallResult:
     node_id: int
     latency_ms: float
     mutates: bool = True  # the call changed the rollout's state (False: read-only, declared or observed)
-    # Where the service's time went (lookup, exec, record, ...), as it reports it.
-    phases_ms: Mapping[str, float] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallResult:
@@ -133,5 +131,4 @@ class CallResult:
             node_id=data["node_id"],
             latency_ms=data["latency_ms"],
             mutates=bool(data.get("mutates", True)),
-            phases_ms=dict(data.get("phases_ms") or {}),
         )
