@@ -34,19 +34,27 @@ def _sender() -> ThreadPoolExecutor:
     return _senders[1]
 
 
-def job_enqueue(task, *args) -> None:
+def job_enqueue(task, *args, near: str | None = None) -> None:
     """Queue the Celery task `task(*args)` after the current transaction commits (at once outside
     one). Never raises and never blocks for the broker; a job the broker refuses runs here. Jobs
     are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped when
     MAX_PENDING are waiting is redone by the periodic jobs (the reaper fails a sandbox row that
-    never warmed)."""
-    transaction.on_commit(lambda: _submit(task, args))
+    never warmed). `near`: the job works on a docker engine's sandboxes; it goes to the queue of
+    the workers next to that engine (job_queue)."""
+    transaction.on_commit(lambda: _submit(task, args, job_queue(task, near)))
 
 
-def _submit(task, args: tuple) -> None:
+def job_queue(task, near: str | None) -> str | None:
+    """`<default queue>.<near>`: the queue of the workers next to `near` (an engine's queue name);
+    None: the default queue. Below the default queue, so that installations (and test sessions)
+    sharing a broker keep their jobs apart."""
+    return f"{task.app.conf.task_default_queue}.{near}" if near else None
+
+
+def _submit(task, args: tuple, queue: str | None) -> None:
     if task.app.conf.task_always_eager:  # embedded: runs here, as Celery does without a broker
         try:
-            task.apply_async(args)
+            task.apply_async(args, queue=queue)
         except Exception:
             log.exception("background job %s%r failed", task.name, args)
         return
@@ -55,15 +63,15 @@ def _submit(task, args: tuple) -> None:
         log.error("%d background jobs waiting: %s%r dropped", MAX_PENDING, task.name, args)
         return
     try:
-        sender.submit(_send, task, args)
+        sender.submit(_send, task, args, queue)
     except RuntimeError:  # the interpreter is shutting down
         _pending.release()
 
 
-def _send(task, args: tuple) -> None:
+def _send(task, args: tuple, queue: str | None) -> None:
     try:
         try:
-            task.apply_async(args, retry=False)
+            task.apply_async(args, retry=False, queue=queue)
         except Exception as exc:  # the broker is down or refused: do the work here
             log.warning("broker unavailable (%s): running %s%r in process", exc, task.name, args)
             result = task.apply(args)

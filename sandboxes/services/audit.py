@@ -24,26 +24,38 @@ from django.utils import timezone
 from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Task
 from cache.services import divergence_record, task_handle
+from cache.services.background import job_queue
 from cache.services.lookup import task_chain
 from cache.tcg import ToolCall, canonical_json
 from sandboxes.backends.base import SandboxBackend, SandboxError
 from sandboxes.models import Sandbox
 
-from .pools import idle_deadline, sandbox_stop, set_state
-from .runtime import backend_named, labels
+from .pools import engine_queue, engines_for, idle_deadline, sandbox_launch, sandbox_stop, set_state
+from .runtime import backend_named
 
 log = logging.getLogger("tvcache.audit")
 
 EQUAL, DIVERGENT, INCONCLUSIVE, SKIPPED = "equal", "divergent", "inconclusive", "skipped"
 
 
-def hit_audit_enqueue(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> None:
+def hit_audit_enqueue(*, task_id: str, node_id: int, rollout_pk: int, applied: int, backend: str) -> None:
     """Have a worker audit the hit of node `node_id` by the rollout whose history's first `applied`
     calls led to it, once the current transaction commits. Never raises, never waits."""
     try:
-        transaction.on_commit(lambda: _outbox.put((task_id, node_id, rollout_pk, applied)))
+        transaction.on_commit(lambda: _placed(task_id, node_id, rollout_pk, applied, backend))
     except Exception as exc:
         log.warning("could not queue the audit of node %s of task %s: %s", node_id, task_id, exc)
+
+
+def _placed(task_id: str, node_id: int, rollout_pk: int, applied: int, backend: str) -> None:
+    """The audit's sandbox goes to the engine a new sandbox would go to now, and the audit to the
+    queue of that engine's workers."""
+    try:
+        engine = engines_for(backend, 1)[0]
+    except Exception as exc:  # the database failing here costs only this audit
+        log.warning("could not place the audit of node %s of task %s: %s", node_id, task_id, exc)
+        return
+    _outbox.put(((task_id, node_id, rollout_pk, applied, engine), engine_queue(engine)))
 
 
 class _Outbox:
@@ -59,12 +71,13 @@ class _Outbox:
         self.jobs: queue.Queue = queue.Queue(maxsize=capacity)
 
     def put(self, job: tuple) -> None:
+        """`job`: the audit task's arguments, and the engine queue it goes to (None: the default)."""
         self._started()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
             log.warning("audit outbox full (broker slow or down): the audit of node %s of task %s is dropped",
-                        job[1], job[0])
+                        job[0][1], job[0][0])
 
     def _started(self) -> None:
         if self.pid == os.getpid():
@@ -80,21 +93,21 @@ class _Outbox:
         from workers.tasks import hit_audit as audit_task
 
         while True:
-            job = jobs.get()
+            args, near = jobs.get()
             try:
-                audit_task.apply_async(job, retry=False)
+                audit_task.apply_async(args, retry=False, queue=job_queue(audit_task, near))
             except Exception as exc:  # the broker is down: this hit goes unaudited
-                log.warning("could not queue the audit of node %s of task %s: %s", job[1], job[0], exc)
+                log.warning("could not queue the audit of node %s of task %s: %s", args[1], args[0], exc)
 
 
 _outbox = _Outbox(capacity=1000)
 
 
-def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
+def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engine: str = "") -> str:
     """Re-execute node `node_id`'s call at its parent state and compare: "equal", "divergent"
     (recorded), "inconclusive" (the sandbox failed, a call timed out, the replay missed the parent's
     state) or "skipped" (the node, the rollout or the task's keys are gone, or the node is divergent
-    already)."""
+    already). The audit's sandbox goes to `engine` (a docker engine's name)."""
     node = Node.objects.filter(task_id=task_id, pk=node_id, divergent=False).first()
     rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history", "rollout_id").first()
     task = Task.objects.filter(pk=task_id).first()
@@ -111,7 +124,8 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> s
     parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
               .values("pk", "tool", "state_shape").first() if writes else None)
     try:
-        run = _reexecute(task, backend, writes, call, parent, rollout_id, shape=node.mutates and bool(node.state_shape))
+        run = _reexecute(task, backend, engine, writes, call, parent, rollout_id,
+                         shape=node.mutates and bool(node.state_shape))
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
         return INCONCLUSIVE
@@ -139,17 +153,18 @@ def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], sha
     return EQUAL
 
 
-def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall, parent: dict | None,
-               rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
+def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[ToolCall], call: ToolCall,
+               parent: dict | None, rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
     """The call's result in a fresh sandbox of the task after `writes`, and with `shape` the shape
     of the state it left; None if the replay did not reach the parent node's state: a replayed
     call timed out, or the sandbox's state differs from the one the parent recorded (a divergence
     of kind "state", recorded on the parent: the audited node is not judged). A sandbox row
     accounts for the sandbox meanwhile (the pools page shows it; the orphan reaper spares it)."""
-    row = Sandbox.objects.create(task=task, backend=backend.name, pool=Sandbox.Pool.ROOT, state=Sandbox.State.WARMING)
+    row = Sandbox.objects.create(task=task, backend=backend.name, engine=engine, pool=Sandbox.Pool.ROOT,
+                                 state=Sandbox.State.WARMING)
     started = time.perf_counter()
     try:
-        sandbox = backend.start(task.env, labels=labels(task.pk, row.pk))
+        sandbox = sandbox_launch(row, task.env)
     except SandboxError as exc:
         set_state(row, Sandbox.State.FAILED, error=f"audit: {exc.code}: {exc.message}")
         raise

@@ -4,6 +4,9 @@ deletion, listing what is ours, the env fingerprint's facts, health."""
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +16,7 @@ import docker.errors
 from ..base import (
     OWNER,
     OWNER_LABEL,
+    EngineUnavailable,
     InvalidEnv,
     OwnedResource,
     SandboxBackend,
@@ -62,6 +66,11 @@ class DockerBackend(SandboxBackend):
         # Whether the engine enforces an overlay size limit (--storage-opt size): None until tried.
         self.storage_quota: bool | None = None
         self._base_layers = BaseLayers()
+        # The engine whose images this one runs (DockerConfig.images_from), and the ids it gave.
+        self.images_from = (EngineConnection(dataclasses.replace(config, base_url=config.images_from))
+                            if config.images_from else None)
+        self._image_ids: dict[str, str] = {}
+        self._image_move = threading.Lock()
 
     @property
     def api(self) -> docker.APIClient:
@@ -70,7 +79,7 @@ class DockerBackend(SandboxBackend):
     def start(self, env: Mapping[str, Any], *, labels: Mapping[str, str]) -> DockerSandbox:
         spec = DockerEnv.parse(env, self.config)
         with engine_errors():
-            image = self._image(spec.image, missing=InvalidEnv(f"image {spec.image!r} not found (build it: manage.py build_images)"))
+            image = self._base_image(spec.image)
             with self.limiter.slot():
                 container_id = self._create(spec, image, labels)
                 try:
@@ -123,7 +132,7 @@ class DockerBackend(SandboxBackend):
     def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
         spec = DockerEnv.parse(env, self.config)
         with engine_errors():
-            image = self._image(spec.image, missing=InvalidEnv(f"image {spec.image!r} not found (build it: manage.py build_images)"))
+            image = self._base_image(spec.image)
         return {"backend": self.name, "tools_version": TOOLS_VERSION, "image_id": image["Id"], "limits": spec.limits(),
                 "confinement": spec.confinement()}
 
@@ -170,6 +179,44 @@ class DockerBackend(SandboxBackend):
             return self.api.inspect_image(ref)
         except docker.errors.ImageNotFound:
             raise missing from None
+
+    def _base_image(self, name: str) -> dict[str, Any]:
+        """The image fresh sandboxes of `name` run: this engine's, or with `images_from` the image of
+        that name there, by id, moved here if this engine lacks it."""
+        missing = InvalidEnv(f"image {name!r} not found (build it: manage.py build_images)")
+        if self.images_from is None:
+            return self._image(name, missing=missing)
+        try:
+            with engine_errors():
+                image_id = self.images_from.api.inspect_image(name)["Id"]
+        except docker.errors.ImageNotFound:
+            raise missing from None
+        except EngineUnavailable:
+            if name not in self._image_ids:
+                raise
+            image_id = self._image_ids[name]  # the image engine is down: the id it gave last
+        self._image_ids[name] = image_id
+        try:
+            return self.api.inspect_image(image_id)
+        except docker.errors.ImageNotFound:
+            return self._image_moved(image_id)
+
+    def _image_moved(self, image_id: str) -> dict[str, Any]:
+        """docker save there, docker load here (through a file: a failure is one engine's or the
+        other's); the id stays the same. Once per image and engine: later starts find it."""
+        with self._image_move:
+            try:
+                return self.api.inspect_image(image_id)  # moved meanwhile by another thread
+            except docker.errors.ImageNotFound:
+                pass
+            with tempfile.TemporaryFile() as archive:
+                for chunk in self.images_from.api.get_image(image_id):
+                    archive.write(chunk)
+                archive.seek(0)
+                for message in self.api.load_image(archive):
+                    if "error" in message:
+                        raise SandboxError(f"image {image_id[:19]} could not be loaded: {message['error']}")
+            return self.api.inspect_image(image_id)
 
     def _create(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str]) -> str:
         fresh = not is_snapshot(image)  # a fork's image has it all
