@@ -12,7 +12,7 @@ from cache.projects import key_project, task_public_id
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
-from .services.engines import Engine, engines
+from .services.engines import Engine, engines, live_per_engine
 from .services.runtime import engine_backend
 
 HEALTH_TTL_S = 10.0
@@ -37,9 +37,8 @@ def engine_health(engine: Engine) -> dict:
 def engines_health() -> tuple[dict, list[dict]]:
     """The deployment's docker engines: together (the one engine's health as it is, or whether all
     of several answer), and each with its capacity, live sandboxes and Celery queue."""
-    live = dict(Sandbox.objects.filter(backend="docker").exclude(state__in=LIVE_EXCLUDED).values("engine")
-                .annotate(n=Count("id")).values_list("engine", "n"))
-    each = [{"url": engine.label, "capacity": engine.capacity, "live_sandboxes": live.get(engine.name, 0),
+    live = live_per_engine()
+    each = [{"url": engine.label, "capacity": engine.capacity, "live_sandboxes": live[engine.name],
              "queue": engine.queue, **engine_health(engine)} for engine in engines()]
     if len(each) == 1:
         return engine_health(engines()[0]), each

@@ -30,7 +30,8 @@ from cache.tcg import ToolCall, canonical_json
 from sandboxes.backends.base import SandboxBackend, SandboxError
 from sandboxes.models import Sandbox
 
-from .pools import engine_queue, engines_for, idle_deadline, sandbox_launch, sandbox_stop, set_state
+from .engines import engine_queue, engines_for
+from .pools import idle_deadline, sandbox_launch, sandbox_stop, set_state
 from .runtime import backend_named
 
 log = logging.getLogger("tvcache.audit")

@@ -19,6 +19,7 @@ unset: the one engine of TVCACHE_DOCKER_URL).
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import time
 from collections import Counter
@@ -29,6 +30,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Count
 
 from sandboxes.models import Sandbox
+
+log = logging.getLogger("tvcache.sandboxes")
 
 ENGINE_RETRY_S = 10.0  # an engine that failed is tried again for new sandboxes after this long
 _ENTRY = re.compile(r"(?P<url>\S+)=(?P<capacity>[1-9]\d*)")
@@ -65,10 +68,9 @@ def _parsed(entries: tuple[str, ...], single_url: str) -> tuple[Engine, ...]:
         url = match["url"]
         queue = "engine-" + re.sub(r"[^a-z0-9]+", "-", url.split("://", 1)[-1].lower()).strip("-")
         found.append(Engine(name=url, url=url, capacity=int(match["capacity"]), queue=queue))
-    for field in ("name", "queue"):
-        values = [getattr(engine, field) for engine in found]
-        if len(set(values)) != len(values):
-            raise ImproperlyConfigured(f"TVCACHE_DOCKER_ENGINES: two engines share a {field}: {values}")
+    queues = [engine.queue for engine in found]
+    if len(set(queues)) != len(queues):
+        raise ImproperlyConfigured(f"TVCACHE_DOCKER_ENGINES: two engines would share a Celery queue: {queues}")
     return tuple(found)
 
 
@@ -78,12 +80,21 @@ def engine_named(name: str) -> Engine | None:
 
 def engine_lost(name: str) -> None:
     """The engine failed: new sandboxes go elsewhere for ENGINE_RETRY_S."""
+    if _answering(name):
+        log.warning("docker engine %r failed: new sandboxes go elsewhere for %.0f s", name, ENGINE_RETRY_S)
     _lost[name] = time.monotonic() + ENGINE_RETRY_S
 
 
-def engine_answering(name: str) -> bool:
+def _answering(name: str) -> bool:
     """Whether placements take the engine (it has not failed lately, as this process saw it)."""
     return _lost.get(name, 0.0) <= time.monotonic()
+
+
+def live_per_engine() -> Counter:
+    """Live docker sandboxes (warming to stopping) by engine name."""
+    return Counter(dict(Sandbox.objects.filter(backend="docker")
+                        .exclude(state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED))
+                        .values("engine").annotate(n=Count("id")).values_list("engine", "n")))
 
 
 def engines_placed(count: int, *, exclude: tuple[str, ...] = ()) -> list[Engine]:
@@ -91,15 +102,27 @@ def engines_placed(count: int, *, exclude: tuple[str, ...] = ()) -> list[Engine]
     smallest share of its capacity (ties: the first listed). Engines that failed lately are left
     out unless every one did (the attempt then tells). Empty when `exclude` leaves none."""
     candidates = [engine for engine in engines() if engine.name not in exclude]
-    candidates = [engine for engine in candidates if engine_answering(engine.name)] or candidates
+    candidates = [engine for engine in candidates if _answering(engine.name)] or candidates
     if len(candidates) <= 1:
         return candidates * count
-    live = Counter(dict(Sandbox.objects.filter(backend="docker", engine__in=[e.name for e in candidates])
-                        .exclude(state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED))
-                        .values("engine").annotate(n=Count("id")).values_list("engine", "n")))
+    live = live_per_engine()
     placed = []
     for _ in range(count):
         engine = min(candidates, key=lambda e: live[e.name] / e.capacity)
         live[engine.name] += 1
         placed.append(engine)
     return placed
+
+
+def engines_for(backend: str, count: int) -> list[str]:
+    """The engines `count` new sandboxes of `backend` go to; "" for the backends that run on this
+    host."""
+    if backend != "docker":
+        return [""] * count
+    return [engine.name for engine in engines_placed(count)]
+
+
+def engine_queue(engine: str) -> str | None:
+    """The Celery queue of the workers next to an engine (None: the default queue)."""
+    found = engine_named(engine)
+    return found.queue if found is not None else None

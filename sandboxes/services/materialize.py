@@ -29,7 +29,8 @@ from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
 from sandboxes.models import Sandbox
 
-from .pools import engines_for, idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, set_state
+from .engines import engines_for
+from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, set_state
 from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 
 

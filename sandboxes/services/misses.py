@@ -30,7 +30,8 @@ from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, Inval
 from sandboxes.models import Sandbox
 
 from .materialize import Phases, Run, retire, rollout_sandbox
-from .pools import engine_queue, idle_deadline, prefork_if_room
+from .engines import engine_queue
+from .pools import idle_deadline, prefork_if_room
 from .runtime import as_application_error, labels
 
 log = logging.getLogger("tvcache.toolserver")

@@ -26,7 +26,7 @@ from sandboxes.backends.base import EngineUnavailable, SandboxError, SnapshotMis
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.models import Sandbox
 
-from .engines import engine_lost, engine_named, engines_placed
+from .engines import engine_lost, engine_queue, engines_for, engines_placed
 from .runtime import env_check_granted, forget, is_managed, labels, remember, sandbox_backend, sandbox_config
 
 log = logging.getLogger("tvcache.sandboxes")
@@ -89,20 +89,6 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
         for row in created:
             job_enqueue(warm_task, row.pk, near=engine_queue(row.engine))
     return [row.pk for row in created]
-
-
-def engines_for(backend: str, count: int) -> list[str]:
-    """The engines `count` new sandboxes of `backend` go to (engines.py); "" for the backends that
-    run on this host."""
-    if backend != "docker":
-        return [""] * count
-    return [engine.name for engine in engines_placed(count)]
-
-
-def engine_queue(engine: str) -> str | None:
-    """The Celery queue of the workers next to an engine (None: the default queue)."""
-    found = engine_named(engine)
-    return found.queue if found is not None else None
 
 
 def sandbox_launch(row: Sandbox, env: dict, *, snapshot: Snapshot | None = None) -> SandboxHandle:

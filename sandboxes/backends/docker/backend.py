@@ -202,8 +202,8 @@ class DockerBackend(SandboxBackend):
             return self._image_moved(image_id)
 
     def _image_moved(self, image_id: str) -> dict[str, Any]:
-        """docker save there, docker load here (through a file: a failure is one engine's or the
-        other's); the id stays the same. Once per image and engine: later starts find it."""
+        """docker save there, docker load here, through a temporary file; the id stays the same.
+        Once per image and engine: later starts find it."""
         with self._image_move:
             try:
                 return self.api.inspect_image(image_id)  # moved meanwhile by another thread
