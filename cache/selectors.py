@@ -9,7 +9,7 @@ from django.db.models import Count, Max, Q, Sum
 
 from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
 from cache.projects import unknown_node, unknown_task
-from cache.services.counters import counters_flush
+from cache.services.ledger import ledger_flush
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
@@ -38,7 +38,7 @@ def _rates(row: dict[str, Any]) -> dict[str, Any]:
 
 def task_stats(*, task_id: str) -> dict[str, Any]:
     """Totals, per epoch and per tool; plus graph sizes."""
-    counters_flush()
+    ledger_flush()
     rows = ToolStat.objects.filter(task_id=task_id)
     sums = {key: Sum(key) for key in COUNTERS}
     total = _rates(rows.aggregate(**sums))
@@ -107,7 +107,7 @@ def task_ids(*, project_id: int | None = None, project_ids: list[int] | None = N
 
 def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
     """One row per given task with its totals (a page of the task list or the dashboard overview)."""
-    counters_flush()
+    ledger_flush()
     sums = {key: Sum(key) for key in COUNTERS}
     totals = {r["task_id"]: _rates(r)
               for r in ToolStat.objects.filter(task_id__in=task_ids).values("task_id").annotate(**sums)}
@@ -125,7 +125,7 @@ def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
 def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None = None, limit: int = 100_000) -> dict:
     """Nodes and edges of a task's graph; optionally only the subtree under `root`, `max_depth` deep."""
     task_get(task_id=task_id)
-    counters_flush()
+    ledger_flush()
     nodes = Node.objects.filter(task_id=task_id)
     if root is not None:
         if not Node.objects.filter(task_id=task_id, pk=root).exists():

@@ -20,10 +20,9 @@ from django.utils.html import format_html
 from cache import services
 from cache.api.auth import TOKEN_CACHE_TTL_S, key_digest, new_key
 from cache.errors import ApplicationError
-from cache.models import ApiToken, Membership, Node, Project, Snapshot, Task
+from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.services.projects import LIMITS, check_grants
 
-from .models import AuditEntry
 
 
 class BudgetForm(forms.Form):

@@ -170,9 +170,10 @@ TVCACHE = {
     "MAX_JSON_DEPTH": env.int("TVCACHE_MAX_JSON_DEPTH", default=64),
     "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
     "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
-    # Lookup counters are written in batches this often by a thread per process; 0 = only when
-    # stats are read (the tests use that: everything they count is flushed before it is read).
-    "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.25),
+    # Lookup counters are written in batches this often by the ledger's thread (one per process,
+    # which wakes every 0.3 s); 0 = only when stats are read (the tests use that: everything they
+    # count is flushed before it is read).
+    "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.3),
     # Threads per ASGI process that answer lookups. One: more threads per process fight over the
     # GIL (bench_lookup: 2 processes x 4 threads saturated at 585 lookups/s; 3 x 1 served 1,024/s
     # at P95 7 ms); run more processes instead.

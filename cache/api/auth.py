@@ -138,11 +138,11 @@ def admit(principal: Principal) -> None:
     """Count the request against its project's rate limit; RateLimited (429) over it. Each
     server process keeps its own buckets: with TVCACHE_RATE_LIMIT_PROCESSES = N (the number of
     server processes), each admits 1/N of the project's rate."""
-    from cache.services.counters import requests_add
+    from cache.services.ledger import request_add
 
     rate = principal.rate_limit
     if rate is None:
-        requests_add(project_id=principal.project_id, admitted=True)
+        request_add(project_id=principal.project_id, admitted=True)
         return
     share = settings.TVCACHE.get("RATE_LIMIT_PROCESSES", 1)
     rate_here = rate / share
@@ -158,7 +158,7 @@ def admit(principal: Principal) -> None:
         if admitted:
             bucket.tokens -= 1.0
         wait_s = 0.0 if admitted else (1.0 - bucket.tokens) / rate_here
-    requests_add(project_id=principal.project_id, admitted=admitted)
+    request_add(project_id=principal.project_id, admitted=admitted)
     if not admitted:
         raise RateLimited(f"Project '{principal.project}' is over its rate limit of {rate} requests per second.",
                           details={"project": principal.project, "rate_limit": rate, "retry_after_s": round(wait_s, 3)})

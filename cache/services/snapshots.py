@@ -15,7 +15,8 @@ from cache.models import BackendCost, Lease, Node, Project, Snapshot, Task
 from cache.projects import key_project, unknown_node
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
 from cache.tcg.snapshots import SnapshotCosts, moving_average
-from dashboard import broadcast
+
+from . import ledger
 
 # Before a backend has been measured: what a snapshot and a restore typically cost, in ms.
 DEFAULT_COSTS = {
@@ -82,7 +83,7 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, siz
         _snapshot_bytes_granted(task_id, size_bytes)
         snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, ref=ref, owner=owner,
                                            size_bytes=size_bytes, create_ms=create_ms)
-        broadcast.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
+        ledger.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
     if create_ms is not None:
         _cost_sample(backend, snapshot_ms=create_ms)
     evicted = task_enforce_budget(task_id=task_id)
@@ -163,7 +164,7 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
 
 def _announce_evicted(snapshots: list[Snapshot]) -> None:
     for snapshot in snapshots:
-        broadcast.snapshot_event(snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
+        ledger.snapshot_event(snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
                                  snapshot_id=snapshot.pk)
 
 

@@ -9,10 +9,12 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from cache.errors import Conflict, InvalidInput, NotFound
+from cache.hooks import sandbox_hooks
 from cache.models import Divergence, Node, Project, Snapshot, Task
 from cache.projects import key_project, role_check, task_public_id, unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
-from dashboard import broadcast
+
+from . import ledger
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
 
@@ -115,32 +117,6 @@ def _validate_env(env: Any) -> dict:
     return env
 
 
-def _fingerprint_material(env: dict) -> dict:
-    """What identifies a managed environment beyond its spec (the docker image id, the sqlite
-    seed's hash): a rebuilt image is a new environment, so its tasks' old results never hit."""
-    from sandboxes.backends.base import SandboxError
-    from sandboxes.services.runtime import as_application_error, backend_named, is_managed
-
-    if not is_managed(env.get("backend", "external")):
-        return {}
-    try:
-        return backend_named(env["backend"]).fingerprint_material(env)
-    except SandboxError as exc:
-        raise as_application_error(exc) from None
-
-
-def _granted(env: dict, project: Project) -> None:
-    """Refuse (403) an env that asks for more than the project is granted (network, images,
-    limits): the sandbox backend's own check, under the service's maxima narrowed to the grants."""
-    from sandboxes.backends.base import SandboxError
-    from sandboxes.services.runtime import as_application_error, env_check_granted
-
-    try:
-        env_check_granted(env, project=project)
-    except SandboxError as exc:
-        raise as_application_error(exc) from None
-
-
 def _project_of(task_id: str) -> Project:
     from .projects import project_named
 
@@ -169,8 +145,11 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
                                        or sandbox_budget < 0):
         raise InvalidInput("'sandbox_budget' must be a non-negative integer.", code="invalid_payload", details={"field": "sandbox_budget"})
     project = _project_of(task_id)
-    _granted(env, project)
-    fingerprint = env_fingerprint({"env": env, "material": _fingerprint_material(env)})
+    # An env that asks for more than the project is granted (network, images, limits) is refused
+    # (403); what identifies it beyond its spec is part of its fingerprint.
+    hooks = sandbox_hooks()
+    hooks.grants_check(env, project)
+    fingerprint = env_fingerprint({"env": env, "material": hooks.fingerprint_material(env)})
     with connection.cursor() as cursor:  # PUTs creating one task at once: each waits, then updates the first's
         cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"task_put:{task_id}"])
     task = Task.objects.select_for_update().filter(pk=task_id).first()
@@ -180,7 +159,7 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
         task = Task.objects.create(id=task_id, project=project, name=task_public_id(task_id), env=env,
                                    env_fingerprint=fingerprint, tools=tools, sandbox_budget=sandbox_budget,
                                    audit_rate=audit_rate)
-        broadcast.task_changed(task_id, "created")
+        ledger.task_changed(task_id, "created")
         return task, True
     if sandbox_budget is None:
         sandbox_budget = task.sandbox_budget
@@ -204,7 +183,7 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
         audit_entry(actor=actor, action="task_update", task_id=task_id, target=f"task {task.name} ({', '.join(changed)})",
                     details={"changed": changed, "nodes_dropped": dropped, "old": old,
                              "new": {"env_fingerprint": fingerprint, "tools": tools, "sandbox_budget": sandbox_budget}})
-    broadcast.task_changed(task_id, "updated")
+    ledger.task_changed(task_id, "updated")
     return task, False
 
 

@@ -23,10 +23,9 @@ from rest_framework.test import APIClient
 
 from cache.api import auth
 from cache.api.auth import TOKEN_CACHE_TTL_S, principal_for_key, token_create
-from cache.models import ApiToken, Membership, Node, Project, Snapshot, Task
+from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.projects import task_key
-from cache.services.counters import counters_flush
-from dashboard.models import AuditEntry
+from cache.services.ledger import ledger_flush
 
 from .helpers import call, lookup, project_clients, record
 
@@ -59,7 +58,7 @@ def world(clients):
     bare = record(alpha, "only-alpha", [W], call("write", path="g", content="2"), {"ok": 2}, rollout_id="r2")["node_id"]
     for project in ("alpha", "beta"):
         assert clients[project, "maintainer"].put("/api/v1/tasks/task-0", EXTERNAL, format="json").status_code == 201
-    counters_flush()  # the lookup's rollout r2 is a row now
+    ledger_flush()  # the lookup's rollout r2 is a row now
     return {"write": write, "read": read, "bare": bare, "lease": lease}
 
 

@@ -8,8 +8,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from cache.models import Lease, Node, Snapshot, Task
-from dashboard.models import AuditEntry
+from cache.models import AuditEntry, Lease, Node, Snapshot, Task
 
 pytestmark = pytest.mark.django_db
 
