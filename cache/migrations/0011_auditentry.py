@@ -1,6 +1,7 @@
 """The audit log moves from the dashboard app to the cache app, with its rows: the model is taken
 over as it is in the state (its table, dashboard_auditentry, untouched), then the table is renamed
-to this app's name. The dashboard's migration 0004 drops the model from its own state only."""
+to this app's name, and its content type follows (the permissions and admin log entries that
+refer to it stay). The dashboard's migration 0004 drops the model from its own state only."""
 
 import django.db.models.deletion
 import django.utils.timezone
@@ -8,11 +9,18 @@ from django.conf import settings
 from django.db import migrations, models
 
 
+def content_type_moved(apps, schema_editor):
+    ContentType = apps.get_model("contenttypes", "ContentType")
+    if not ContentType.objects.filter(app_label="cache", model="auditentry").exists():
+        ContentType.objects.filter(app_label="dashboard", model="auditentry").update(app_label="cache")
+
+
 class Migration(migrations.Migration):
 
     dependencies = [
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
         ('cache', '0010_projects_required'),
+        ('contenttypes', '0002_remove_content_type_name'),
         ('dashboard', '0003_auditentry_project'),
     ]
 
@@ -40,4 +48,5 @@ class Migration(migrations.Migration):
             ),
         ]),
         migrations.AlterModelTable(name='auditentry', table=None),
+        migrations.RunPython(content_type_moved, migrations.RunPython.noop),
     ]

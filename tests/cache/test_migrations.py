@@ -5,6 +5,7 @@ do everything before)."""
 from __future__ import annotations
 
 import pytest
+from django.contrib.contenttypes.models import ContentType
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from rest_framework.test import APIClient
@@ -51,6 +52,9 @@ def test_the_audit_log_moves_to_the_cache_app_with_its_rows():
     old.get_model("dashboard", "AuditEntry").objects.create(
         actor_name="ann", action="node_pin", task_id="alpha.t1", project_id=project.pk, target="task t1 / node 3",
         outcome="ok", details={"pinned": True})
+    ContentType.objects.filter(app_label="cache", model="auditentry").delete()  # as before the move
+    content_type = ContentType.objects.get_or_create(app_label="dashboard", model="auditentry")[0]
+    ContentType.objects.clear_cache()
     executor = MigrationExecutor(connection)
     executor.migrate(latest)
 
@@ -63,3 +67,4 @@ def test_the_audit_log_moves_to_the_cache_app_with_its_rows():
                               outcome="ok")  # the table's id sequence moved with it
     assert AuditEntry.objects.count() == 2
     assert "dashboard_auditentry" not in connection.introspection.table_names()
+    assert ContentType.objects.get_for_model(AuditEntry).pk == content_type.pk  # its permissions stay with it
