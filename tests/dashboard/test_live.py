@@ -92,6 +92,34 @@ def test_a_thousand_lookups_arrive_as_a_few_summaries(redis_layer, staff_user, t
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_page_and_the_stats_count_the_same_lookups(redis_layer, staff_user, task_id, api):
+    """One ledger: the lookups a stats read writes to PostgreSQL reach the page too, counted once."""
+    write = {"tool": "write", "args": {"path": "f"}}
+    assert api.put(f"/api/v1/tasks/{task_id}", {"env": {"backend": "external"}}, format="json").status_code == 201
+    headers = session_headers(staff_user)
+
+    async def scenario():
+        socket = WebsocketCommunicator(application, f"/ws/dashboard/tasks/{task_id}/", headers=headers)
+        assert (await socket.connect())[0]
+        answers = [await asyncio.to_thread(api.post, f"/api/v1/tasks/{task_id}/{path}", body, format="json")
+                   for path, body in [("lookup", {"history": [], "call": write}),
+                                      ("record", {"history": [], "call": write, "result": {"ok": 1}, "exec_ms": 5.0}),
+                                      *[("lookup", {"history": [], "call": write})] * 3]]
+        assert [a.status_code for a in answers] == [200] * 5
+        stats = (await asyncio.to_thread(api.get, f"/api/v1/tasks/{task_id}/stats")).json()  # writes them first
+        ledger.flush_now()
+        lookups, hits = 0, 0
+        while lookups < 4:
+            message = await receive_json(socket)
+            lookups, hits = lookups + message["lookups"], hits + message["hits"]
+        assert (lookups, hits) == (stats["calls"], stats["hits"]) == (4, 3)
+        assert await socket.receive_nothing(timeout=0.7)  # each delta once
+        await socket.disconnect()
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_steady_flood_is_coalesced_to_a_few_messages_per_second(redis_layer, staff_user, task_id):
     headers = session_headers(staff_user)
     done = threading.Event()
