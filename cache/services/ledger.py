@@ -3,9 +3,9 @@ thread that flushes it.
 
 The hot paths only write here: a lookup adds its counts (node hits, per-tool stats, rollout
 counts; `lookup_add`), an API request its project's (`request_add`), a record its event
-(`node_created`): a lock and a few dict updates, never a statement and never a raise. Every
-FLUSH_INTERVAL_S (or at `flush_now`) a daemon thread, restarted in a forked child, takes what came.
-The same lookup deltas then go two ways:
+(`node_created`): a lock and a few dict updates, never a statement. Every FLUSH_INTERVAL_S (or
+at `flush_now`) a daemon thread, restarted in a forked child, takes what came. The same lookup
+deltas then go two ways:
 
 - to PostgreSQL, in one transaction, every TVCACHE["COUNTER_FLUSH_S"] (checked each interval; 0:
   only when stats are read, which call `ledger_flush` first). A crash loses at most that long of
