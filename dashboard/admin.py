@@ -23,11 +23,8 @@ from cache.errors import ApplicationError
 from cache.models import ApiToken, Membership, Node, Project, Snapshot, Task
 from cache.services.projects import LIMITS, check_grants
 
+from .controls import BudgetForm
 from .models import AuditEntry
-
-
-class BudgetForm(forms.Form):
-    sandbox_budget = forms.IntegerField(min_value=0, max_value=1_000_000, label="New budget (live snapshots)")
 
 
 def _confirmed(modeladmin, request, queryset, *, title: str, explain: str, run, form_class=None):
