@@ -38,7 +38,7 @@ import orjson
 from django.utils import timezone
 
 from cache.errors import Conflict, Forbidden, NotFound
-from cache.inputs import CallContext, RecordInput, parse_call
+from cache.inputs import CallContext, RecordInput
 from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.projects import task_public_id, unknown_task
@@ -105,12 +105,11 @@ class _Run:
     diverged: str = ""  # why the sandbox does not reach the recorded state (then nothing is recorded)
 
 
-def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 0) -> CallOutcome:
+def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 0) -> CallOutcome:
     """Four statements for a hit (claim and read the rollout, the lookup, the history append,
     the release); the task's row and a sandbox only for a miss."""
     started = time.perf_counter()
     handle = task_handle(task_id=task_id, cached=True)  # outdated at worst: the lookup checks its version
-    call = parse_call(call_json, "call")
     try:
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
