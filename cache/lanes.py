@@ -3,9 +3,9 @@
 The front door answers hot requests on lanes: a few threads each, with bounded queues. A thread of
 a fast lane must never run a tool for minutes, nor sleep while another request executes what this
 one waits for: either would hold up every hit queued behind it. Work that finds it would do either
-raises a `HandBack` instead, having undone what it started (locks, leases), and the front door
+raises a `HandBack` instead, having undone what it started (claims, leases), and the front door
 sends the request on: to the slow lane (`SlowWork`), or after a wait on the event loop, which
-holds no thread, for an advisory lock to be released (`LockAwaited`). The work runs again from the
+holds no thread, for a single-flight claim to be freed (`ClaimAwaited`). The work runs again from the
 start; what it does before handing back must be safe to repeat.
 
 Work only hands back when the front door said it may (`lane_current()` is not None): under
@@ -28,11 +28,11 @@ class SlowWork(HandBack):
     """It needs the slow lane (a tool-server miss executes a tool)."""
 
 
-class LockAwaited(HandBack):
-    """It waits until no session holds the PostgreSQL advisory lock `key` (single flight), at most
-    `wait_s` from the first time it waited; then it runs again whether the lock is free or not."""
+class ClaimAwaited(HandBack):
+    """It waits until the single-flight claim `key` (task, anchor, call digest) is free or its
+    node recorded, at most `wait_s` from the first time it waited; then it runs again either way."""
 
-    def __init__(self, key: int, wait_s: float):
+    def __init__(self, key: tuple[str, str, str], wait_s: float):
         super().__init__(key, wait_s)
         self.key, self.wait_s = key, wait_s
 
@@ -40,8 +40,9 @@ class LockAwaited(HandBack):
 @dataclass(frozen=True, slots=True)
 class LaneContext:
     fast: bool  # on a lane that serves hits: work that would run a tool hands back (SlowWork)
-    waited_s: float  # time this request already spent waiting for locks, on the event loop
+    waited_s: float  # time this request already spent waiting for claims, on the event loop
     wait_until: float  # time.monotonic() past which it stops waiting and runs anyway
+    rerun: bool = False  # a run after a hand-back: the request was admitted (counted) already
 
 
 _local = threading.local()

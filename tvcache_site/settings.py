@@ -229,13 +229,13 @@ TVCACHE = {
     "DOCKER_OBSERVE_WRITES": env.bool("TVCACHE_DOCKER_OBSERVE_WRITES", default=True),
     # ... until the container's layer holds this many files (listing it costs ~10 us per file).
     "DOCKER_OBSERVE_MAX_ENTRIES": env.int("TVCACHE_DOCKER_OBSERVE_MAX_ENTRIES", default=20_000),
-    # A timed-out call may be an infrastructure hiccup, not the tool's answer: not cached unless set.
-    # Tool-server mode: a rollout that misses on a call another rollout is executing in the same
+    # Single flight (cache/services/flight.py), tool-server mode and the proxy: a rollout that misses on a call another rollout is executing in the same
     # state waits for that result at most this long, then executes it too.
     "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),
-    # Client mode: a rollout that misses with "claim": true executes the call while the others
-    # that miss on it in the same state wait for its record; a claim neither recorded nor given
-    # up (the trainer died) lapses after this long and the next rollout executes.
+    # Single flight, every mode: the rollout that claimed a call executes it while the others that
+    # miss on it in the same state wait for its record; a claim neither recorded nor given up (the
+    # trainer or the leading process died) lapses after this long and the next rollout executes.
+    # A call that runs longer may be executed alongside it (twice, never wrongly).
     "CLAIM_TTL_S": env.float("TVCACHE_CLAIM_TTL_S", default=60.0),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),

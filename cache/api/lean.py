@@ -38,12 +38,12 @@ from rest_framework.views import APIView
 
 from cache.errors import NotAuthenticated, Overloaded
 from cache.inputs import load_json
-from cache.lanes import HandBack, LaneContext, LockAwaited, SlowWork, lane_set
+from cache.lanes import ClaimAwaited, HandBack, LaneContext, SlowWork, lane_current, lane_set
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
 from .auth import INVALID_TOKEN, Principal, admit, principal_cached, principal_for_key
 from .errors import application_error
-from .lockwatch import AdvisoryLockWatch
+from .claimwatch import ClaimWatch
 
 log = logging.getLogger("tvcache.api")
 
@@ -100,7 +100,9 @@ def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: s
 
     def work() -> Reply:
         principal = lean_principal(authorization)
-        admit(principal)
+        lane = lane_current()
+        if lane is None or not lane.rerun:  # a request handed back and run again counts once
+            admit(principal)
         return 200, answer(principal=principal, **path_kwargs, payload=load_json(read_body())), []
 
     return _answered(work)
@@ -365,7 +367,7 @@ class HotPathASGI:
                           for lane, count in threads.items()}
         self.capacity = {lane: count + (queue or {}).get(lane, 256) for lane, count in threads.items()}
         self.busy = dict.fromkeys(threads, 0)  # requests running on a lane or waiting for one of its threads
-        self.locks = AdvisoryLockWatch()
+        self.claims = ClaimWatch()
         self.waiters, self.waiting = waiters, 0
 
     async def __call__(self, scope, receive, send):
@@ -444,22 +446,23 @@ class HotPathASGI:
                          clock: _Clock, rid: str) -> Answered:
         """The answer of `respond` on the view's lane, following the work where it hands the
         request back (cache/lanes.py): on to the "exec" lane, or back to the view's lane once the
-        lock it waits for is free."""
+        claim it waits for is free."""
         lane: Lane = view.lane
-        wait_until = None
+        wait_until, rerun = None, False
         while True:
-            context = LaneContext(fast=lane == "tool", waited_s=clock.wait_s, wait_until=wait_until)
+            context = LaneContext(fast=lane == "tool", waited_s=clock.wait_s, wait_until=wait_until, rerun=rerun)
+            rerun = True
             answer = await self._in_lane(lane, partial(respond, lane=lane, context=context), clock, rid)
             if isinstance(answer, SlowWork):
                 lane = "exec"
-            elif isinstance(answer, LockAwaited):
+            elif isinstance(answer, ClaimAwaited):
                 if self.waiting >= self.waiters:
                     return self.hot.overloaded("single-flight waiters", rid)
                 now = time.monotonic()
                 wait_until = wait_until or now + answer.wait_s
                 self.waiting += 1
                 try:
-                    await self.locks.released(answer.key, max(0.0, wait_until - now))
+                    await self.claims.released(answer.key, max(0.0, wait_until - now))
                 finally:
                     self.waiting -= 1
                     clock.wait_s += time.monotonic() - now

@@ -1,15 +1,17 @@
 """Single flight: rollouts of a task run in parallel and start alike, so they often miss on the
 same call in the same state at the same moment. Only one of them executes it; the others wait for
-its result and are answered from the cache (tool-server mode, the verl-tool proxy).
+its result and are answered from the cache.
 
-A flight is a session advisory lock on (task, anchor state, call digest): a leader whose
-connection dies frees it. A leader that fails or times out records nothing, and the next waiter
-leads. Under the ASGI front door a waiter holds no thread: it hands its request back, and the
-front door runs it again once the lock is free (cache/lanes.py); elsewhere it waits here."""
+One mechanism for every mode: a claim row on (task, anchor state, call digest) with a time to
+live (lookup.py CLAIM_INSERT). Client-mode lookups take it in their own statement and the client
+looks up again while another rollout holds it; tool-server calls and the verl-tool proxy take it
+here and wait in the service. A leader that fails or times out gives it up and the next waiter
+leads; one that dies lets it lapse. Under the ASGI front door a waiter holds no thread: it hands
+its request back, and the front door runs it again once the claim is free or its node recorded
+(cache/lanes.py, cache/api/claimwatch.py); elsewhere it waits here."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from contextlib import contextmanager
 
@@ -17,32 +19,44 @@ from django.conf import settings
 from django.db import connection
 
 from cache.inputs import CallContext
-from cache.lanes import LockAwaited, SlowWork, lane_current
+from cache.lanes import ClaimAwaited, SlowWork, lane_current
 
-from .lookup import LookupHit, LookupMiss, tcg_lookup
+from .lookup import CLAIM_INSERT, CLAIM_RELEASE_SQL, LookupHit, LookupMiss, tcg_lookup
 from .snapshots import lease_release
 from .tasks import TaskHandle
+
+# Lead (the claim was taken) or go on (the node exists now: its leader recorded it).
+LEAD_SQL = ("WITH claimed AS (" + CLAIM_INSERT.format(condition="true") + ") SELECT EXISTS (SELECT FROM claimed)"
+            " OR EXISTS (SELECT FROM cache_node n WHERE n.task_id = %(task)s AND n.anchor_key = %(anchor)s"
+            " AND n.call_digest = %(digest)s)")
 
 
 class Flight:
     """A miss's claim on executing (task, state, call): held by one rollout at a time. `key` is
     None when there is nothing to coordinate (a hit, a call that is not cacheable, a node that
-    exists but is not served: its call is executed by every rollout anyway)."""
+    exists but is not served: its call is executed by every rollout anyway). A leader that died
+    blocks the others for at most CLAIM_TTL_S; a call that runs longer than that may be executed
+    alongside it by a waiter (twice, never wrongly)."""
 
-    def __init__(self, key: int | None, answer):
-        self.key, self.answer, self.waited = key, answer, False
+    def __init__(self, key: tuple[str, str, str] | None, answer, holder: str):
+        self.key, self.answer, self.waited, self.holder = key, answer, False, holder
 
     @classmethod
     def for_answer(cls, *, task: TaskHandle, context: CallContext, answer) -> "Flight":
         key = None
         if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable and not answer.seen:
-            digest = hashlib.sha256(f"{task.task_id}\0{answer.anchor_key}\0{answer.call_digest}".encode()).digest()
-            key = int.from_bytes(digest[:8], "big", signed=True)
-        return cls(key, answer)
+            key = (task.task_id, answer.anchor_key, answer.call_digest)
+        return cls(key, answer, context.rollout_id or "")
+
+    def _params(self) -> dict:
+        task, anchor, digest = self.key
+        return {"task": task, "anchor": anchor, "digest": digest, "holder": self.holder,
+                "ttl": settings.TVCACHE["CLAIM_TTL_S"]}
 
     def try_lead(self) -> bool:
+        """True if this rollout leads now, or the leader has recorded the call meanwhile."""
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", [self.key])
+            cursor.execute(LEAD_SQL, self._params())
             return cursor.fetchone()[0]
 
     def wait_to_lead(self) -> bool:
@@ -63,7 +77,7 @@ class Flight:
         find it, or lead."""
         if self.key is not None:
             with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s)", [self.key])
+                cursor.execute(CLAIM_RELEASE_SQL, self._params())
             self.key = None
 
 
@@ -104,7 +118,7 @@ def _lane_flight(flight: Flight, lane, timings: dict[str, float]) -> None:
         return
     if lane.wait_until is None or time.monotonic() < lane.wait_until:
         _lease_drop(flight.answer)
-        raise LockAwaited(flight.key, settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"])
+        raise ClaimAwaited(flight.key, settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"])
     flight.key = None  # a leader stuck this long: execute alongside it
 
 

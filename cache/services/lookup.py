@@ -49,19 +49,33 @@ from .tasks import TaskHandle, task_handle
 # it goes through an index of divergent state-changing nodes only (node_divergent_state; ~10 us a
 # hit). The miss's match keeps the nodes below: their snapshots hold the state the rollouts that
 # hit the call saw.
-_READ_SQL = """
-WITH claimed AS (
+# A claim on executing (task, anchor, call): taken when free, lapsed, or already this holder's,
+# and only while the node does not exist. Client-mode lookups take it in their own statement
+# (READ_SQL); single flight (flight.py) on its own.
+CLAIM_INSERT = """
     INSERT INTO cache_claim AS c (task_id, anchor_key, call_digest, holder, expires_at)
     SELECT t.id, %(anchor)s::varchar, %(digest)s::varchar, %(holder)s::varchar,
            clock_timestamp() + %(ttl)s::float8 * interval '1 second'
     FROM cache_task t
-    WHERE %(claim)s AND %(cacheable)s AND t.id = %(task)s AND t.version = %(version)s
+    WHERE {condition} AND t.id = %(task)s
       AND set_config('synchronous_commit', 'off', true) IS NOT NULL
       AND NOT EXISTS (SELECT FROM cache_node n
                       WHERE n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s)
     ON CONFLICT (task_id, anchor_key, call_digest) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
     WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
-    RETURNING true AS granted
+    RETURNING true AS granted"""
+
+# Giving a claim up once its execution failed: the next rollout leads now, not once it lapses. A
+# claim whose node was recorded stays until it lapses (record.py: a rollout that missed just
+# before the record waits for its next lookup's hit rather than executing the call again).
+CLAIM_RELEASE_SQL = """
+DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor)s AND c.call_digest = %(digest)s
+  AND c.holder = %(holder)s
+  AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = c.anchor_key
+                                              AND n.call_digest = c.call_digest)"""
+
+_READ_SQL = """
+WITH claimed AS (""" + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s") + """
 )
 SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
        CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN (
@@ -173,8 +187,8 @@ def claim_release(*, task_id: str, context: CallContext) -> bool:
     task = task_handle(task_id=task_id, cached=True)
     last = task_chain(task, context).steps[-1]
     with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM cache_claim WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"
-                       " AND holder = %s", [task.task_id, last.anchor, last.digest, context.rollout_id])
+        cursor.execute(CLAIM_RELEASE_SQL, {"task": task.task_id, "anchor": last.anchor, "digest": last.digest,
+                                           "holder": context.rollout_id})
         return cursor.rowcount > 0
 
 

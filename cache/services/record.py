@@ -10,7 +10,7 @@ from django.db import connection
 from cache.errors import PayloadTooLarge
 from dashboard import broadcast
 from cache.inputs import RecordInput
-from cache.tcg import canonical_call, canonical_json
+from cache.tcg import canonical_call, canonical_json, record_plan
 from cache.tcg.snapshots import snapshot_wanted
 
 from .lookup import task_chain
@@ -27,7 +27,7 @@ from .tasks import task_handle
 INSERT_SQL = """
 WITH parent AS (
     SELECT id, cum_exec_ms FROM cache_node
-    WHERE task_id = %(task)s AND mutates AND state_key = %(parent_key)s
+    WHERE task_id = %(task)s AND mutates AND state_key = %(anchor)s
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
@@ -85,23 +85,20 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = (
                               details={"limit": limit, "size": len(result_json)})
     chain = task_chain(task, context)
     last = chain.steps[-1]
-    # A call of a state-changing tool that was observed to change nothing is stored read-only:
-    # the state after it is the state before it, and later calls hang where they would without it.
-    mutates = task.policy.for_tool(last.call.tool).changes_state(record.mutated)
+    plan = record_plan(chain, task.policy, record.mutated)
     params = {
         "task": task.task_id,
-        "parent_key": last.anchor,
-        "anchor": last.anchor,
-        "digest": last.digest,
-        "state_key": last.state_key if mutates else last.anchor,
-        "depth": len(chain.writes) + (0 if last.mutates else 1),  # the history's writes + 1
+        "anchor": plan.anchor,
+        "digest": plan.digest,
+        "state_key": plan.state_key,
+        "depth": plan.depth,
         "tool": last.call.tool,
         "call": canonical_call(last.call).decode(),
-        "mutates": mutates,
+        "mutates": plan.mutates,
         "result": result_json,
         "result_bytes": len(result_json),
         "exec_ms": record.exec_ms,
-        "own_cost": record.exec_ms if mutates else 0.0,
+        "own_cost": record.exec_ms if plan.mutates else 0.0,
         "rollout": context.rollout_id,
         "epoch": context.epoch,
         "fingerprint": state[0],
@@ -111,7 +108,7 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = (
         cursor.execute(INSERT_SQL, params)
         row = cursor.fetchone()
         if row is None:
-            cursor.execute(EXISTING_SQL, [task.task_id, last.anchor, last.digest])
+            cursor.execute(EXISTING_SQL, [task.task_id, plan.anchor, plan.digest])
             row = cursor.fetchone()
         node_id, cum_exec_ms, created, node_mutates = row
         if created:
@@ -119,8 +116,8 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = (
         wanted = False
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.
-        if created and mutates and task.sandbox_budget > 0:
-            cursor.execute(NEAREST_SNAPSHOT_SQL, [last.state_key, task.task_id, [step.state_key for step in chain.writes]])
+        if created and plan.mutates and task.sandbox_budget > 0:
+            cursor.execute(NEAREST_SNAPSHOT_SQL, [plan.state_key, task.task_id, [step.state_key for step in chain.writes]])
             nearest_cum, has_own = cursor.fetchone()
             wanted = not has_own and snapshot_wanted(
                 mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend)

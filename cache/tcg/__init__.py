@@ -5,7 +5,7 @@ test keep it so). Everything the service stores is derived from these functions.
 """
 
 from .keys import ToolCall, call_digest, canonical_call, canonical_json, env_fingerprint, next_state_key, root_state_key
-from .match import ChainStep, Match, NodeRef, StateChain, longest_prefix_match, state_chain
+from .match import ChainStep, Match, NodeRef, RecordPlan, StateChain, longest_prefix_match, record_plan, state_chain
 from .policy import TaskPolicy, ToolPolicy
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "canonical_json",
     "Match",
     "NodeRef",
+    "RecordPlan",
     "TaskPolicy",
     "ToolCall",
     "ToolPolicy",
@@ -22,6 +23,7 @@ __all__ = [
     "env_fingerprint",
     "longest_prefix_match",
     "next_state_key",
+    "record_plan",
     "root_state_key",
     "state_chain",
 ]

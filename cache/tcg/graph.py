@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .keys import ToolCall
-from .match import Match, NodeRef, StateChain, longest_prefix_match, state_chain
+from .match import Match, NodeRef, StateChain, longest_prefix_match, record_plan, state_chain
 from .policy import TaskPolicy
 
 
@@ -63,18 +63,13 @@ class ToolCallGraph:
         return (last.anchor, last.digest) in self._nodes
 
     def record(self, history: Sequence[ToolCall], call: ToolCall, result: Any, *, mutated: bool | None = None) -> int:
-        """`mutated=False`: the call was observed to change nothing, so it is stored read-only
-        whatever its tool declares (the state after it is the state before it)."""
-        chain = self.chain(history, call)
-        last = chain.steps[-1]
-        key = (last.anchor, last.digest)
+        plan = record_plan(self.chain(history, call), self.policy, mutated)
+        key = (plan.anchor, plan.digest)
         if key not in self._nodes:
-            mutates = self.policy.for_tool(call.tool).changes_state(mutated)
-            depth = len(chain.writes) + (0 if last.mutates else 1)
-            node = _Node(len(self._nodes) + 1, last.state_key if mutates else last.anchor, depth, result, mutates)
+            node = _Node(len(self._nodes) + 1, plan.state_key, plan.depth, result, plan.mutates)
             self._nodes[key] = node
-            if mutates:
-                self._by_state[last.state_key] = node
+            if plan.mutates:
+                self._by_state[plan.state_key] = node
         return self._nodes[key].node_id
 
     def add_snapshot(self, node_id: int, snapshot_id: int) -> None:

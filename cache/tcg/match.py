@@ -41,6 +41,32 @@ class StateChain:
         return tuple(step for step in self.steps if step.mutates)
 
 
+@dataclass(frozen=True, slots=True)
+class RecordPlan:
+    """Where a recorded call's node goes: under (anchor, digest), leading to `state_key`."""
+
+    anchor: str  # state before the call; also the key of its parent (the last state-changing node)
+    digest: str
+    state_key: str  # state after the call: the anchor's when it is stored read-only
+    depth: int  # the history's state-changing calls, plus one for the call itself
+    mutates: bool
+
+
+def record_plan(chain: StateChain, policy: TaskPolicy, mutated: bool | None) -> RecordPlan:
+    """The node a call at the end of `chain` is recorded as. `mutated=False`: its sandbox saw it
+    change nothing, so it is stored read-only whatever its tool declares (the state after it is
+    the state before it, and later calls hang where they would without it)."""
+    last = chain.steps[-1]
+    mutates = policy.for_tool(last.call.tool).changes_state(mutated)
+    return RecordPlan(
+        anchor=last.anchor,
+        digest=last.digest,
+        state_key=last.state_key if mutates else last.anchor,
+        depth=len(chain.writes) + (0 if last.mutates else 1),
+        mutates=mutates,
+    )
+
+
 def state_chain(fingerprint: str, calls: Iterable[ToolCall], policy: TaskPolicy) -> StateChain:
     state = root = root_state_key(fingerprint)
     steps = []

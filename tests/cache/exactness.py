@@ -227,6 +227,12 @@ class _Rollout:
     nodes_after_fault: set[int] = field(default_factory=set)
 
 
+def _recovered(outcome: Outcome) -> bool:
+    """A struck call that was answered normally and recorded (a timed-out or unrecorded call is not)."""
+    timed_out = isinstance(outcome.result, dict) and outcome.result.get("timed_out")
+    return outcome.failure is None and not outcome.cached and outcome.node_id is not None and not timed_out
+
+
 class Referee:
     PROPERTIES = ("exact", "oracle", "isolation", "crash")
 
@@ -250,10 +256,12 @@ class Referee:
         rollout = self.rollouts.setdefault(step.rollout, _Rollout(oracle=self._oracle_factory()))
         if rollout.broken:
             return
-        if (outcome.failure is not None and not outcome.fired and rollout.tainted_at is not None
+        if (outcome.failure is not None and not outcome.fired
+                and (rollout.tainted_at is not None or rollout.faulted_at is not None)
                 and "rollout_state_unknown" in outcome.failure):
-            # A replay of its nondeterministic write could not reach the recorded state, so the
-            # rollout left the shared graph in a sandbox of its own; that sandbox died since.
+            # The rollout left the shared graph in a sandbox of its own (after its fault, or a replay
+            # of its nondeterministic write that could not reach the recorded state), and that
+            # sandbox died since: its state is lost with it, and the service says so.
             rollout.broken = True
             return
         if outcome.failure is not None and not outcome.fired:
@@ -262,6 +270,12 @@ class Referee:
             return
         if outcome.fired and outcome.failure is not None and not outcome.clean_failure:
             self._flag("crash", index, step, f"a fault is answered with a server error: {outcome.failure}")
+        if outcome.fired and _recovered(outcome):
+            # The fault struck a replay that was catching the rollout's sandbox up, not the call:
+            # the service retired that sandbox, rebuilt the state from the root, ran the call there
+            # and recorded it. The rollout is where its history says; its answer is judged as any
+            # other (a wrong recovery fails the exact property, here and in the store at the end).
+            outcome.fired = False
         self._check_isolation(index, step, outcome)
         if rollout.faulted_at is not None:
             rollout.nodes_after_fault |= outcome.created

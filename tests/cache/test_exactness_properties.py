@@ -28,7 +28,7 @@ from sandboxes.backends.base import EngineUnavailable, SandboxGone, ToolSpec
 from sandboxes.backends.directory import DirectoryBackend, DirectorySandbox
 from sandboxes.services.runtime import sandbox_config
 
-from .exactness import (FAULTS, READ_A, READ_C, SAMPLE, SEED_FILES, SLOW_CALL_S, SNAPSHOT_COSTS, STAMP, TASK_SETTINGS,
+from .exactness import (FAULTS, READ_A, call, READ_C, SAMPLE, SEED_FILES, SLOW_CALL_S, SNAPSHOT_COSTS, STAMP, TASK_SETTINGS,
                         WRITE_A, WRITE_C, Fault, Outcome, Referee, Step, any_calls, deterministic_calls, folder_files,
                         is_slow, partial_args, play, scenarios, snapshotted_nodes, steer, store_violations,
                         stored_nodes, stored_snapshots, timed_out_result, token)
@@ -194,6 +194,15 @@ REPLAY_FAILS = [Step(0, WRITE_A, None), Step(1, READ_C, None), Step(1, WRITE_A, 
 # later write is snapshotted.
 READ_TIMES_OUT = [Step(0, READ_A, Fault("timeout", "none", "call")), Step(0, READ_C, None), Step(1, READ_C, None)]
 SNAPSHOT_AFTER_TIMEOUT = [Step(0, READ_A, Fault("timeout", "none", "call")), Step(0, WRITE_C, None)]
+# r1 hit r0's write; its next call's catch-up replay of that write times out. The service retires
+# that sandbox and rebuilds the state from the root: r1 stays on the shared graph, and what it
+# records after (and the snapshot of it) is exact.
+REPLAY_TIMES_OUT_THEN_REBUILT = [Step(0, WRITE_A, None), Step(1, WRITE_A, None),
+                                 Step(1, WRITE_C, Fault("timeout", "none", "first"))]
+# A rollout detached by a timed-out write loses its own sandbox: its state is gone with it, and
+# its later calls answer 409 rollout_state_unknown.
+DETACHED_SANDBOX_DIES = [Step(0, WRITE_A, Fault("timeout", "none", "call")),
+                         Step(0, call("sample"), Fault("gone", "none", "call")), Step(0, READ_A, None)]
 
 
 @PROPERTY
@@ -218,6 +227,7 @@ def test_the_store_answers_what_the_pure_graph_answers(api, faulty_backend, tmp_
 @given(steps=deterministic)
 @example(steps=READ_TIMES_OUT)
 @example(steps=SNAPSHOT_AFTER_TIMEOUT)
+@example(steps=REPLAY_TIMES_OUT_THEN_REBUILT)
 def test_a_rollout_leaves_the_shared_graph_after_a_fault(api, faulty_backend, tmp_path, steps):
     referee = steer(drive(api, DirectoryBackend(tmp_path / "oracle"), steps))
     assert not referee.violations["isolation"], referee.report("isolation", steps)
@@ -226,6 +236,7 @@ def test_a_rollout_leaves_the_shared_graph_after_a_fault(api, faulty_backend, tm
 @PROPERTY
 @given(steps=scenarios(any_calls(patches=True), KINDS))
 @example(steps=REPLAY_FAILS)
+@example(steps=DETACHED_SANDBOX_DIES)
 def test_nondeterministic_tools_and_faults_neither_crash_nor_corrupt_other_rollouts(api, faulty_backend,
                                                                                    tmp_path, steps):
     referee = steer(drive(api, DirectoryBackend(tmp_path / "oracle"), steps))

@@ -80,3 +80,33 @@ def test_rollouts_waiting_for_another_ones_run_hold_no_thread(busybox, docker_ta
         assert all(a["phases_ms"]["wait"] > 0 for a in answers)
         stats = client.get(f"/api/v1/tasks/{task}/stats").json()
         assert stats["executions"] == 3  # first, leader, other: the waiters ran nothing
+
+
+def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, docker_task):
+    """A tool-server miss starts on a lane that serves hits and is handed on to the lane that runs
+    tools (cache/lanes.py): it is one request of its project, admitted once."""
+    from django.db.models import Sum
+
+    from cache.models import ProjectRequests
+    from cache.services.counters import counters_flush
+
+    def admitted() -> int:
+        return ProjectRequests.objects.aggregate(n=Sum("admitted"))["n"] or 0
+
+    task = docker_task("counted")
+    token = token_create(name="asgi")
+    counters_flush()  # this process's own requests (the task's PUT) are in the baseline
+    before = admitted()
+    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service, \
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+        answers = [client.post(f"/api/v1/tasks/{task}/rollouts/r{i}/calls", json={"call": bash("echo once")})
+                   for i in range(3)]
+        assert [a.status_code for a in answers] == [200] * 3
+        assert [a.json()["cached"] for a in answers] == [False, True, True]
+        pause = threading.Event()
+        for _ in range(100):  # the server flushes its counters a few times a second
+            if admitted() > before:
+                break
+            pause.wait(0.1)
+        pause.wait(1.0)  # and once more: a second count of the miss would have landed by now
+        assert admitted() - before == 3

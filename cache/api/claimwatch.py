@@ -1,11 +1,10 @@
-"""Waiting for PostgreSQL advisory locks on the event loop, without a thread per waiter.
+"""Waiting for single-flight claims on the event loop, without a thread per waiter.
 
 A tool-server rollout that misses on a call another rollout is executing in the same state waits
-for that rollout's single-flight lock (sandboxes/services/toolserver.py). Under the ASGI front
-door it gives its lane thread back and awaits `AdvisoryLockWatch.released(key)`; one thread per
-process polls pg_locks for every awaited key and wakes the waiters whose lock is free. The leader
-may run in another process: only the database knows, hence the poll (a leader whose connection
-dies frees its lock without telling anyone)."""
+for that rollout's claim (cache/services/flight.py). Under the ASGI front door it gives its lane
+thread back and awaits `ClaimWatch.released(key)`; one thread per process polls the claims of
+every awaited key and wakes the waiters whose claim is free, lapsed, or whose node is recorded.
+The leader may run in another process: only the database knows, hence the poll."""
 
 from __future__ import annotations
 
@@ -18,19 +17,24 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 log = logging.getLogger("tvcache.api")
 
-# Advisory locks taken with one bigint key show its halves in classid and objid (objsubid 1).
+# Of the awaited keys, those still held: claimed, not lapsed, and no node recorded under them.
 HELD_SQL = """
-SELECT classid::int8 << 32 | objid::int8 FROM pg_locks
-WHERE locktype = 'advisory' AND objsubid = 1 AND granted
-  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+SELECT c.task_id, c.anchor_key, c.call_digest
+FROM unnest(%s::varchar[], %s::varchar[], %s::varchar[]) AS k(task_id, anchor_key, call_digest)
+JOIN cache_claim c USING (task_id, anchor_key, call_digest)
+WHERE c.expires_at > clock_timestamp()
+  AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = c.anchor_key
+                                              AND n.call_digest = c.call_digest)
 """
 POLL_FIRST_S = 0.005  # after a new waiter: a short call's result is taken about as soon as it exists
 POLL_MAX_S = 0.1  # backing off to this while nothing new waits (a slow tool's waiters)
 
+Key = tuple[str, str, str]
 
-class AdvisoryLockWatch:
+
+class ClaimWatch:
     def __init__(self) -> None:
-        self._waiters: dict[int, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
+        self._waiters: dict[Key, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -38,15 +42,15 @@ class AdvisoryLockWatch:
         with self._changed:
             return sum(map(len, self._waiters.values()))
 
-    async def released(self, key: int, timeout_s: float) -> bool:
-        """Until no session holds the lock `key` (True) or `timeout_s` passed (False)."""
+    async def released(self, key: Key, timeout_s: float) -> bool:
+        """Until the claim `key` is free or its node recorded (True), or `timeout_s` passed (False)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         entry = (loop, future)
         with self._changed:
             self._waiters.setdefault(key, []).append(entry)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._watch, name="tvcache-locks", daemon=True)
+                self._thread = threading.Thread(target=self._watch, name="tvcache-claims", daemon=True)
                 self._thread.start()
             self._changed.notify()
         try:
@@ -71,7 +75,7 @@ class AdvisoryLockWatch:
                     self._changed.wait()
                     delay = POLL_FIRST_S
                 keys = set(self._waiters)
-            free = keys - self._held()
+            free = keys - self._held(keys)
             with self._changed:
                 for key in free:
                     for loop, future in self._waiters.pop(key, []):
@@ -82,16 +86,16 @@ class AdvisoryLockWatch:
                     delay = min(delay * 2, POLL_MAX_S)
 
     @staticmethod
-    def _held() -> set[int]:
-        """The advisory locks held in this database; none when it cannot be asked (its waiters run
-        again and meet the same trouble, answered 503)."""
+    def _held(keys: set[Key]) -> set[Key]:
+        """The awaited claims still held; none when the database cannot be asked (their waiters
+        run again and meet the same trouble, answered 503)."""
         db = connections[DEFAULT_DB_ALIAS]
         try:
             with db.cursor() as cursor:
-                cursor.execute(HELD_SQL)
-                return {key for (key,) in cursor.fetchall()}
+                cursor.execute(HELD_SQL, [list(column) for column in zip(*keys)])
+                return set(cursor.fetchall())
         except Exception as exc:
-            log.warning("cannot read advisory locks (%s): their waiters run again", exc)
+            log.warning("cannot read single-flight claims (%s): their waiters run again", exc)
             db.close()
             time.sleep(POLL_MAX_S)
             return set()

@@ -1,0 +1,218 @@
+"""Bringing a sandbox to the state a rollout's history says, for its next miss (tool-server mode).
+
+The rollout's own sandbox is caught up by replaying the state-changing calls that hit since its
+last miss. A rollout without one takes a ready pre-fork of the resume snapshot, else forks it on
+the critical path, else takes a ready root (or starts one) and replays.
+
+Verify, don't trust: a sandbox materialized for a node (a fork, a pre-fork, a replay) is compared
+with the state fingerprint the node's call left behind before the new call runs in it. A mismatch
+is a divergence (counted per task, tool and node); the sandbox is retired and the state rebuilt
+by a replay from the root; if that does not match either, `Run.diverged` says so and the call is
+answered uncached, its rollout detached (misses.py). A sandbox whose replay failed midway is
+retired: its state is unknown.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from django.utils import timezone
+
+from cache.inputs import CallContext
+from cache.models import Divergence, Node, Rollout, Snapshot, Task
+from cache.services import divergence_record
+from cache.tcg import TaskPolicy, ToolCall
+from observability import metrics
+from sandboxes.backends.base import Sandbox as SandboxHandle
+from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
+from sandboxes.models import Sandbox
+
+from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_row, set_state
+from .runtime import as_application_error, forget, handle, labels, remember
+
+
+class Phases:
+    """Where a call's time goes: lookup, wait (single flight), materialize (start or fork),
+    replay, verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - started) * 1000
+
+
+@dataclass
+class Run:
+    """One miss being served: the task, its backend, the rollout's sandbox."""
+
+    task: Task
+    backend: SandboxBackend
+    policy: TaskPolicy
+    rollout: Rollout
+    row: Sandbox
+    sandbox: SandboxHandle
+    phases: Phases
+    restore_ms: float | None = None  # set when it was forked from a snapshot on the critical path
+    diverged: str = ""  # why the sandbox does not reach the recorded state (then nothing is recorded)
+
+
+def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases) -> Run:
+    """The rollout's sandbox brought up to date with its history (everything before the call) and
+    checked against the state its history's node recorded: its own sandbox, else a materialized
+    one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
+    root. A sandbox whose replay failed midway is retired: its state is unknown."""
+    policy = TaskPolicy.from_json(task.tools)
+    row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
+    if row is not None and row.executing:
+        retire(row, backend, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
+        row = None
+    try:
+        if row is not None:
+            run = Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+            pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+            if not pending or _caught_up(run, pending, context, answer):
+                return run
+        else:
+            with phases.timed("materialize"):
+                run = _materialize(task, backend, policy, rollout, answer, phases)
+            replay = _replay_calls(answer, run)
+            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context, answer):
+                return run
+        return _from_root(task, backend, policy, rollout, context, answer, phases)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+
+
+def _caught_up(run: Run, calls, context: CallContext, answer) -> bool:
+    """Replay `calls` and verify; False when the sandbox diverged or died (it is retired then).
+    Another failure midway retires it and raises."""
+    try:
+        if _replay_verified(run, calls, context, answer):
+            return True
+        retire(run.row, run.backend, f"diverged from its history: {run.diverged}")
+    except SandboxGone as exc:
+        retire(run.row, run.backend, exc.message)
+    except SandboxError as exc:
+        retire(run.row, run.backend, f"its replay failed midway: {exc.code}: {exc.message}")
+        raise
+    return False
+
+
+def _from_root(task, backend, policy, rollout, context: CallContext, answer, phases: Phases) -> Run:
+    """A fresh sandbox and a replay of the whole history, after another sandbox diverged. If this
+    one does not reach the recorded state either, `diverged` says so and the call is answered
+    uncached."""
+    with phases.timed("materialize"):
+        row = _start_leased(task, backend, rollout, None)
+    if row is None:
+        raise SandboxGone("could not start a fresh sandbox")
+    run = Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+    if answer.full_replay:
+        try:
+            _replay_verified(run, answer.full_replay, context, answer)
+        except SandboxError:
+            retire(row, backend, "its replay from the root failed midway")
+            raise
+    return run
+
+
+def _replay_calls(answer, run: Run) -> tuple[ToolCall, ...]:
+    """What a materialized sandbox replays: the calls after its snapshot, or the whole history."""
+    resume = answer.match.resume
+    if run.row.pool == Sandbox.Pool.FORK and resume is not None and run.row.snapshot_id == resume.snapshot_id:
+        return answer.match.replay
+    return answer.full_replay
+
+
+def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> Run:
+    resume = answer.match.resume
+    snapshot = None
+    if resume is not None:
+        snapshot = Snapshot.objects.filter(pk=resume.snapshot_id, owner=Snapshot.Owner.SERVICE,
+                                           backend=backend.name).first()
+    if snapshot is not None:
+        row, restore_ms = sandbox_acquire(task_id=task.pk, snapshot_id=snapshot.pk, rollout_pk=rollout.pk), None
+        if row is None:
+            row = _start_leased(task, backend, rollout, snapshot)
+            restore_ms = row.start_ms if row is not None else None
+        if row is not None:
+            prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
+            return Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases, restore_ms)
+    row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
+        task, backend, rollout, None)
+    return Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+
+
+def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
+    """Start (or fork) a sandbox on the critical path, leased to the rollout from the outset."""
+    row = sandbox_row(task=task, backend=backend.name, rollout=rollout, state=Sandbox.State.WARMING,
+                      pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT, snapshot=snapshot)
+    started = time.perf_counter()
+    try:
+        if snapshot is not None:
+            sandbox = backend.fork(snapshot.ref, task.env, labels=labels(task.pk, row.pk))
+        else:
+            sandbox = backend.start(task.env, labels=labels(task.pk, row.pk))
+    except SnapshotMissing:
+        set_state(row, Sandbox.State.FAILED, error="snapshot missing")
+        return None
+    except SandboxError as exc:
+        set_state(row, Sandbox.State.FAILED, error=f"{exc.code}: {exc.message}")
+        raise
+    remember(backend, sandbox)
+    set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
+              start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
+    metrics.sandbox_started(backend=backend.name, forked=snapshot is not None, path="critical", ms=row.start_ms)
+    return row
+
+
+def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
+    """Re-execute state-changing calls whose results are known, to rebuild the state, and compare
+    the sandbox with the fingerprint the history's last node recorded. False (and `diverged` set,
+    a divergence recorded) when a replayed call timed out or the state differs."""
+    history = context.history
+    with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
+        for call in calls:
+            if run.sandbox.execute(call.tool, call.args).get("timed_out"):
+                run.diverged = f"the replay of {call.tool} timed out"
+                break
+    if not run.diverged:
+        Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
+        run.row.applied = len(history)
+    node = answer.match.node
+    if node is None or answer.match.matched != len(history):
+        return not run.diverged  # no node holds the whole history's state: nothing to compare with
+    # A bare fork must be an exact copy; a replay ran at another time (StateDigest).
+    column = "state_shape" if calls else "state_fingerprint"
+    with run.phases.timed("verify"):
+        expected, tool = Node.objects.filter(pk=node.node_id).values_list(column, "tool").first() or ("", "")
+        state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
+    actual = (state.shape if calls else state.full) if state else None
+    if actual is not None and actual != expected:
+        run.diverged = f"its state ({column}) {actual[:12]} is not node {node.node_id}'s {expected[:12]}"
+    if run.diverged:
+        divergence_record(task_id=run.task.pk, node_id=node.node_id, tool=tool, kind=Divergence.Kind.STATE,
+                          expected={"fingerprint": expected},
+                          observed={"fingerprint": actual, "sandbox": run.row.pool, "why": run.diverged},
+                          rollout_id=run.rollout.rollout_id)
+    return not run.diverged
+
+
+def retire(row: Sandbox, backend: SandboxBackend, reason: str) -> None:
+    """Take the sandbox away from the rollout; its next call materializes a new one."""
+    set_state(row, Sandbox.State.FAILED, rollout=None, error=reason)
+    forget(row.backend, row.ref)
+    try:
+        backend.remove_sandbox(row.ref)
+    except SandboxError:  # the orphan reaper removes it later
+        pass
+
+

@@ -1,0 +1,144 @@
+"""A tool-server miss executed in the rollout's sandbox, under the known-state rule (DESIGN.md).
+
+A call that timed out, was killed, or after which the backend failed leaves the sandbox in an
+unknown state. A timeout (or a tampered session) detaches the rollout: it leaves the shared graph
+and its later calls run in its own sandbox, uncached and unrecorded, so nothing it sees is ever
+filed under a state key it may not have reached. A sandbox that died, or failed once the call
+may have run, is retired: the rollout goes on from its history in a fresh one. A sandbox is
+marked `executing` (committed) before a call runs in it; a rollout that finds its sandbox still
+marked (the server was killed mid-call) retires it, since it may be ahead of the history.
+
+The result is recorded (with the state fingerprint the call left), the rollouts waiting for the
+same call are let go, and a snapshot is taken where the graph wants one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from cache.errors import Conflict, Forbidden
+from cache.inputs import CallContext, RecordInput
+from cache.models import Snapshot
+from cache.services import lease_release, node_record, rollout_detach, snapshot_register
+from cache.services.background import job_enqueue
+from cache.tcg import ToolCall
+from observability import metrics
+from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, InvalidToolArgs, SandboxError, SandboxGone,
+                                     SandboxTampered, ToolNotFound)
+from sandboxes.models import Sandbox
+
+from .materialize import Phases, Run, retire, rollout_sandbox
+from .pools import idle_deadline, prefork_if_room
+from .runtime import as_application_error, labels
+
+log = logging.getLogger("tvcache.toolserver")
+
+
+def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
+                phases: Phases) -> tuple[Any, int | None, bool, bool]:
+    """The call executed in the rollout's sandbox: its result, node, whether it changed the state,
+    and whether the rollout is still on the shared graph (False: it was detached)."""
+    restore_ms = None
+    try:
+        run = rollout_sandbox(task, backend, rollout, context, answer, phases)
+        restore_ms = run.restore_ms
+    finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
+        if answer.lease_id:
+            lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
+    _mark_executing(run)
+    try:
+        with phases.timed("exec"):
+            result, exec_ms, observed = _execute(run, context.call)
+    except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
+        retire(run.row, run.backend, exc.message)
+        raise as_application_error(exc) from None
+    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
+        _executed(run, applied=len(context.history))
+        raise as_application_error(exc) from None
+    except SandboxTampered as exc:  # the rollout's own doing: it leaves the graph, its sandbox retired
+        _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
+        raise as_application_error(exc) from None
+    except SandboxError as exc:  # failed once the call may have run (a broken stream, an engine restart):
+        # the sandbox may be ahead of the history, so it is retired; the rollout, which got an error
+        # for the call, goes on from its history in a fresh sandbox
+        retire(run.row, run.backend, f"failed once its call may have run: {exc.code}: {exc.message}")
+        raise as_application_error(exc) from None
+    if result.get("timed_out") or run.diverged:
+        _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")
+        return result, None, True, False
+    try:
+        mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
+        with phases.timed("fingerprint"):
+            state = run.sandbox.state_fingerprint() if mutates else None
+        with phases.timed("record"):
+            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
+                                  state=(state.full, state.shape) if state else ("", ""))
+        recorded()  # rollouts waiting for this call take its result now, not after the snapshot
+        if outcome.snapshot_wanted:
+            with phases.timed("snapshot"):
+                _snapshot(run, outcome.node_id)
+        _executed(run, applied=len(context.history) + int(mutates))
+    except SandboxTampered as exc:
+        _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
+        raise as_application_error(exc) from None
+    except BaseException:
+        retire(run.row, run.backend, "failed after its call ran: its state is ahead of the rollout's history")
+        raise
+    return result, outcome.node_id, mutates, True
+
+
+def _mark_executing(run: Run) -> None:
+    """Committed before the call runs: a server killed before `_executed` leaves the mark, and
+    the rollout's next call retires the sandbox instead of trusting it. The idle deadline moves
+    past the longest call, so a long call is never reaped mid-run."""
+    Sandbox.objects.filter(pk=run.row.pk).update(executing=True, lease_expires_at=idle_deadline(busy=True))
+
+
+def _executed(run: Run, *, applied: int) -> None:
+    Sandbox.objects.filter(pk=run.row.pk).update(executing=False, applied=applied, lease_expires_at=idle_deadline())
+    run.row.applied = applied
+
+
+def _detach(run: Run, reason: str, *, untrusted: bool = False) -> None:
+    """Take the rollout off the shared graph (known-state rule). It keeps its sandbox, unless the
+    sandbox cannot be trusted with another call (`untrusted`); nothing is snapshotted from it."""
+    rollout_detach(rollout=run.rollout, reason=reason)
+    if untrusted:
+        retire(run.row, run.backend, reason)
+    else:
+        Sandbox.objects.filter(pk=run.row.pk).update(executing=False, lease_expires_at=idle_deadline())
+
+
+def _execute(run: Run, call: ToolCall) -> tuple[dict, float, bool | None]:
+    started = time.perf_counter()
+    result, observed = run.sandbox.execute_observed(call.tool, call.args)
+    return result, (time.perf_counter() - started) * 1000, observed
+
+
+def _snapshot(run: Run, node_id: int) -> None:
+    """Snapshot on the critical path (the state is only here now); a worker makes it a ready fork.
+    A failed snapshot costs only the reuse it would have given: the call still succeeds."""
+    try:
+        info = run.sandbox.snapshot(labels=labels(run.task.pk))
+    except SandboxError as exc:
+        log.warning("snapshot of sandbox %s failed: %s", run.row.ref, exc)
+        return
+    metrics.snapshot_committed(backend=run.backend.name, ms=info.create_ms)
+    try:
+        snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
+                                              backend=run.backend.name, size_bytes=info.size_bytes,
+                                              create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE)
+    except (Conflict, Forbidden) as exc:  # another rollout's snapshot of the same node won, or over the project's bytes
+        if isinstance(exc, Forbidden):
+            log.info("snapshot of node %s not kept: %s", node_id, exc.message)
+        run.backend.delete_snapshot(info.ref)
+        return
+    prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
+    if evicted:
+        from workers.tasks import snapshots_collect as collect_task
+
+        job_enqueue(collect_task)
+
+
