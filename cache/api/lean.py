@@ -50,7 +50,7 @@ log = logging.getLogger("tvcache.api")
 # An endpoint's work once the request is authenticated and parsed: JSON body out, or an
 # ApplicationError with its status and code.
 Answer = Callable[..., bytes]
-# Status, JSON body and the headers of an error answer.
+# An answer's status, JSON body and the headers an error answer adds.
 Reply = tuple[int, bytes, list[tuple[str, str]]]
 # Under ASGI: "read" lookups, "write" records, "tool" tool-server calls until they need a tool run
 # ("exec"), "auth" token checks of requests whose token this process has not verified lately.
@@ -62,7 +62,7 @@ def json_response(payload: bytes, status: int = 200) -> HttpResponse:
 
 
 class TokenRequired(NotAuthenticated):
-    challenge = "Token"
+    challenge = "Token"  # the scheme TrainerTokenAuthentication names to DRF
 
 
 def lean_principal(authorization: str) -> Principal:
@@ -254,7 +254,7 @@ class HotPath:
                incoming_id: str | None, lane: Lane | None = None) -> Answered | None:
         """The answer that refuses the request's token, or None if the token is valid: the check
         that runs before the body is read (the token is then cached, see `token_verified`)."""
-        return self._run(lane or view.lane, lambda: _answered(lambda: lean_refusal(authorization)), request, incoming_id)
+        return self._run(lane or view.lane, lambda: lean_refusal(authorization), request, incoming_id)
 
     def plain(self, reply: Reply, rid: str) -> Answered:
         """An answer made without a thread or the database (a refusal on the event loop)."""
