@@ -130,7 +130,7 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
     if root is not None:
         if not Node.objects.filter(task_id=task_id, pk=root).exists():
             raise unknown_node(task_id, root)
-        nodes = nodes.filter(pk__in=_subtree_ids(task_id, root, max_depth))
+        nodes = nodes.filter(pk__in=node_subtree_ids(task_id=task_id, node_id=root, max_depth=max_depth))
     elif max_depth is not None:
         nodes = nodes.filter(depth__lte=max_depth)
     live = set(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list("node_id", flat=True))
@@ -143,15 +143,19 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
     return {"task_id": task_id, "nodes": out_nodes, "edges": edges}
 
 
-def _subtree_ids(task_id: str, root: int, max_depth: int | None) -> list[int]:
-    sql = """
-    WITH RECURSIVE sub(id, level) AS (
-        SELECT id, 0 FROM cache_node WHERE task_id = %s AND id = %s
-        UNION ALL
-        SELECT n.id, sub.level + 1 FROM cache_node n JOIN sub ON n.parent_id = sub.id
-        WHERE %s::int IS NULL OR sub.level < %s::int
-    ) SELECT id FROM sub
-    """
+SUBTREE_SQL = """
+WITH RECURSIVE sub(id, level) AS (
+    SELECT id, 0 FROM cache_node WHERE task_id = %s AND id = %s
+    UNION ALL
+    SELECT n.id, sub.level + 1 FROM cache_node n JOIN sub ON n.parent_id = sub.id
+    WHERE %s::int IS NULL OR sub.level < %s::int
+) SELECT id FROM sub
+"""
+
+
+def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None) -> list[int]:
+    """Ids of the node and its descendants, `max_depth` levels below it at most (None: all);
+    empty for a node the task does not have."""
     with connection.cursor() as cursor:
-        cursor.execute(sql, [task_id, root, max_depth, max_depth])
+        cursor.execute(SUBTREE_SQL, [task_id, node_id, max_depth, max_depth])
         return [row[0] for row in cursor.fetchall()]

@@ -23,10 +23,7 @@ from cache.errors import ApplicationError
 from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.services.projects import LIMITS, check_grants
 
-
-
-class BudgetForm(forms.Form):
-    sandbox_budget = forms.IntegerField(min_value=0, max_value=1_000_000, label="New budget (live snapshots)")
+from .controls import BudgetForm
 
 
 def _confirmed(modeladmin, request, queryset, *, title: str, explain: str, run, form_class=None):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from django.db import connection, transaction
+from django.db import transaction
 
+from cache import selectors  # a module, not its names: cache.selectors imports this package
 from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound
 from cache.models import AuditEntry, Lease, Node, Project, Snapshot, Task
 from cache.projects import key_project, role_check, task_public_id, unknown_node, unknown_task
@@ -25,15 +26,6 @@ from cache.projects import key_project, role_check, task_public_id, unknown_node
 from . import ledger
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush
-
-SUBTREE_SQL = """
-WITH RECURSIVE sub(id) AS (
-    SELECT id FROM cache_node WHERE task_id = %s AND id = %s
-    UNION ALL
-    SELECT n.id FROM cache_node n JOIN sub ON n.parent_id = sub.id
-) SELECT id FROM sub
-"""
-
 
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
     """Run the action `run` in one transaction with its audit entry (its details are what `run`
@@ -102,9 +94,7 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
 
     def run() -> dict:
         node = _node_for_update(task_id, node_id)
-        with connection.cursor() as cursor:
-            cursor.execute(SUBTREE_SQL, [task_id, node_id])
-            ids = [row[0] for row in cursor.fetchall()]
+        ids = selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
         live = list(Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE)
                     .order_by("pk"))
         leased = _open_leases(live)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ from cache.models import BackendCost, Lease, Node, Project, Snapshot, Task
 from cache.projects import key_project, unknown_node
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
 from cache.tcg.snapshots import SnapshotCosts, moving_average
+from cache.ttl import TTLCache
 
 from . import ledger
 
@@ -27,18 +27,15 @@ DEFAULT_COSTS = {
 }
 EVICTION_NOTICE_S = 60.0  # how long an evicted client snapshot's ref is reported in responses
 COSTS_CACHE_TTL_S = 5.0
-_costs_cache: dict[str, tuple[SnapshotCosts, float]] = {}
+_costs: TTLCache[str, SnapshotCosts] = TTLCache()
 
 
 def backend_costs(backend: str) -> SnapshotCosts:
-    cached = _costs_cache.get(backend)
-    now = time.monotonic()
-    if cached and cached[1] > now:
-        return cached[0]
-    default = DEFAULT_COSTS.get(backend, DEFAULT_COSTS["external"])
-    row = BackendCost.objects.filter(pk=backend).values_list("snapshot_ms", "restore_ms").first()
-    costs = SnapshotCosts(*row) if row else default
-    _costs_cache[backend] = (costs, now + COSTS_CACHE_TTL_S)
+    costs = _costs.get(backend)
+    if costs is None:
+        row = BackendCost.objects.filter(pk=backend).values_list("snapshot_ms", "restore_ms").first()
+        costs = SnapshotCosts(*row) if row else DEFAULT_COSTS.get(backend, DEFAULT_COSTS["external"])
+        _costs.put(backend, costs, COSTS_CACHE_TTL_S)
     return costs
 
 

@@ -85,36 +85,10 @@ def task_policy(tools: dict, uncacheable: list[str]) -> TaskPolicy:
         name: ToolPolicy(mutates_state=policy.for_tool(name).mutates_state, cacheable=False) for name in uncacheable}})
 
 
-def _validate_audit_rate(audit_rate: Any) -> float:
-    if audit_rate is None:
-        return settings.TVCACHE["DEFAULT_AUDIT_RATE"]
-    if isinstance(audit_rate, bool) or not isinstance(audit_rate, (int, float)) or not 0.0 <= audit_rate <= 1.0:
-        raise InvalidInput("'audit_rate' must be a number from 0 to 1.", code="invalid_payload",
-                           details={"field": "audit_rate"})
-    return float(audit_rate)
-
-
-def _validate_tools(tools: Any) -> dict:
-    if not isinstance(tools, dict):
-        raise InvalidInput("'tools' must be an object of tool policies.", code="invalid_payload", details={"field": "tools"})
-    clean = {}
-    for name, spec in tools.items():
-        if not isinstance(spec, dict) or set(spec) - {"mutates_state", "cacheable"}:
-            raise InvalidInput(f"Tool '{name}' must be {{mutates_state, cacheable}}.", code="invalid_payload",
-                               details={"field": f"tools.{name}"})
-        if any(not isinstance(value, bool) for value in spec.values()):
-            raise InvalidInput(f"Tool '{name}' flags must be booleans.", code="invalid_payload", details={"field": f"tools.{name}"})
-        clean[name] = {"mutates_state": spec.get("mutates_state", True), "cacheable": spec.get("cacheable", True)}
-    return clean
-
-
-def _validate_env(env: Any) -> dict:
-    if not isinstance(env, dict):
-        raise InvalidInput("'env' must be an object.", code="invalid_payload", details={"field": "env"})
+def _check_backend(env: dict) -> None:
     backend = env.get("backend", "external")
     if backend not in BACKENDS:
         raise InvalidInput(f"Unknown backend '{backend}'.", code="unknown_backend", details={"field": "env.backend", "allowed": sorted(BACKENDS)})
-    return env
 
 
 def _project_of(task_id: str) -> Project:
@@ -128,8 +102,8 @@ def _project_of(task_id: str) -> Project:
 
 
 @transaction.atomic
-def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any = None,
-             audit_rate: Any = None, actor: Any = None) -> tuple[Task, bool]:
+def task_put(*, task_id: str, env: dict, tools: dict | None = None, sandbox_budget: int | None = None,
+             audit_rate: float | None = None, actor: Any = None) -> tuple[Task, bool]:
     """Create or update the task keyed `task_id` (cache.projects.task_key: its project is part of
     the key). A changed environment changes the fingerprint and drops the task's old nodes: they
     can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
@@ -137,13 +111,12 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
 
     `actor`: the API principal asking, if any. Changing an existing task's env, tools or budget
     takes the maintainer role (a trainer gets 403 maintainer_required; creating a task, or
-    putting one again as it is, does not) and is written to the audit log in this transaction."""
-    env = _validate_env(env)
-    tools = _validate_tools(tools or {})
-    audit_rate = _validate_audit_rate(audit_rate)
-    if sandbox_budget is not None and (not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool)
-                                       or sandbox_budget < 0):
-        raise InvalidInput("'sandbox_budget' must be a non-negative integer.", code="invalid_payload", details={"field": "sandbox_budget"})
+    putting one again as it is, does not) and is written to the audit log in this transaction.
+    The arguments are parsed already (cache.inputs.parse_task: the API's body)."""
+    _check_backend(env)
+    tools = tools or {}
+    if audit_rate is None:
+        audit_rate = settings.TVCACHE["DEFAULT_AUDIT_RATE"]
     project = _project_of(task_id)
     # An env that asks for more than the project is granted (network, images, limits) is refused
     # (403); what identifies it beyond its spec is part of its fingerprint.

@@ -260,18 +260,16 @@ def test_a_token_says_when_it_was_last_used(clients):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_hit_is_one_statement_in_any_project(clients, django_assert_num_queries):
-    from tests.cache.test_hot_path import body, wsgi
-    from tvcache_site.wsgi import application
+    from tests.cache.test_hot_path import body, in_thread
 
     key = token_create(name="hot", project="gamma", role="trainer")
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {key}")
     assert client.put("/api/v1/tasks/hot", EXTERNAL, format="json").status_code == 201
     record(client, "hot", [], W, {"ok": True})
-    wsgi(application, "POST", "/api/v1/tasks/hot/lookup", body(history=[], call=W), token=f"Token {key}")  # cached
+    in_thread("/api/v1/tasks/hot/lookup", body(history=[], call=W), f"Token {key}")  # cached
     with django_assert_num_queries(1):
-        status, _, content = wsgi(application, "POST", "/api/v1/tasks/hot/lookup", body(history=[], call=W),
-                                  token=f"Token {key}")
+        status, content = in_thread("/api/v1/tasks/hot/lookup", body(history=[], call=W), f"Token {key}")
     assert status == 200 and json.loads(content)["hit"] is True
 
 
