@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from statistics import median, quantiles
 
 from django.db.models import Count
 
 from cache.models import Snapshot
 from cache.projects import key_project, task_public_id
+from cache.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
@@ -16,21 +16,21 @@ from .services.engines import Engine, engines, live_per_engine
 from .services.runtime import engine_backend
 
 HEALTH_TTL_S = 10.0
-_health: dict[str, tuple[dict, float]] = {}
+_health: TTLCache[str, dict] = TTLCache()
 
 
 def engine_health(engine: Engine) -> dict:
     """A docker engine's health, cached a few seconds: pages render it on every view."""
     cached = _health.get(engine.name)
-    if cached and cached[1] > time.monotonic():
-        return cached[0]
+    if cached is not None:
+        return cached
     try:
         report = engine_backend("docker", engine.name).health()
     except SandboxError as exc:
         report = {"ok": False, "detail": exc.message}
     report = {"backend": "docker", "ok": bool(report.get("ok")), "detail": report.get("detail") or report.get("error", ""),
               **{k: v for k, v in report.items() if k not in ("ok", "detail")}}
-    _health[engine.name] = (report, time.monotonic() + HEALTH_TTL_S)
+    _health.put(engine.name, report, HEALTH_TTL_S)
     return report
 
 

@@ -138,9 +138,7 @@ def _snapshot(run: Run, node_id: int) -> None:
         return
     prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
     if evicted:
-        from workers.tasks import snapshots_collect as collect_task
-
         for engine in set(Snapshot.objects.filter(task_id=run.task.pk, ref__in=evicted).values_list("engine", flat=True)):
-            job_enqueue(collect_task, engine, near=engine_queue(engine))
+            job_enqueue("workers.tasks.snapshots_collect", engine, near=engine_queue(engine))
 
 

@@ -27,10 +27,9 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
 from cache.bench.server import service_running
-from cache.models import Node, Rollout, Snapshot, Task, ToolStat
+from cache.models import AuditEntry, Node, Rollout, Snapshot, Task, ToolStat
 from cache.services import task_put
 from dashboard import browser
-from dashboard.models import AuditEntry
 
 SHOTS = Path(settings.BASE_DIR) / "artifacts" / "screenshots"
 TASK_ID = "bench-dashboard"

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('cache', '0010_projects_required'),
+        ('cache', '0011_auditentry'),
     ]
 
     operations = [
