@@ -1,5 +1,8 @@
 """Input parsing at the edge, once: plain checks, no serializer overhead on the hot endpoints
 (lookup, record, tool-server calls), and the JSON checks that every endpoint's body goes through.
+Each body parsed here has one `parse_<body>` function, the endpoint's only validation; the
+serializers in cache/api/serializers.py describe the same bodies for the OpenAPI schema, and a
+test checks each against its parser (tests/cache/test_schema_inputs.py).
 
 Each failure raises InvalidInput with a stable code and the offending field in `details`:
 - `malformed_json`: not JSON (orjson refuses lone surrogates too: they answer `invalid_string`);
@@ -234,19 +237,87 @@ def parse_epoch(data: dict) -> int:
     return 0 if epoch is None else parse_int(epoch, "epoch", low=INT32[0], high=INT32[1])
 
 
-def parse_claim(data: dict, context: CallContext) -> bool:
-    """A lookup's "claim" flag (client-mode single flight); a claim is held by a rollout."""
+@dataclass(frozen=True, slots=True)
+class LookupInput:
+    context: CallContext
+    claim: bool  # client-mode single flight: a miss takes the call's claim (held by a rollout)
+    resume: bool  # False: the caller's sandbox already follows the history, a miss leases no snapshot
+
+
+def parse_lookup(data: Any) -> LookupInput:
+    context = parse_call_context(data)
     claim = _optional(data, "claim", bool, False)
     if claim and not context.rollout_id:
         raise InvalidInput("'claim' needs a 'rollout_id': a claim is held by a rollout.", code="missing_field",
                            details={"field": "rollout_id"})
-    return claim
+    return LookupInput(context=context, claim=claim, resume=_optional(data, "resume", bool, True))
 
 
-def parse_resume(data: dict) -> bool:
-    """A lookup's "resume" flag: False when the caller's sandbox already follows the history,
-    so that a miss leases no snapshot it would not fork."""
-    return _optional(data, "resume", bool, True)
+def parse_claim_release(data: Any) -> CallContext:
+    """The call whose claim its rollout gives up."""
+    context = parse_call_context(data)
+    if not context.rollout_id:
+        raise InvalidInput("'rollout_id' is required: a claim is held by a rollout.", code="missing_field",
+                           details={"field": "rollout_id"})
+    return context
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutCallInput:
+    call: ToolCall
+    epoch: int
+
+
+def parse_rollout_call(data: Any) -> RolloutCallInput:
+    """A tool-server call: the rollout's next call (its history is the service's)."""
+    return RolloutCallInput(call=parse_call(_required(_object(data), "call"), "call"), epoch=parse_epoch(data))
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInput:
+    env: dict
+    tools: dict[str, dict[str, bool]]  # tool name -> {"mutates_state", "cacheable"}
+    sandbox_budget: int | None  # None: the service's default for a new task, the task's own for an update
+    audit_rate: float | None  # None: the service's default
+
+
+def parse_task(data: Any) -> TaskInput:
+    """A task's PUT body. Strings, keys and nesting were checked with the whole body (load_body)."""
+    data = _object(data)
+    env = _required(data, "env")
+    sandbox_budget = data.get("sandbox_budget")
+    if sandbox_budget is not None:
+        parse_int(sandbox_budget, "sandbox_budget", low=0, high=INT32[1])
+    if not isinstance(env, dict):
+        raise InvalidInput("'env' must be an object.", code="invalid_payload", details={"field": "env"})
+    return TaskInput(env=env, tools=_tools(data.get("tools")), sandbox_budget=sandbox_budget,
+                     audit_rate=_audit_rate(data.get("audit_rate")))
+
+
+def _tools(tools: Any) -> dict[str, dict[str, bool]]:
+    """Each tool's policy, with the flags it leaves out set to true (the safe default)."""
+    if tools is None:
+        return {}
+    if not isinstance(tools, dict):
+        raise InvalidInput("'tools' must be an object of tool policies.", code="invalid_payload", details={"field": "tools"})
+    clean = {}
+    for name, spec in tools.items():
+        if not isinstance(spec, dict) or set(spec) - {"mutates_state", "cacheable"}:
+            raise InvalidInput(f"Tool '{name}' must be {{mutates_state, cacheable}}.", code="invalid_payload",
+                               details={"field": f"tools.{name}"})
+        if any(not isinstance(value, bool) for value in spec.values()):
+            raise InvalidInput(f"Tool '{name}' flags must be booleans.", code="invalid_payload", details={"field": f"tools.{name}"})
+        clean[name] = {"mutates_state": spec.get("mutates_state", True), "cacheable": spec.get("cacheable", True)}
+    return clean
+
+
+def _audit_rate(audit_rate: Any) -> float | None:
+    if audit_rate is None:
+        return None
+    if isinstance(audit_rate, bool) or not isinstance(audit_rate, (int, float)) or not 0.0 <= audit_rate <= 1.0:
+        raise InvalidInput("'audit_rate' must be a number from 0 to 1.", code="invalid_payload",
+                           details={"field": "audit_rate"})
+    return float(audit_rate)
 
 
 @dataclass(frozen=True, slots=True)

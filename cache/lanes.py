@@ -8,8 +8,8 @@ sends the request on: to the slow lane (`SlowWork`), or after a wait on the even
 holds no thread, for a single-flight claim to be freed (`ClaimAwaited`). The work runs again from the
 start; what it does before handing back must be safe to repeat.
 
-Work only hands back when the front door said it may (`lane_current()` is not None): under WSGI
-or Django's own handler it waits or runs where it is.
+Work only hands back when the front door said it may (`lane_current()` is not None): under
+Django's own handler it waits or runs where it is.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from django.db.models import Count, Max, Q, Sum
 
 from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
 from cache.projects import unknown_node, unknown_task
-from cache.services.counters import counters_flush
+from cache.services.ledger import ledger_flush
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
@@ -38,7 +38,7 @@ def _rates(row: dict[str, Any]) -> dict[str, Any]:
 
 def task_stats(*, task_id: str) -> dict[str, Any]:
     """Totals, per epoch and per tool; plus graph sizes."""
-    counters_flush()
+    ledger_flush()
     rows = ToolStat.objects.filter(task_id=task_id)
     sums = {key: Sum(key) for key in COUNTERS}
     total = _rates(rows.aggregate(**sums))
@@ -107,7 +107,7 @@ def task_ids(*, project_id: int | None = None, project_ids: list[int] | None = N
 
 def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
     """One row per given task with its totals (a page of the task list or the dashboard overview)."""
-    counters_flush()
+    ledger_flush()
     sums = {key: Sum(key) for key in COUNTERS}
     totals = {r["task_id"]: _rates(r)
               for r in ToolStat.objects.filter(task_id__in=task_ids).values("task_id").annotate(**sums)}
@@ -125,12 +125,12 @@ def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
 def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None = None, limit: int = 100_000) -> dict:
     """Nodes and edges of a task's graph; optionally only the subtree under `root`, `max_depth` deep."""
     task_get(task_id=task_id)
-    counters_flush()
+    ledger_flush()
     nodes = Node.objects.filter(task_id=task_id)
     if root is not None:
         if not Node.objects.filter(task_id=task_id, pk=root).exists():
             raise unknown_node(task_id, root)
-        nodes = nodes.filter(pk__in=_subtree_ids(task_id, root, max_depth))
+        nodes = nodes.filter(pk__in=node_subtree_ids(task_id=task_id, node_id=root, max_depth=max_depth))
     elif max_depth is not None:
         nodes = nodes.filter(depth__lte=max_depth)
     live = set(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list("node_id", flat=True))
@@ -143,15 +143,19 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
     return {"task_id": task_id, "nodes": out_nodes, "edges": edges}
 
 
-def _subtree_ids(task_id: str, root: int, max_depth: int | None) -> list[int]:
-    sql = """
-    WITH RECURSIVE sub(id, level) AS (
-        SELECT id, 0 FROM cache_node WHERE task_id = %s AND id = %s
-        UNION ALL
-        SELECT n.id, sub.level + 1 FROM cache_node n JOIN sub ON n.parent_id = sub.id
-        WHERE %s::int IS NULL OR sub.level < %s::int
-    ) SELECT id FROM sub
-    """
+SUBTREE_SQL = """
+WITH RECURSIVE sub(id, level) AS (
+    SELECT id, 0 FROM cache_node WHERE task_id = %s AND id = %s
+    UNION ALL
+    SELECT n.id, sub.level + 1 FROM cache_node n JOIN sub ON n.parent_id = sub.id
+    WHERE %s::int IS NULL OR sub.level < %s::int
+) SELECT id FROM sub
+"""
+
+
+def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None) -> list[int]:
+    """Ids of the node and its descendants, `max_depth` levels below it at most (None: all);
+    empty for a node the task does not have."""
     with connection.cursor() as cursor:
-        cursor.execute(sql, [task_id, root, max_depth, max_depth])
+        cursor.execute(SUBTREE_SQL, [task_id, node_id, max_depth, max_depth])
         return [row[0] for row in cursor.fetchall()]

@@ -20,14 +20,10 @@ from django.utils.html import format_html
 from cache import services
 from cache.api.auth import TOKEN_CACHE_TTL_S, key_digest, new_key
 from cache.errors import ApplicationError
-from cache.models import ApiToken, Membership, Node, Project, Snapshot, Task
+from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.services.projects import LIMITS, check_grants
 
-from .models import AuditEntry
-
-
-class BudgetForm(forms.Form):
-    sandbox_budget = forms.IntegerField(min_value=0, max_value=1_000_000, label="New budget (live snapshots)")
+from .controls import BudgetForm
 
 
 def _confirmed(modeladmin, request, queryset, *, title: str, explain: str, run, form_class=None):

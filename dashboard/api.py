@@ -8,7 +8,8 @@ from functools import wraps
 from django.http import JsonResponse
 from django.views.decorators.http import require_GET
 
-from cache.errors import ApplicationError, InvalidInput
+from cache.api.errors import error_response
+from cache.errors import ApplicationError, InvalidInput, NotAuthenticated
 from cache.projects import key_project, unknown_task
 
 from . import access, selectors
@@ -22,14 +23,13 @@ def _json_view(view):
     @wraps(view)
     def wrapper(request, *args, **kwargs):
         if not request.user.is_authenticated:
-            return JsonResponse({"error": {"code": "not_authenticated", "message": "Log in first.",
-                                           "details": None}}, status=401)
+            return error_response(NotAuthenticated("Log in first."))
         try:
             if not access.can_see(request.user, key_project(kwargs["task_id"])):  # another project's: as unknown
                 raise unknown_task(kwargs["task_id"])
             return JsonResponse(view(request, *args, **kwargs))
         except ApplicationError as exc:
-            return JsonResponse(exc.as_json(), status=exc.status)
+            return error_response(exc)
 
     return wrapper
 

@@ -1,18 +1,19 @@
-"""The dashboard's websocket: joins the page's topic and forwards what `dashboard.broadcast` sends.
-A user gets the events of the projects they see (dashboard.access): staff join the whole
-overview and pools groups, other users their projects' groups; a task's topic is refused for
-another project's task."""
+"""The dashboard's websocket: joins the page's topic and forwards the live events that the ledger
+sends (`cache.events`). A user gets the events of the projects they see (dashboard.access): staff
+join the whole overview and pools groups, other users their projects' groups; a task's topic is
+refused for another project's task."""
 
 from __future__ import annotations
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from cache import events
 from cache.projects import key_project
 
-from . import access, broadcast
+from . import access
 
-GROUPS = {"overview": broadcast.overview_group, "pools": broadcast.pools_group}
+GROUPS = {"overview": events.overview_group, "pools": events.pools_group}
 
 
 class DashboardConsumer(AsyncWebsocketConsumer):
@@ -28,7 +29,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             if mine is not None and key_project(kwargs["task_id"]) not in mine:
                 await self.close()
                 return
-            self.topic_groups = [broadcast.task_group(kwargs["task_id"])]
+            self.topic_groups = [events.task_group(kwargs["task_id"])]
         else:
             group = GROUPS[topic]
             self.topic_groups = [group()] if mine is None else [group(project) for project in sorted(mine)]

@@ -23,6 +23,7 @@ from cache import services
 from cache.errors import ApplicationError
 from cache.models import Node, Snapshot, Task
 from cache.projects import MAINTAINER, key_project
+from sandboxes import services as sandbox_services
 from sandboxes.models import Sandbox
 
 from . import access, selectors
@@ -110,7 +111,7 @@ CONTROLS: dict[str, Control] = {
             actor=user, task_id=task_id, sandbox_budget=data["sandbox_budget"]), BudgetForm),
     "stop-sandbox": Control(
         "Stop sandbox", "Stops the sandbox; a rollout using it loses it and starts again from a snapshot.",
-        True, lambda user, task_id, node_id, data: services.admin_sandbox_stop(
+        True, lambda user, task_id, node_id, data: sandbox_services.admin_sandbox_stop(
             actor=user, sandbox_id=data["sandbox_id"], task_id=_sandbox_task(user, data["sandbox_id"])), SandboxForm),
 }
 

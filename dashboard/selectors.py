@@ -270,11 +270,7 @@ def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
 
 def subtree_size(*, task_id: str, node_id: int) -> dict[str, int]:
     """What evicting the subtree would remove (for the confirmation page)."""
-    from cache.services.admin import SUBTREE_SQL
-
-    with connection.cursor() as cursor:
-        cursor.execute(SUBTREE_SQL, [task_id, node_id])
-        ids = [row[0] for row in cursor.fetchall()]
+    ids = cache_selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
     live = Snapshot.objects.filter(node_id__in=ids, status=Snapshot.Status.LIVE)
     leased = Lease.objects.filter(snapshot__in=live, released_at__isnull=True, expires_at__gt=timezone.now()).count()
     return {"nodes": len(ids), "snapshots": live.count(), "leased": leased}

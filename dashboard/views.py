@@ -11,10 +11,10 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from cache.errors import NotFound
+from cache.models import AuditEntry
 from cache.projects import MAINTAINER, key_project
 
 from . import access, selectors
-from .models import AuditEntry
 
 AUDIT_PAGE_SIZE = 50
 

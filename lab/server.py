@@ -25,15 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
 
 SERVERS = {
-    # WSGI, uWSGI's C HTTP parser: the fastest option measured here. A sync worker serves one
-    # connection at a time, so it closes each after its response (as gunicorn's sync workers do);
-    # uWSGI's http-socket does that without saying so, and clients then lose a round trip (or the
-    # request) on the dead connection: the header tells them. (--http-keepalive only applies to
-    # uWSGI's separate HTTP router process, which cost more CPU per request than it saved here.)
-    "uwsgi": lambda port, workers: [str(Path(sys.executable).with_name("uwsgi")), "--http-socket", f"127.0.0.1:{port}",
-                                    "--module", "tvcache_site.wsgi:application", "--processes", str(workers),
-                                    "--master", "--disable-logging", "--add-header", "Connection: close",
-                                    "--enable-threads", "--lazy-apps", "--thunder-lock", "--die-on-term"],
     # ASGI (HTTP + websockets), the application the run command serves: the deployment.
     "uvicorn": lambda port, workers: [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application",
                                       "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),

@@ -10,8 +10,7 @@ from rest_framework.views import APIView
 
 from cache.api.lean import LeanPostView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
-from cache.errors import InvalidInput
-from cache.inputs import parse_epoch, parse_id
+from cache.inputs import INT32, parse_id, parse_rollout_call
 from cache.projects import task_public_id
 from observability import metrics
 from sandboxes import selectors, services
@@ -22,7 +21,7 @@ ERRORS = {code: ErrorSerializer for code in (400, 401, 403, 404, 409, 429, 503)}
 
 class CallSerializer(serializers.Serializer):
     call = ToolCallSerializer()
-    epoch = serializers.IntegerField(required=False, default=0)
+    epoch = serializers.IntegerField(required=False, default=0, min_value=INT32[0], max_value=INT32[1])
 
 
 class CallResultSerializer(serializers.Serializer):
@@ -68,11 +67,10 @@ class RolloutCallView(LeanPostView):
 
     @staticmethod
     def answer(*, principal, task_id: str, rollout_id: str, payload) -> bytes:
-        if not isinstance(payload, dict) or "call" not in payload:
-            raise InvalidInput("Missing field 'call'.", code="missing_field", details={"field": "call"})
+        parsed = parse_rollout_call(payload)
         outcome = services.rollout_call(task_id=principal.task_key(task_id), rollout_id=parse_id(rollout_id, "rollout_id"),
-                                        call_json=payload["call"], epoch=parse_epoch(payload))
-        metrics.tool_call_observed(tool=payload["call"]["tool"], cached=outcome.cached, ms=outcome.latency_ms)
+                                        call=parsed.call, epoch=parsed.epoch)
+        metrics.tool_call_observed(tool=parsed.call.tool, cached=outcome.cached, ms=outcome.latency_ms)
         return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
                              "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates,
                              "phases_ms": {k: round(v, 3) for k, v in outcome.phases_ms.items()}})

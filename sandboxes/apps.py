@@ -4,3 +4,11 @@ from django.apps import AppConfig
 class SandboxesConfig(AppConfig):
     name = "sandboxes"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from cache.hooks import SandboxHooks, sandbox_hooks_register
+
+        from .services.runtime import env_check_project, env_fingerprint_material, service_images
+
+        sandbox_hooks_register(SandboxHooks(fingerprint_material=env_fingerprint_material,
+                                            grants_check=env_check_project, images=service_images))

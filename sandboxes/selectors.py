@@ -3,7 +3,6 @@ sandboxes (/api/v1/tasks/{id}/sandboxes)."""
 
 from __future__ import annotations
 
-import time
 from statistics import median, quantiles
 
 from django.db.models import Count
@@ -11,27 +10,28 @@ from django.db.models import Count
 from cache.models import Snapshot
 from cache.projects import key_project, task_public_id
 from cache.selectors import task_get
+from cache.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
 from .services.runtime import backend_named
 
 HEALTH_TTL_S = 10.0
-_health: dict[str, tuple[dict, float]] = {}
+_health: TTLCache[str, dict] = TTLCache()
 
 
 def engine_health(name: str = "docker") -> dict:
     """The backend's health, cached a few seconds: pages render it on every view."""
     cached = _health.get(name)
-    if cached and cached[1] > time.monotonic():
-        return cached[0]
+    if cached is not None:
+        return cached
     try:
         report = backend_named(name).health()
     except SandboxError as exc:
         report = {"ok": False, "detail": exc.message}
     report = {"backend": name, "ok": bool(report.get("ok")), "detail": report.get("detail") or report.get("error", ""),
               **{k: v for k, v in report.items() if k not in ("ok", "detail")}}
-    _health[name] = (report, time.monotonic() + HEALTH_TTL_S)
+    _health.put(name, report, HEALTH_TTL_S)
     return report
 
 

@@ -10,7 +10,7 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from cache.api.auth import token_create
-from cache.services import counters
+from cache.services import ledger
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,14 +34,19 @@ def _celery_queue_of_this_session():
 
 @pytest.fixture(autouse=True)
 def _counters_flushed_on_read():
-    """No flush thread in tests: counters are written when stats are read, and none leak
-    from one test into the next."""
+    """The ledger's thread writes no counters in tests: they are written when stats are read,
+    and none leak from one test into the next."""
     from django.conf import settings
 
     settings.TVCACHE["COUNTER_FLUSH_S"] = 0
-    counters._buffer.take()
+    _ledger_counts_dropped()
     yield
-    counters._buffer.take()  # never flushed later into another database (the process's exit flush)
+    _ledger_counts_dropped()  # never written later into another database (the process's exit flush)
+
+
+def _ledger_counts_dropped() -> None:
+    ledger._ledger.flush(write=False)
+    ledger._ledger.unwritten = ledger.Counts()
 
 
 @pytest.fixture(autouse=True)

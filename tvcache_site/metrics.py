@@ -16,11 +16,13 @@ import redis
 from django.apps import apps
 from django.conf import settings
 from django.db.models import Count
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponse
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from cache.api.errors import error_response
+from cache.errors import Forbidden, MethodNotAllowed
 from cache.models import Snapshot
 from observability import metrics
 from sandboxes.models import Sandbox
@@ -51,17 +53,14 @@ def address_allowed(address: str, allow: list[str]) -> bool:
     return False
 
 
-def _error(status: int, code: str, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"code": code, "message": message, "details": None}}, status=status)
-
-
 def metrics_view(request):
     if request.method not in ("GET", "HEAD"):
-        response = _error(405, "method_not_allowed", f"Method {request.method} not allowed: GET /metrics.")
+        response = error_response(MethodNotAllowed(f"Method {request.method} not allowed: GET /metrics."))
         response["Allow"] = "GET, HEAD"
         return response
     if not address_allowed(request.META.get("REMOTE_ADDR", ""), settings.METRICS_ALLOW):
-        return _error(403, "permission_denied", "Metrics are readable from TVCACHE_METRICS_ALLOW's addresses only.")
+        return error_response(Forbidden("Metrics are readable from TVCACHE_METRICS_ALLOW's addresses only.",
+                                        code="permission_denied"))
     return HttpResponse(_exposition(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 

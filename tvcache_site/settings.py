@@ -34,9 +34,8 @@ VAR_DIR = Path(env("TVCACHE_VAR_DIR", default=str(BASE_DIR / "var")))
 # PostgreSQL is the store of record, always (the hot paths use its SQL). The default is the
 # local development server; production sets DATABASE_URL.
 DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/tvcache")}
-EMBEDDED = []
-# WSGI workers keep one persistent connection each (cheapest per request). Under ASGI, sync
-# views run on changing threads and persistent per-thread connections would pile up: set
+# Without a pool each thread keeps a persistent connection (Celery workers, commands). Under ASGI,
+# sync views run on changing threads and persistent per-thread connections would pile up: set
 # DB_POOL_SIZE to use a psycopg pool per process instead (the run command does).
 # After a PostgreSQL restart every kept connection is dead: with health checks each is checked
 # before a request uses it (under a pool, each one the pool hands out), so the service recovers by
@@ -50,8 +49,6 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env("REDIS_URL", default="")
-if not REDIS_URL:
-    EMBEDDED.append("background and periodic work: in-process (set REDIS_URL for Celery and Channels on Redis)")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -102,7 +99,6 @@ TEMPLATES = [
         },
     },
 ]
-WSGI_APPLICATION = "tvcache_site.wsgi.application"
 ASGI_APPLICATION = "tvcache_site.asgi.application"
 
 LANGUAGE_CODE = "en-us"
@@ -174,9 +170,10 @@ TVCACHE = {
     "MAX_JSON_DEPTH": env.int("TVCACHE_MAX_JSON_DEPTH", default=64),
     "LEASE_TTL_S": env.float("TVCACHE_LEASE_TTL_S", default=600.0),
     "DEFAULT_SANDBOX_BUDGET": env.int("TVCACHE_DEFAULT_SANDBOX_BUDGET", default=64),
-    # Lookup counters are written in batches this often by a thread per process; 0 = only when
-    # stats are read (the tests use that: everything they count is flushed before it is read).
-    "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.25),
+    # Lookup counters are written in batches this often by the ledger's thread (one per process,
+    # which wakes every 0.3 s); 0 = only when stats are read (the tests use that: everything they
+    # count is flushed before it is read).
+    "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.3),
     # Threads per ASGI process that answer lookups. One: more threads per process fight over the
     # GIL (bench_lookup: 2 processes x 4 threads saturated at 585 lookups/s; 3 x 1 served 1,024/s
     # at P95 7 ms); run more processes instead.

@@ -1,11 +1,11 @@
 import sys
 
 from django.contrib import admin
-from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from cache.api.errors import DATABASE_DOWN, application_error
+from cache.api.errors import DATABASE_DOWN, application_error, error_response
+from cache.errors import InternalError, NotFound
 from tvcache_site.metrics import metrics_view
 
 urlpatterns = [
@@ -21,21 +21,14 @@ urlpatterns = [
 ]
 
 
-def _error(status: int, code: str, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"code": code, "message": message, "details": None}}, status=status)
-
-
 def handler404(request, exception=None):
-    return _error(404, "not_found", f"No such resource: {request.path}")
+    return error_response(NotFound(f"No such resource: {request.path}"))
 
 
 def handler500(request):
     # A database that went away is a 503 here too, not a bug: for views outside the API's exception
-    # handler (pages) where Django calls this in the thread handling the exception (WSGI).
+    # handler (pages), and for the hot path's unexpected errors (Django's handler calls this).
     exc = sys.exc_info()[1]
     if isinstance(exc, DATABASE_DOWN):
-        error = application_error(exc)
-        response = _error(error.status, error.code, error.message)
-        response["Retry-After"] = str(error.retry_after)
-        return response
-    return _error(500, "internal_error", "Internal error; nothing was half-written (each write is one transaction).")
+        return error_response(application_error(exc))
+    return error_response(InternalError("Internal error; nothing was half-written (each write is one transaction)."))

@@ -4,7 +4,6 @@ credential: verl-tool trainers send no Authorization header)."""
 from __future__ import annotations
 
 import orjson
-from django.core.exceptions import RequestDataTooBig
 from django.http import HttpResponseNotAllowed
 from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
@@ -12,9 +11,10 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from cache.api.lean import error_body, json_response
+from cache.api.errors import application_error, error_response
+from cache.api.lean import json_response
 from cache.api.serializers import ErrorSerializer
-from cache.errors import ApplicationError
+from cache.errors import InvalidInput
 from upstreams import selectors, services
 
 ERRORS = {code: ErrorSerializer for code in (400, 401, 404)}
@@ -93,12 +93,13 @@ def verl_tool_observations(request, secret: str):
     if request.method != "POST":
         return HttpResponseNotAllowed(["POST"])
     try:
-        payload = orjson.loads(request.body)
-    except orjson.JSONDecodeError as exc:
-        return json_response(error_body("malformed_json", f"Malformed JSON: {exc}"), 400)
-    except RequestDataTooBig:
-        return json_response(error_body("payload_too_large", "Request body exceeds the size limit."), 413)
-    try:
+        try:
+            payload = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidInput(f"Malformed JSON: {exc}", code="malformed_json") from None
         return json_response(orjson.dumps(services.observations_serve(secret=secret, payload=payload)))
-    except ApplicationError as exc:
-        return json_response(error_body(exc.code, exc.message, exc.details), exc.status)
+    except Exception as exc:
+        error = application_error(exc)
+        if error is None:
+            raise
+        return error_response(error)

@@ -2,7 +2,7 @@
 garbage collection, orphans, ...) run in the service's own processes when no Celery beat runs
 them: the embedded default, without Redis.
 
-One thread per process (started by the ASGI or WSGI application, `periodic_jobs_start`) runs each
+One thread per process (started by the ASGI application, `periodic_jobs_start`) runs each
 job on its interval. A run holds a PostgreSQL advisory lock of its own job, taken without waiting:
 several processes of the service never run the same job at once, and one that finds it taken
 skips that round. The jobs are idempotent, so a round run twice (two processes one after the

@@ -25,12 +25,12 @@ from cache.errors import RateLimited
 from cache.models import ApiToken
 from cache.services.projects import project_named
 from cache.projects import DEFAULT_PROJECT, MAINTAINER, ROLES, task_key
+from cache.ttl import TTLCache
 
 # A revoked or expired token is refused within this time in every process (the issue asks for 5 s).
 TOKEN_CACHE_TTL_S = 4.0
 LAST_USED_EVERY_S = 60.0  # a token's last use is written at most this often
 INVALID_TOKEN = "Invalid, expired or revoked token."
-_verified: dict[str, tuple[Principal, float]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,9 @@ class Principal:
 
     def __str__(self) -> str:  # what the audit log names as the actor
         return f"token:{self.token}"
+
+
+_verified: TTLCache[str, Principal] = TTLCache()  # by key digest
 
 
 def key_digest(key: str) -> str:
@@ -92,30 +95,28 @@ def token_revoke(*, name: str) -> bool:
 
 def principal_cached(key: str) -> bool:
     """The key was verified lately in this process (no database read)."""
-    cached = _verified.get(key_digest(key))
-    return cached is not None and cached[1] > time.monotonic()
+    return _verified.get(key_digest(key)) is not None
 
 
 def principal_for_key(key: str) -> Principal | None:
     """The key's principal, or None for a key that is unknown, revoked or expired."""
     digest = key_digest(key)
     cached = _verified.get(digest)
-    now = time.monotonic()
-    if cached and cached[1] > now:
-        return cached[0]
+    if cached is not None:
+        return cached
     wall = timezone.now()
     row = (ApiToken.objects.filter(key_digest=digest, revoked_at__isnull=True)
            .values_list("pk", "name", "role", "expires_at", "last_used_at", "project_id", "project__name",
                         "project__rate_limit", "project__rate_burst").first())
     if row is None or (row[3] is not None and row[3] <= wall):
-        _verified.pop(digest, None)
+        _verified.pop(digest)
         return None
     pk, name, role, expires_at, last_used_at, project_id, project, rate_limit, rate_burst = row
     principal = Principal(name, project, project_id, role, rate_limit, rate_burst)
-    deadline = now + TOKEN_CACHE_TTL_S
+    ttl_s = TOKEN_CACHE_TTL_S
     if expires_at is not None:
-        deadline = min(deadline, now + (expires_at - wall).total_seconds())
-    _verified[digest] = (principal, deadline)
+        ttl_s = min(ttl_s, (expires_at - wall).total_seconds())
+    _verified.put(digest, principal, ttl_s)
     if last_used_at is None or (wall - last_used_at).total_seconds() > LAST_USED_EVERY_S:
         ApiToken.objects.filter(pk=pk).update(last_used_at=wall)
     return principal
@@ -138,11 +139,11 @@ def admit(principal: Principal) -> None:
     """Count the request against its project's rate limit; RateLimited (429) over it. Each
     server process keeps its own buckets: with TVCACHE_RATE_LIMIT_PROCESSES = N (the number of
     server processes), each admits 1/N of the project's rate."""
-    from cache.services.counters import requests_add
+    from cache.services.ledger import request_add
 
     rate = principal.rate_limit
     if rate is None:
-        requests_add(project_id=principal.project_id, admitted=True)
+        request_add(project_id=principal.project_id, admitted=True)
         return
     share = settings.TVCACHE.get("RATE_LIMIT_PROCESSES", 1)
     rate_here = rate / share
@@ -158,7 +159,7 @@ def admit(principal: Principal) -> None:
         if admitted:
             bucket.tokens -= 1.0
         wait_s = 0.0 if admitted else (1.0 - bucket.tokens) / rate_here
-    requests_add(project_id=principal.project_id, admitted=admitted)
+    request_add(project_id=principal.project_id, admitted=admitted)
     if not admitted:
         raise RateLimited(f"Project '{principal.project}' is over its rate limit of {rate} requests per second.",
                           details={"project": principal.project, "rate_limit": rate, "retry_after_s": round(wait_s, 3)})

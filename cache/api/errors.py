@@ -1,14 +1,15 @@
-"""The one place where exceptions become the API's error JSON."""
+"""The one place where exceptions become the API's error JSON: DRF's exception handler, the hot
+path's front doors, and Django's own handlers and views outside DRF all answer through here."""
 
 from __future__ import annotations
 
 import psycopg
 from django.core.exceptions import RequestDataTooBig
 from django.db import InterfaceError, OperationalError
+from django.http import HttpResponse
 from rest_framework import exceptions as drf
-from rest_framework.response import Response
 
-from cache.errors import ApplicationError, DatabaseUnavailable
+from cache.errors import ApplicationError, DatabaseUnavailable, InvalidInput, PayloadTooLarge
 
 DRF_CODES = {
     drf.ParseError: "malformed_json",
@@ -20,7 +21,6 @@ DRF_CODES = {
     drf.UnsupportedMediaType: "unsupported_media_type",
     drf.NotAcceptable: "not_acceptable",
     drf.Throttled: "throttled",
-    drf.ValidationError: "invalid_payload",
 }
 
 # PostgreSQL went away (a restart, a dropped connection, no free connection): the request is
@@ -35,30 +35,25 @@ def application_error(exc: BaseException) -> ApplicationError | None:
         return exc
     if isinstance(exc, DATABASE_DOWN):
         return DatabaseUnavailable("The database is unavailable (restarting or unreachable); retry shortly.")
+    if isinstance(exc, RequestDataTooBig):
+        return PayloadTooLarge("Request body exceeds the size limit.")
+    if isinstance(exc, drf.ValidationError):
+        return InvalidInput("Invalid input.", details=exc.detail)
+    if isinstance(exc, drf.APIException):
+        error = ApplicationError(str(exc.detail), code=DRF_CODES.get(type(exc), "bad_request"), status=exc.status_code)
+        error.challenge = getattr(exc, "auth_header", None)  # DRF sets it on a 401
+        return error
     return None
 
 
-def error_response(status: int, code: str, message: str, details=None) -> Response:
-    return Response({"error": {"code": code, "message": message, "details": details}}, status=status)
+def error_response(error: ApplicationError) -> HttpResponse:
+    response = HttpResponse(error.body(), status=error.status, content_type="application/json")
+    for header, value in error.headers():
+        response[header] = value
+    return response
 
 
 def exception_handler(exc, context):
+    """DRF's EXCEPTION_HANDLER; None leaves a bug to Django (its 500, `handler500`)."""
     error = application_error(exc)
-    if error is not None:
-        response = error_response(error.status, error.code, error.message, error.details)
-        if error.retry_after is not None:
-            response["Retry-After"] = str(error.retry_after)
-        return response
-    if isinstance(exc, RequestDataTooBig):
-        return error_response(413, "payload_too_large", "Request body exceeds the size limit.")
-    if isinstance(exc, drf.APIException):
-        code = DRF_CODES.get(type(exc), "bad_request")
-        if isinstance(exc, drf.ValidationError):
-            return error_response(exc.status_code, code, "Invalid input.", exc.detail)
-        if isinstance(exc, drf.AuthenticationFailed):
-            code = "invalid_token"
-        response = error_response(exc.status_code, code, str(exc.detail))
-        if getattr(exc, "auth_header", None):
-            response["WWW-Authenticate"] = exc.auth_header
-        return response
-    return None
+    return None if error is None else error_response(error)

@@ -3,17 +3,16 @@ front of it.
 
 Lookup and record run at thousands of requests per second; content negotiation, parser and
 renderer selection, permission and throttle classes cost more than the lookup itself. These
-views check the token and parse the JSON body themselves, and answer errors in the same JSON
-shape as the exception handler. The OpenAPI schema still describes them like any DRF view.
+views check the token and parse the JSON body themselves, and answer errors as the exception
+handler does (cache/api/errors.py). The OpenAPI schema still describes them like any DRF view.
 
-The front doors go one step further: `HotPathASGI` (the deployed ASGI application) and
-`HotPathApplication` (WSGI) answer POSTs to these endpoints with the same `lean_answer` before
-Django's request handler, URL resolver and middleware chain run, and add the headers that
-middleware would have added. Under WSGI that handler is a third of a worker's time per lookup
-(py-spy); under ASGI it is most of it: Django gives every request a thread of its own and runs
-the sync middleware through thread hops, about 6 ms of CPU per lookup against 0.7 ms here.
-Anything else, and any request they are not sure about (another host, no Content-Length, moved
-routes), goes to Django unchanged."""
+The front door goes one step further: `HotPathASGI` (the deployed ASGI application) answers POSTs
+to these endpoints with the same `lean_answer` before Django's request handler, URL resolver and
+middleware chain run, and adds the headers that middleware would have added. Django's handler
+is most of a lookup's time otherwise: it gives every request a thread of its own and runs the
+sync middleware through thread hops, about 6 ms of CPU per lookup against 0.7 ms here. Anything
+else, and any request it is not sure about (another host, no Content-Length, moved routes), goes
+to Django unchanged."""
 
 from __future__ import annotations
 
@@ -25,22 +24,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from http import HTTPStatus
 from typing import Literal, NamedTuple
 
-import orjson
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.core.handlers.exception import response_for_exception
 from django.core.handlers.asgi import ASGIRequest
-from django.core.handlers.wsgi import WSGIRequest
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.http import HttpResponse
 from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
-from cache.errors import Overloaded, ServiceUnavailable, TooManyRequests
+from cache.errors import NotAuthenticated, Overloaded
 from cache.inputs import load_json
 from cache.lanes import ClaimAwaited, HandBack, LaneContext, SlowWork, lane_current, lane_set
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
@@ -54,6 +50,8 @@ log = logging.getLogger("tvcache.api")
 # An endpoint's work once the request is authenticated and parsed: JSON body out, or an
 # ApplicationError with its status and code.
 Answer = Callable[..., bytes]
+# An answer's status, JSON body and the headers an error answer adds.
+Reply = tuple[int, bytes, list[tuple[str, str]]]
 # Under ASGI: "read" lookups, "write" records, "tool" tool-server calls until they need a tool run
 # ("exec"), "auth" token checks of requests whose token this process has not verified lately.
 Lane = Literal["read", "write", "tool", "exec", "auth"]
@@ -63,27 +61,29 @@ def json_response(payload: bytes, status: int = 200) -> HttpResponse:
     return HttpResponse(payload, status=status, content_type="application/json")
 
 
-def error_body(code: str, message: str, details=None) -> bytes:
-    return orjson.dumps({"error": {"code": code, "message": message, "details": details}})
+class TokenRequired(NotAuthenticated):
+    challenge = "Token"  # the scheme TrainerTokenAuthentication names to DRF
 
 
-def lean_principal(authorization: str) -> Principal | tuple[int, bytes]:
-    """The request's principal (its token's project and role), or the status and JSON body
-    refusing a request whose token is missing or invalid."""
+def lean_principal(authorization: str) -> Principal:
+    """The request's principal (its token's project and role); TokenRequired (401) for a token
+    that is missing or invalid."""
     parts = authorization.split()
     if not parts or parts[0].lower() != "token":
-        return 401, error_body("not_authenticated", "Authentication credentials were not provided.")
+        raise TokenRequired("Authentication credentials were not provided.")
     principal = principal_for_key(parts[1]) if len(parts) == 2 else None
     if principal is None:
-        return 401, error_body("invalid_token", INVALID_TOKEN)
+        raise TokenRequired(INVALID_TOKEN, code="invalid_token")
     return principal
 
 
-def lean_refusal(authorization: str) -> tuple[int, bytes] | None:
-    """Status and JSON body refusing a request whose token is missing or invalid; None for a
-    valid one. Runs before the body is read."""
-    found = lean_principal(authorization)
-    return found if isinstance(found, tuple) else None
+def lean_refusal(authorization: str) -> Reply | None:
+    """The answer refusing a request whose token is missing or invalid; None for a valid one.
+    Runs before the body is read."""
+    def check() -> None:
+        lean_principal(authorization)
+
+    return _answered(check)
 
 
 def token_verified(authorization: str) -> bool:
@@ -94,48 +94,33 @@ def token_verified(authorization: str) -> bool:
 
 
 def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes]) -> tuple[int, bytes]:
-    """Status and JSON body for a POST to a hot endpoint: token, its project's rate limit, then
-    body, then the answer (which gets the principal: the task id resolves in its project)."""
+                read_body: Callable[[], bytes]) -> Reply:
+    """The answer to a POST to a hot endpoint: token, its project's rate limit, then body, then
+    the answer (which gets the principal: the task id resolves in its project)."""
 
-    def work() -> tuple[int, bytes]:
-        found = lean_principal(authorization)
-        if isinstance(found, tuple):
-            return found
+    def work() -> Reply:
+        principal = lean_principal(authorization)
         lane = lane_current()
         if lane is None or not lane.rerun:  # a request handed back and run again counts once
-            admit(found)
-        return 200, answer(principal=found, **path_kwargs, payload=load_json(read_body()))
+            admit(principal)
+        return 200, answer(principal=principal, **path_kwargs, payload=load_json(read_body())), []
 
     return _answered(work)
 
 
-def _answered(work: Callable[[], tuple[int, bytes] | None]) -> tuple[int, bytes] | None:
+def _answered(work: Callable[[], Reply | None]) -> Reply | None:
     """What `work` answers, with typed errors (and a database that went away) as error answers."""
     try:
         return work()
-    except RequestDataTooBig:
-        return 413, error_body("payload_too_large", "Request body exceeds the size limit.")
     except Exception as exc:
         error = application_error(exc)
         if error is None:
             raise
-        return error.status, error_body(error.code, error.message, error.details)
-
-
-def extra_headers(status: int) -> list[tuple[str, str]]:
-    """What the exception handler adds to an error answer of this status."""
-    if status == 401:
-        return [("WWW-Authenticate", "Token")]
-    if status == 503:
-        return [("Retry-After", str(ServiceUnavailable.retry_after))]
-    if status == 429:
-        return [("Retry-After", str(TooManyRequests.retry_after))]
-    return []
+        return error.status, error.body(), error.headers()
 
 
 # A POST endpoint whose work is `answer(*, principal, <path arguments>, payload) -> bytes`, a staticmethod
-# that the front doors call too, for requests to `route` ("/api/v1/tasks/{task_id}/lookup": the
+# that the front door calls too, for requests to `route` ("/api/v1/tasks/{task_id}/lookup": the
 # URL's pattern, arguments in braces). Under ASGI each `lane` has threads of its own: a lookup
 # ("read") never queues behind a record waiting for its commit ("write"), and neither behind a
 # tool-server call ("tool"); a tool-server call that must run a tool moves on to the "exec" lane,
@@ -155,11 +140,11 @@ class LeanPostView(APIView):
         return self.post(request, *args, **kwargs)
 
     def post(self, request, **kwargs):
-        status, body = lean_answer(type(self).answer, path_kwargs=kwargs,
-                                   authorization=request.META.get("HTTP_AUTHORIZATION", ""),
-                                   read_body=lambda: request.body)
+        status, body, headers = lean_answer(type(self).answer, path_kwargs=kwargs,
+                                            authorization=request.META.get("HTTP_AUTHORIZATION", ""),
+                                            read_body=lambda: request.body)
         response = json_response(body, status)
-        for header, value in extra_headers(status):
+        for header, value in headers:
             response[header] = value
         return response
 
@@ -201,7 +186,7 @@ _ARGUMENT = {"task_id": "[-a-zA-Z0-9_]+", "rollout_id": "[^/]+"}
 
 
 class HotPath:
-    """What both front doors share: which requests they answer, and the answer with its headers.
+    """What the front door answers itself: which requests, and the answer with its headers.
     A view whose route no longer resolves to it is left to Django."""
 
     def __init__(self, views: list[type[LeanPostView]]):
@@ -269,19 +254,20 @@ class HotPath:
                incoming_id: str | None, lane: Lane | None = None) -> Answered | None:
         """The answer that refuses the request's token, or None if the token is valid: the check
         that runs before the body is read (the token is then cached, see `token_verified`)."""
-        return self._run(lane or view.lane, lambda: _answered(lambda: lean_refusal(authorization)), request, incoming_id)
+        return self._run(lane or view.lane, lambda: lean_refusal(authorization), request, incoming_id)
 
-    def plain(self, status: int, body: bytes, rid: str) -> Answered:
+    def plain(self, reply: Reply, rid: str) -> Answered:
         """An answer made without a thread or the database (a refusal on the event loop)."""
-        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra_headers(status),
+        status, body, extra = reply
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra,
                    (REQUEST_ID_HEADER, rid)]
         return Answered(status, headers + self.headers, body, 0.0)
 
     def overloaded(self, lane: str, rid: str) -> Answered:
         error = Overloaded(f"The service is at capacity ({lane}); retry shortly.", details={"lane": lane})
-        return self.plain(error.status, error_body(error.code, error.message, error.details), rid)
+        return self.plain((error.status, error.body(), error.headers()), rid)
 
-    def _run(self, lane: Lane, work: Callable[[], tuple[int, bytes] | None], request: Callable[[], object],
+    def _run(self, lane: Lane, work: Callable[[], Reply | None], request: Callable[[], object],
              incoming_id: str | None, context: LaneContext | None = None) -> Answered | HandBack | None:
         db = connections[DEFAULT_DB_ALIAS]
         keep = lane != "exec"  # an exec lane thread runs tools for minutes: it holds no connection meanwhile
@@ -296,9 +282,8 @@ class HotPath:
                 answered = work()
             if answered is None:
                 return None
-            status, body = answered
-            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                       *extra_headers(status)]
+            status, body, extra = answered
+            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra]
         except HandBack as handed_back:
             handed_back.db_s = timer.seconds
             return handed_back
@@ -345,42 +330,6 @@ def server_timing(*, queue_s: float, app_s: float, db_s: float, total_s: float, 
     waited = f"wait;dur={wait_s * 1000:.3f}, " if wait_s else ""
     return ("Server-Timing", f"queue;dur={queue_s * 1000:.3f}, app;dur={app_s * 1000:.3f}, db;dur={db_s * 1000:.3f}, "
                              f"{waited}total;dur={total_s * 1000:.3f}")
-
-
-class HotPathApplication:
-    """WSGI application: POST /api/v1/tasks/<task>/<endpoint> answered by `HotPath`, the rest by
-    Django."""
-
-    def __init__(self, django_app, views: list[type[LeanPostView]]):
-        self.django_app = django_app
-        self.hot = HotPath(views)
-
-    def __call__(self, environ, start_response):
-        route = self.hot.route(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("wsgi.url_scheme", ""),
-                               environ.get("HTTP_HOST") or environ.get("SERVER_NAME", ""),
-                               environ.get("CONTENT_LENGTH", ""))
-        if route is None:
-            return self.django_app(environ, start_response)
-        path_kwargs, view = route
-        body = b""
-        started = time.perf_counter()
-
-        def read_body() -> bytes:
-            nonlocal body
-            length = int(environ["CONTENT_LENGTH"])
-            if self.hot.too_big(length):
-                raise RequestDataTooBig()
-            body = environ["wsgi.input"].read(length)
-            return body
-
-        answer = self.hot.respond(
-            view, path_kwargs=path_kwargs, authorization=environ.get("HTTP_AUTHORIZATION", ""), read_body=read_body,
-            request=lambda: WSGIRequest({**environ, "wsgi.input": io.BytesIO(body)}),
-            incoming_id=environ.get("HTTP_X_REQUEST_ID"))
-        app_s = time.perf_counter() - started
-        start_response(f"{answer.status} {HTTPStatus(answer.status).phrase}",
-                       answer.headers + [server_timing(queue_s=0.0, app_s=app_s, db_s=answer.db_s, total_s=app_s)])
-        return [answer.body]
 
 
 class _Clock:
@@ -458,7 +407,7 @@ class HotPathASGI:
         """The answer refusing the request's token (None: valid), before the body is read."""
         parts = authorization.split()
         if len(parts) != 2 or parts[0].lower() != "token":  # malformed: no database needed
-            return self.hot.plain(*lean_refusal(authorization), rid)
+            return self.hot.plain(lean_refusal(authorization), rid)
         return await self._in_lane("auth", partial(self.hot.refuse, view, authorization=authorization, lane="auth",
                                                    request=lambda: ASGIRequest(scope, io.BytesIO()), incoming_id=rid),
                                    clock, rid)

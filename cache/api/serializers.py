@@ -1,4 +1,7 @@
-"""Input and output shapes of the API (validation of the cold endpoints, and the OpenAPI schema)."""
+"""Input and output shapes of the API: the OpenAPI schema, and the validation of the cold endpoints
+whose bodies cache/inputs.py does not parse. A body that a `cache.inputs.parse_<body>` parses is
+described here and validated there only; tests/cache/test_schema_inputs.py checks that the two
+say the same."""
 
 from rest_framework import serializers
 
@@ -6,8 +9,8 @@ from cache.inputs import INT32, MAX_ID_LENGTH, MAX_MS, MAX_SNAPSHOT_BYTES
 
 
 class ToolCallSerializer(serializers.Serializer):
-    tool = serializers.CharField(max_length=MAX_ID_LENGTH)
-    args = serializers.DictField()
+    tool = serializers.CharField(min_length=1, max_length=MAX_ID_LENGTH)
+    args = serializers.DictField(default=dict)
 
 
 class ToolPolicySerializer(serializers.Serializer):
@@ -66,7 +69,7 @@ class LookupSerializer(CallContextSerializer):
 
 
 class ClaimReleaseSerializer(CallContextSerializer):
-    rollout_id = serializers.CharField(max_length=MAX_ID_LENGTH, help_text="The rollout that holds the claim.")
+    rollout_id = serializers.CharField(min_length=1, max_length=MAX_ID_LENGTH, help_text="The rollout that holds the claim.")
 
 
 class ClaimReleasedSerializer(serializers.Serializer):

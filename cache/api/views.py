@@ -12,8 +12,8 @@ from rest_framework.views import APIView
 from cache import selectors, services
 from cache.errors import InvalidInput
 from cache.projects import task_public_id
-from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_call_context, parse_claim, parse_id, parse_int,
-                          parse_node_id, parse_query_int, parse_record, parse_resume)
+from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_claim_release, parse_id, parse_lookup, parse_node_id,
+                          parse_query_int, parse_record, parse_task)
 from observability import metrics
 
 from . import serializers as s
@@ -65,15 +65,9 @@ class TaskView(APIView):
                    summary="Create or update a task")
     def put(self, request, task_id: str):
         key = task_key(request, parse_id(task_id, "task_id"))
-        if not isinstance(request.data, dict):
-            raise InvalidInput("The request body must be a JSON object.")
-        if "env" not in request.data:
-            raise InvalidInput("Missing field 'env'.", code="missing_field", details={"field": "env"})
-        if request.data.get("sandbox_budget") is not None:
-            parse_int(request.data["sandbox_budget"], "sandbox_budget", low=0, high=INT32[1])
-        task, created = services.task_put(task_id=key, env=request.data["env"], tools=request.data.get("tools"),
-                                          sandbox_budget=request.data.get("sandbox_budget"),
-                                          audit_rate=request.data.get("audit_rate"), actor=request.user)
+        spec = parse_task(request.data)
+        task, created = services.task_put(task_id=key, env=spec.env, tools=spec.tools, sandbox_budget=spec.sandbox_budget,
+                                          audit_rate=spec.audit_rate, actor=request.user)
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
@@ -108,9 +102,9 @@ class LookupView(LeanPostView):
     @staticmethod
     @metrics.lookup_timed
     def answer(*, principal, task_id: str, payload) -> bytes:
-        context = parse_call_context(payload)
-        answer = services.tcg_lookup(task_id=principal.task_key(task_id), context=context, claim=parse_claim(payload, context),
-                                     resume=parse_resume(payload))
+        query = parse_lookup(payload)
+        answer = services.tcg_lookup(task_id=principal.task_key(task_id), context=query.context, claim=query.claim,
+                                     resume=query.resume)
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
             return b'{"hit":true,"node_id":%d,"mutates":%s,%s"result":%s}' % (
@@ -152,10 +146,7 @@ class ClaimReleaseView(APIView):
     @extend_schema(request=s.ClaimReleaseSerializer, responses={200: s.ClaimReleasedSerializer, **ERRORS},
                    summary="Give up a claim taken by a lookup (the call's execution failed): the next rollout executes it")
     def post(self, request, task_id: str):
-        context = parse_call_context(request.data)
-        if not context.rollout_id:
-            raise InvalidInput("'rollout_id' is required: a claim is held by a rollout.", code="missing_field",
-                               details={"field": "rollout_id"})
+        context = parse_claim_release(request.data)
         return Response({"released": services.claim_release(task_id=task_key(request, task_id), context=context)})
 
 

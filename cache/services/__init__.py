@@ -43,7 +43,6 @@ __all__ = [
 from .admin import (  # noqa: E402
     admin_budget_set,
     admin_node_pin,
-    admin_sandbox_stop,
     admin_snapshot_evict,
     admin_subtree_evict,
     admin_task_flush,
@@ -52,7 +51,6 @@ from .admin import (  # noqa: E402
 __all__ += [
     "admin_budget_set",
     "admin_node_pin",
-    "admin_sandbox_stop",
     "admin_snapshot_evict",
     "admin_subtree_evict",
     "admin_task_flush",

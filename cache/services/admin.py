@@ -1,5 +1,5 @@
 """Staff and maintainer actions on the cache. Each is one mutation in one transaction, written to
-the audit log (`dashboard.models.AuditEntry`: who, when, what, outcome, in which project) in that
+the audit log (`cache.models.AuditEntry`: who, when, what, outcome, in which project) in that
 same transaction; a refused or failed action is logged too, and its error re-raised for the
 caller to show. The actor is a dashboard user (staff or a project's maintainer: the dashboard
 checks) or an API principal (`cache.api.auth.Principal`: a trainer token is refused here, after
@@ -16,27 +16,20 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from django.db import connection, transaction
+from django.db import transaction
 
+from cache import selectors  # a module, not its names: cache.selectors imports this package
 from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound
-from cache.models import Lease, Node, Project, Snapshot, Task
+from cache.models import AuditEntry, Lease, Node, Project, Snapshot, Task
 from cache.projects import key_project, role_check, task_public_id, unknown_node, unknown_task
-from dashboard import broadcast
-from dashboard.models import AuditEntry
 
+from . import ledger
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush
 
-SUBTREE_SQL = """
-WITH RECURSIVE sub(id) AS (
-    SELECT id FROM cache_node WHERE task_id = %s AND id = %s
-    UNION ALL
-    SELECT n.id FROM cache_node n JOIN sub ON n.parent_id = sub.id
-) SELECT id FROM sub
-"""
-
-
-def _audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
+def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
+    """Run the action `run` in one transaction with its audit entry (its details are what `run`
+    returns); a refused or failed action is logged too, and its error re-raised."""
     try:
         with transaction.atomic():
             if getattr(actor, "role", None) is not None:  # an API token: maintainers only
@@ -101,9 +94,7 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
 
     def run() -> dict:
         node = _node_for_update(task_id, node_id)
-        with connection.cursor() as cursor:
-            cursor.execute(SUBTREE_SQL, [task_id, node_id])
-            ids = [row[0] for row in cursor.fetchall()]
+        ids = selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
         live = list(Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE)
                     .order_by("pk"))
         leased = _open_leases(live)
@@ -114,15 +105,15 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         # Deleting the nodes cascades to their snapshots (live and evicted) and released leases; the
         # live ones are announced here since they do not go through snapshot_evict.
         Node.objects.filter(pk__in=ids).delete()
-        broadcast.nodes_removed(task_id, ids)
+        ledger.nodes_removed(task_id, ids)
         for snapshot in evicted:
-            broadcast.snapshot_event(task_id, "evicted", node_id=snapshot["node_id"], ref=snapshot["ref"],
+            ledger.snapshot_event(task_id, "evicted", node_id=snapshot["node_id"], ref=snapshot["ref"],
                                      snapshot_id=snapshot["snapshot_id"])
         return {"node": {"id": node.pk, "tool": node.tool, "depth": node.depth}, "nodes_deleted": len(ids),
                 "snapshots_evicted": evicted}
 
-    return _audited(actor=actor, action=AuditEntry.Action.SUBTREE_EVICT, task_id=task_id,
-                    target=f"{_named(task_id)} / node {node_id} (subtree)", run=run)
+    return action_audited(actor=actor, action=AuditEntry.Action.SUBTREE_EVICT, task_id=task_id,
+                          target=f"{_named(task_id)} / node {node_id} (subtree)", run=run)
 
 
 def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
@@ -139,8 +130,8 @@ def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
                            code="snapshot_leased", details={"snapshot_ids": [snapshot.pk]})
         return {"snapshot": _snapshot_json(snapshot)}  # snapshot_evict announces it
 
-    return _audited(actor=actor, action=AuditEntry.Action.SNAPSHOT_EVICT, task_id=task_id,
-                    target=f"{_named(task_id)} / node {node_id} (snapshot)", run=run)
+    return action_audited(actor=actor, action=AuditEntry.Action.SNAPSHOT_EVICT, task_id=task_id,
+                          target=f"{_named(task_id)} / node {node_id} (snapshot)", run=run)
 
 
 def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditEntry:
@@ -150,11 +141,12 @@ def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditE
         node = _node_for_update(task_id, node_id)
         was = node.pinned
         Node.objects.filter(pk=node.pk).update(pinned=pinned)
-        broadcast.node_changed(task_id, node_id, pinned=pinned)
+        ledger.node_changed(task_id, node_id, pinned=pinned)
         return {"pinned": pinned, "was_pinned": was}
 
     action = AuditEntry.Action.NODE_PIN if pinned else AuditEntry.Action.NODE_UNPIN
-    return _audited(actor=actor, action=action, task_id=task_id, target=f"{_named(task_id)} / node {node_id}", run=run)
+    return action_audited(actor=actor, action=action, task_id=task_id, target=f"{_named(task_id)} / node {node_id}",
+                          run=run)
 
 
 def admin_task_flush(*, actor, task_id: str) -> AuditEntry:
@@ -164,11 +156,11 @@ def admin_task_flush(*, actor, task_id: str) -> AuditEntry:
         live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE)
                     .values_list("ref", flat=True))
         nodes = task_flush(task_id=task_id)
-        broadcast.task_changed(task_id, "flushed")
+        ledger.task_changed(task_id, "flushed")
         return {"nodes_deleted": nodes, "snapshots_evicted": live}
 
-    return _audited(actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=_named(task_id),
-                    run=run)
+    return action_audited(actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=_named(task_id),
+                          run=run)
 
 
 def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
@@ -185,24 +177,8 @@ def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
         task.sandbox_budget = sandbox_budget
         task.save(update_fields=["sandbox_budget", "updated_at"])
         evicted = task_enforce_budget(task_id=task_id)  # announces what it evicts
-        broadcast.task_changed(task_id, "budget")
+        ledger.task_changed(task_id, "budget")
         return {"old": old, "new": sandbox_budget, "snapshots_evicted": [_snapshot_json(s) for s in evicted]}
 
-    return _audited(actor=actor, action=AuditEntry.Action.BUDGET_SET, task_id=task_id,
-                    target=f"{_named(task_id)} (budget {sandbox_budget})", run=run)
-
-
-def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEntry:
-    """Stop one sandbox through the sandboxes app."""
-
-    def run() -> dict:
-        from sandboxes.services import sandbox_stop
-
-        try:
-            stopped = sandbox_stop(sandbox_id=int(sandbox_id))  # the sandboxes app announces the pool change
-        except ValueError:
-            raise NotFound(f"No sandbox '{sandbox_id}'.", code="unknown_sandbox") from None
-        return {"sandbox_id": sandbox_id, "stopped": stopped}
-
-    return _audited(actor=actor, action=AuditEntry.Action.SANDBOX_STOP, task_id=task_id,
-                    target=f"sandbox {sandbox_id}", run=run)
+    return action_audited(actor=actor, action=AuditEntry.Action.BUDGET_SET, task_id=task_id,
+                          target=f"{_named(task_id)} (budget {sandbox_budget})", run=run)

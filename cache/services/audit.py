@@ -17,12 +17,11 @@ import orjson
 from django.conf import settings
 from django.db import transaction
 
-from cache.models import Divergence, Node, Task
+from cache.models import AuditEntry, Divergence, Node, Task
 from cache.projects import unknown_node, unknown_task
 from cache.tcg import canonical_json
-from dashboard import broadcast
-from dashboard.models import AuditEntry
 
+from . import ledger
 from .admin import system_entry
 
 
@@ -58,7 +57,7 @@ def _mark(task: Task, node_id: int) -> None:
     if mutates:
         task.version += 1
         task.save(update_fields=["version", "updated_at"])
-    broadcast.node_changed(task.pk, node_id, divergent=True)
+    ledger.node_changed(task.pk, node_id, divergent=True)
 
 
 def _limit_tool(task: Task, tool: str) -> None:
@@ -73,7 +72,7 @@ def _limit_tool(task: Task, tool: str) -> None:
     task.save(update_fields=["uncacheable_tools", "version", "updated_at"])
     system_entry(action=AuditEntry.Action.TOOL_UNCACHEABLE, task_id=task.pk, target=f"task {task.pk} / tool {tool}",
                  details={"tool": tool, "divergent_nodes": divergent, "limit": limit})
-    broadcast.task_changed(task.pk, "uncacheable")
+    ledger.task_changed(task.pk, "uncacheable")
 
 
 def node_audit(*, task_id: str, node_id: int, result: Any, rollout_id: str = "") -> bool:

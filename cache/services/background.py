@@ -1,27 +1,40 @@
-"""Background jobs queued by services (warming a sandbox, collecting evicted snapshots).
+"""Background jobs queued by services: the one seam between the services and Celery. A job is a
+Celery task named as it is registered (`workers.tasks.<name>`, registered at start by
+WorkersConfig.ready), so no service imports the workers app that calls the services.
 
-A job is sent to the broker once the transaction that asked for it commits, from a thread of
-this process: the request that asked for it has done its work and answers at once, whether the
-broker takes the job, takes its time refusing it (Redis down: 0.6 to 6 s of reconnect attempts)
-or is gone. A job the broker refuses runs on that thread instead. Embedded (no broker), Celery
-runs jobs in the caller as before.
+Two kinds, both sent once the transaction that asked for them commits, from threads of this
+process, so the request that asked answers at once whether the broker takes the job, takes its
+time refusing it (Redis down: 0.6 to 6 s of reconnect attempts) or is gone:
+- `job_enqueue`: work that must be done (warming a sandbox, collecting evicted snapshots). A job
+  the broker refuses runs on the sender's thread instead. Embedded (no broker), Celery runs jobs
+  in the caller as before.
+- `job_offer`: work worth doing only if the broker takes it (the determinism audit of a sampled
+  hit): one the broker cannot take is dropped (logged), never run in process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from celery import current_app
 from django.db import connections, transaction
 
 log = logging.getLogger("tvcache.background")
 
 MAX_PENDING = 256  # jobs waiting for the sender threads; more are dropped (logged): see job_enqueue
+MAX_OFFERED = 1000  # offered jobs waiting for their sender thread; more are dropped (logged)
 _pending = threading.BoundedSemaphore(MAX_PENDING)
 _senders: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): a forked child makes its own
 _senders_lock = threading.Lock()
+
+
+def _task(name: str):
+    """The registered Celery task `name` (KeyError for a name no task has: a programming error)."""
+    return current_app.tasks[name]
 
 
 def _sender() -> ThreadPoolExecutor:
@@ -34,12 +47,13 @@ def _sender() -> ThreadPoolExecutor:
     return _senders[1]
 
 
-def job_enqueue(task, *args) -> None:
-    """Queue the Celery task `task(*args)` after the current transaction commits (at once outside
-    one). Never raises and never blocks for the broker; a job the broker refuses runs here. Jobs
-    are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped when
-    MAX_PENDING are waiting is redone by the periodic jobs (the reaper fails a sandbox row that
-    never warmed)."""
+def job_enqueue(name: str, *args) -> None:
+    """Queue the Celery task named `name` with `args` after the current transaction commits (at
+    once outside one). Never raises and never blocks for the broker; a job the broker refuses runs
+    here. Jobs are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped
+    when MAX_PENDING are waiting is redone by the periodic jobs (the reaper fails a sandbox row
+    that never warmed)."""
+    task = _task(name)
     transaction.on_commit(lambda: _submit(task, args))
 
 
@@ -74,3 +88,54 @@ def _send(task, args: tuple) -> None:
     finally:
         _pending.release()
         connections.close_all()  # this thread's, if the job used any
+
+
+def job_offer(name: str, *args) -> None:
+    """Offer the Celery task named `name` with `args` to the broker once the current transaction
+    commits. Never raises, never waits: a broker that is down costs the jobs it cannot take
+    (logged); so does a full outbox, and a process that exits before its outbox is empty."""
+    task = _task(name)
+    try:
+        transaction.on_commit(lambda: _outbox.put((task, args)))
+    except Exception as exc:
+        log.warning("could not queue %s%r: %s", name, args, exc)
+
+
+class _Outbox:
+    """Offered jobs on their way to the broker, sent by a thread of its own: the caller never
+    waits for Redis (a publish to a broker that is down took 6.6 s here before it failed, however
+    told not to retry)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        self.pid: int | None = None
+        self.jobs: queue.Queue = queue.Queue(maxsize=capacity)
+
+    def put(self, job: tuple) -> None:
+        self._started()
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            log.warning("outbox full (broker slow or down): %s%r dropped", job[0].name, job[1])
+
+    def _started(self) -> None:
+        if self.pid == os.getpid():
+            return
+        with self.lock:
+            if self.pid != os.getpid():  # first use, or a forked child: a thread of its own
+                self.jobs = queue.Queue(maxsize=self.capacity)
+                threading.Thread(target=self._send, args=(self.jobs,), name="tvcache-outbox", daemon=True).start()
+                self.pid = os.getpid()
+
+    @staticmethod
+    def _send(jobs: queue.Queue) -> None:
+        while True:
+            task, args = jobs.get()
+            try:
+                task.apply_async(args, retry=False)
+            except Exception as exc:  # the broker is down: this job is dropped
+                log.warning("could not queue %s%r: %s", task.name, args, exc)
+
+
+_outbox = _Outbox(capacity=MAX_OFFERED)

@@ -1,6 +1,6 @@
 """Lookup: one statement, whatever the history length: the indexed read of the node for a hit,
 and on a miss, in the same round trip, the longest-prefix match over the history's state keys.
-Counters are batched (counters.py).
+Counters are batched (ledger.py).
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from dashboard import broadcast
 from observability import metrics
 from cache.inputs import CallContext
 from cache.projects import unknown_task
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
-from .counters import counters_add
+from . import ledger
 from .prepared import prepared_cursor
 from .tasks import TaskHandle, task_handle
 
@@ -38,7 +37,7 @@ from .tasks import TaskHandle, task_handle
 # the same snapshot as the read, and ON CONFLICT the latest claim. A claim is coordination with
 # a TTL, like a lease (LEASE_SQL): its commit does not wait for the WAL to reach the disk. A
 # PostgreSQL crash may lose the claims of its last few hundred ms; their calls may then run twice.
-# Counters go to the in-process buffer (counters.py), not to this query.
+# Counters go to the in-process ledger (ledger.py), not to this query.
 #
 # A divergent node (the determinism audit found its call gives another result in the same state)
 # is not served: it answers like the node of an uncacheable tool (a miss with its match, no claim).
@@ -197,10 +196,8 @@ def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit
     """Count a lookup: calls, hits, the oracle's hits (`seen`: the call was executed before in
     this state) and the time a hit saved."""
     call = context.call
-    counters_add(task_id=task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
-                 node_id=node_id, hit=hit, seen=seen, saved_ms=saved_ms)
-    broadcast.lookup(task_id, hit, oracle=seen, epoch=context.epoch, tool=call.tool, node_id=node_id,
-                     saved_ms=saved_ms)
+    ledger.lookup_add(task_id=task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
+                      node_id=node_id, hit=hit, seen=seen, saved_ms=saved_ms)
     metrics.lookup_counted(tool=call.tool, hit=hit)
 
 

@@ -13,6 +13,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from cache.errors import InvalidInput, NotFound
+from cache.hooks import sandbox_hooks
 from cache.models import ApiToken, Membership, Project, ProjectRequests, Snapshot
 from cache.projects import DEFAULT_PROJECT, PROJECT_NAME, ROLES
 
@@ -37,10 +38,7 @@ def project_named(name: str, *, create: bool = False) -> Project | None:
 
 def service_images() -> list[str]:
     """The images the service runs (a project's images are chosen among them)."""
-    from sandboxes.backends.docker import allowed_images
-    from sandboxes.services.runtime import sandbox_config
-
-    return sorted(allowed_images(sandbox_config().docker))
+    return sandbox_hooks().images()
 
 
 def check_grants(grants: dict[str, Any]) -> None:

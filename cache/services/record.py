@@ -8,11 +8,11 @@ from django.conf import settings
 from django.db import connection
 
 from cache.errors import PayloadTooLarge
-from dashboard import broadcast
 from cache.inputs import RecordInput
 from cache.tcg import canonical_call, canonical_json, record_plan
 from cache.tcg.snapshots import snapshot_wanted
 
+from . import ledger
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs
 from .tasks import task_handle
@@ -112,7 +112,7 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = (
             row = cursor.fetchone()
         node_id, cum_exec_ms, created, node_mutates = row
         if created:
-            broadcast.node_created(task.task_id, node_id)
+            ledger.node_created(task.task_id, node_id)
         wanted = False
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from datetime import timedelta
 
@@ -15,7 +14,9 @@ from cache.models import BackendCost, Lease, Node, Project, Snapshot, Task
 from cache.projects import key_project, unknown_node
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
 from cache.tcg.snapshots import SnapshotCosts, moving_average
-from dashboard import broadcast
+from cache.ttl import TTLCache
+
+from . import ledger
 
 # Before a backend has been measured: what a snapshot and a restore typically cost, in ms.
 DEFAULT_COSTS = {
@@ -26,18 +27,15 @@ DEFAULT_COSTS = {
 }
 EVICTION_NOTICE_S = 60.0  # how long an evicted client snapshot's ref is reported in responses
 COSTS_CACHE_TTL_S = 5.0
-_costs_cache: dict[str, tuple[SnapshotCosts, float]] = {}
+_costs: TTLCache[str, SnapshotCosts] = TTLCache()
 
 
 def backend_costs(backend: str) -> SnapshotCosts:
-    cached = _costs_cache.get(backend)
-    now = time.monotonic()
-    if cached and cached[1] > now:
-        return cached[0]
-    default = DEFAULT_COSTS.get(backend, DEFAULT_COSTS["external"])
-    row = BackendCost.objects.filter(pk=backend).values_list("snapshot_ms", "restore_ms").first()
-    costs = SnapshotCosts(*row) if row else default
-    _costs_cache[backend] = (costs, now + COSTS_CACHE_TTL_S)
+    costs = _costs.get(backend)
+    if costs is None:
+        row = BackendCost.objects.filter(pk=backend).values_list("snapshot_ms", "restore_ms").first()
+        costs = SnapshotCosts(*row) if row else DEFAULT_COSTS.get(backend, DEFAULT_COSTS["external"])
+        _costs.put(backend, costs, COSTS_CACHE_TTL_S)
     return costs
 
 
@@ -82,7 +80,7 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, siz
         _snapshot_bytes_granted(task_id, size_bytes)
         snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, ref=ref, owner=owner,
                                            size_bytes=size_bytes, create_ms=create_ms)
-        broadcast.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
+        ledger.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
     if create_ms is not None:
         _cost_sample(backend, snapshot_ms=create_ms)
     evicted = task_enforce_budget(task_id=task_id)
@@ -163,7 +161,7 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
 
 def _announce_evicted(snapshots: list[Snapshot]) -> None:
     for snapshot in snapshots:
-        broadcast.snapshot_event(snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
+        ledger.snapshot_event(snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
                                  snapshot_id=snapshot.pk)
 
 

@@ -9,10 +9,12 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from cache.errors import Conflict, InvalidInput, NotFound
+from cache.hooks import sandbox_hooks
 from cache.models import Divergence, Node, Project, Snapshot, Task
 from cache.projects import key_project, role_check, task_public_id, unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
-from dashboard import broadcast
+
+from . import ledger
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
 
@@ -83,62 +85,10 @@ def task_policy(tools: dict, uncacheable: list[str]) -> TaskPolicy:
         name: ToolPolicy(mutates_state=policy.for_tool(name).mutates_state, cacheable=False) for name in uncacheable}})
 
 
-def _validate_audit_rate(audit_rate: Any) -> float:
-    if audit_rate is None:
-        return settings.TVCACHE["DEFAULT_AUDIT_RATE"]
-    if isinstance(audit_rate, bool) or not isinstance(audit_rate, (int, float)) or not 0.0 <= audit_rate <= 1.0:
-        raise InvalidInput("'audit_rate' must be a number from 0 to 1.", code="invalid_payload",
-                           details={"field": "audit_rate"})
-    return float(audit_rate)
-
-
-def _validate_tools(tools: Any) -> dict:
-    if not isinstance(tools, dict):
-        raise InvalidInput("'tools' must be an object of tool policies.", code="invalid_payload", details={"field": "tools"})
-    clean = {}
-    for name, spec in tools.items():
-        if not isinstance(spec, dict) or set(spec) - {"mutates_state", "cacheable"}:
-            raise InvalidInput(f"Tool '{name}' must be {{mutates_state, cacheable}}.", code="invalid_payload",
-                               details={"field": f"tools.{name}"})
-        if any(not isinstance(value, bool) for value in spec.values()):
-            raise InvalidInput(f"Tool '{name}' flags must be booleans.", code="invalid_payload", details={"field": f"tools.{name}"})
-        clean[name] = {"mutates_state": spec.get("mutates_state", True), "cacheable": spec.get("cacheable", True)}
-    return clean
-
-
-def _validate_env(env: Any) -> dict:
-    if not isinstance(env, dict):
-        raise InvalidInput("'env' must be an object.", code="invalid_payload", details={"field": "env"})
+def _check_backend(env: dict) -> None:
     backend = env.get("backend", "external")
     if backend not in BACKENDS:
         raise InvalidInput(f"Unknown backend '{backend}'.", code="unknown_backend", details={"field": "env.backend", "allowed": sorted(BACKENDS)})
-    return env
-
-
-def _fingerprint_material(env: dict) -> dict:
-    """What identifies a managed environment beyond its spec (the docker image id, the sqlite
-    seed's hash): a rebuilt image is a new environment, so its tasks' old results never hit."""
-    from sandboxes.backends.base import SandboxError
-    from sandboxes.services.runtime import as_application_error, backend_named, is_managed
-
-    if not is_managed(env.get("backend", "external")):
-        return {}
-    try:
-        return backend_named(env["backend"]).fingerprint_material(env)
-    except SandboxError as exc:
-        raise as_application_error(exc) from None
-
-
-def _granted(env: dict, project: Project) -> None:
-    """Refuse (403) an env that asks for more than the project is granted (network, images,
-    limits): the sandbox backend's own check, under the service's maxima narrowed to the grants."""
-    from sandboxes.backends.base import SandboxError
-    from sandboxes.services.runtime import as_application_error, env_check_granted
-
-    try:
-        env_check_granted(env, project=project)
-    except SandboxError as exc:
-        raise as_application_error(exc) from None
 
 
 def _project_of(task_id: str) -> Project:
@@ -152,8 +102,8 @@ def _project_of(task_id: str) -> Project:
 
 
 @transaction.atomic
-def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any = None,
-             audit_rate: Any = None, actor: Any = None) -> tuple[Task, bool]:
+def task_put(*, task_id: str, env: dict, tools: dict | None = None, sandbox_budget: int | None = None,
+             audit_rate: float | None = None, actor: Any = None) -> tuple[Task, bool]:
     """Create or update the task keyed `task_id` (cache.projects.task_key: its project is part of
     the key). A changed environment changes the fingerprint and drops the task's old nodes: they
     can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
@@ -161,16 +111,18 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
 
     `actor`: the API principal asking, if any. Changing an existing task's env, tools or budget
     takes the maintainer role (a trainer gets 403 maintainer_required; creating a task, or
-    putting one again as it is, does not) and is written to the audit log in this transaction."""
-    env = _validate_env(env)
-    tools = _validate_tools(tools or {})
-    audit_rate = _validate_audit_rate(audit_rate)
-    if sandbox_budget is not None and (not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool)
-                                       or sandbox_budget < 0):
-        raise InvalidInput("'sandbox_budget' must be a non-negative integer.", code="invalid_payload", details={"field": "sandbox_budget"})
+    putting one again as it is, does not) and is written to the audit log in this transaction.
+    The arguments are parsed already (cache.inputs.parse_task: the API's body)."""
+    _check_backend(env)
+    tools = tools or {}
+    if audit_rate is None:
+        audit_rate = settings.TVCACHE["DEFAULT_AUDIT_RATE"]
     project = _project_of(task_id)
-    _granted(env, project)
-    fingerprint = env_fingerprint({"env": env, "material": _fingerprint_material(env)})
+    # An env that asks for more than the project is granted (network, images, limits) is refused
+    # (403); what identifies it beyond its spec is part of its fingerprint.
+    hooks = sandbox_hooks()
+    hooks.grants_check(env, project)
+    fingerprint = env_fingerprint({"env": env, "material": hooks.fingerprint_material(env)})
     with connection.cursor() as cursor:  # PUTs creating one task at once: each waits, then updates the first's
         cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"task_put:{task_id}"])
     task = Task.objects.select_for_update().filter(pk=task_id).first()
@@ -180,7 +132,7 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
         task = Task.objects.create(id=task_id, project=project, name=task_public_id(task_id), env=env,
                                    env_fingerprint=fingerprint, tools=tools, sandbox_budget=sandbox_budget,
                                    audit_rate=audit_rate)
-        broadcast.task_changed(task_id, "created")
+        ledger.task_changed(task_id, "created")
         return task, True
     if sandbox_budget is None:
         sandbox_budget = task.sandbox_budget
@@ -204,7 +156,7 @@ def task_put(*, task_id: str, env: Any, tools: Any = None, sandbox_budget: Any =
         audit_entry(actor=actor, action="task_update", task_id=task_id, target=f"task {task.name} ({', '.join(changed)})",
                     details={"changed": changed, "nodes_dropped": dropped, "old": old,
                              "new": {"env_fingerprint": fingerprint, "tools": tools, "sandbox_budget": sandbox_budget}})
-    broadcast.task_changed(task_id, "updated")
+    ledger.task_changed(task_id, "updated")
     return task, False
 
 

@@ -3,27 +3,24 @@ own at the hit's parent state (a fresh sandbox of the task, then the state-chang
 rollout's history before the hit) and compares the results (`SandboxBackend.audit_view`); a
 difference is recorded by `cache.services.divergence_record`. The sandbox is removed afterwards.
 
-The rollout that hit is never delayed: once the hit's transaction commits, the audit goes to an
-outbox that a thread of its own sends to the broker; a broker that cannot take it costs only that
+The rollout that hit is never delayed: once the hit's transaction commits, the audit is offered to
+the broker by a thread of its own (`job_offer`); a broker that cannot take it costs only that
 audit (logged).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
 from typing import Any
 
 import orjson
-from django.db import transaction
 from django.utils import timezone
 
 from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Task
 from cache.services import divergence_record, task_handle
+from cache.services.background import job_offer
 from cache.services.lookup import task_chain
 from cache.tcg import ToolCall, canonical_json
 from sandboxes.backends.base import SandboxBackend, SandboxError
@@ -39,55 +36,9 @@ EQUAL, DIVERGENT, INCONCLUSIVE, SKIPPED = "equal", "divergent", "inconclusive", 
 
 def hit_audit_enqueue(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> None:
     """Have a worker audit the hit of node `node_id` by the rollout whose history's first `applied`
-    calls led to it, once the current transaction commits. Never raises, never waits."""
-    try:
-        transaction.on_commit(lambda: _outbox.put((task_id, node_id, rollout_pk, applied)))
-    except Exception as exc:
-        log.warning("could not queue the audit of node %s of task %s: %s", node_id, task_id, exc)
-
-
-class _Outbox:
-    """Audits on their way to the broker, sent by a thread of its own: a hit never waits for
-    Redis (a publish to a broker that is down took 6.6 s here before it failed, however told not
-    to retry). A broker that is down costs the audits it cannot take (logged); so does an outbox
-    that is full, and a process that exits before its outbox is empty: audits are samples."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.lock = threading.Lock()
-        self.pid: int | None = None
-        self.jobs: queue.Queue = queue.Queue(maxsize=capacity)
-
-    def put(self, job: tuple) -> None:
-        self._started()
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            log.warning("audit outbox full (broker slow or down): the audit of node %s of task %s is dropped",
-                        job[1], job[0])
-
-    def _started(self) -> None:
-        if self.pid == os.getpid():
-            return
-        with self.lock:
-            if self.pid != os.getpid():  # first use, or a forked child: a thread of its own
-                self.jobs = queue.Queue(maxsize=self.capacity)
-                threading.Thread(target=self._send, args=(self.jobs,), name="tvcache-audit-outbox", daemon=True).start()
-                self.pid = os.getpid()
-
-    @staticmethod
-    def _send(jobs: queue.Queue) -> None:
-        from workers.tasks import hit_audit as audit_task
-
-        while True:
-            job = jobs.get()
-            try:
-                audit_task.apply_async(job, retry=False)
-            except Exception as exc:  # the broker is down: this hit goes unaudited
-                log.warning("could not queue the audit of node %s of task %s: %s", job[1], job[0], exc)
-
-
-_outbox = _Outbox(capacity=1000)
+    calls led to it, once the current transaction commits. Never raises, never waits: a broker
+    that cannot take it costs only this audit (audits are samples)."""
+    job_offer("workers.tasks.hit_audit", task_id, node_id, rollout_pk, applied)
 
 
 def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:

@@ -137,8 +137,6 @@ def _snapshot(run: Run, node_id: int) -> None:
         return
     prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
     if evicted:
-        from workers.tasks import snapshots_collect as collect_task
-
-        job_enqueue(collect_task)
+        job_enqueue("workers.tasks.snapshots_collect")
 
 

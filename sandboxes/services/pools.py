@@ -16,11 +16,12 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from cache.errors import TooManyRequests
-from cache.models import Project, Snapshot, Task
+from cache.errors import NotFound, TooManyRequests
+from cache.models import AuditEntry, Project, Snapshot, Task
 from cache.projects import key_project
+from cache.services import ledger
+from cache.services.admin import action_audited
 from cache.services.background import job_enqueue
-from dashboard import broadcast
 from observability import metrics
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
@@ -35,7 +36,7 @@ def set_state(row: Sandbox, state: str, **fields) -> None:
         setattr(row, name, value)
     row.state = state
     row.save()
-    broadcast.pool_changed(task_id=row.task_id, pool=row.pool, sandbox_id=row.pk, state=state)
+    ledger.pool_changed(task_id=row.task_id, pool=row.pool, sandbox_id=row.pk, state=state)
 
 
 class SandboxQuotaExceeded(TooManyRequests):
@@ -69,8 +70,6 @@ def sandbox_row(*, task: Task, **fields) -> Sandbox:
 def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) -> list[int]:
     """Create WARMING rows and have workers start them (after this transaction commits); fewer if
     the project's grant of live sandboxes leaves less room (forks first: they are the hot ones)."""
-    from workers.tasks import sandbox_warm as warm_task
-
     with transaction.atomic():
         task = Task.objects.get(pk=task_id)
         room = _room(task)
@@ -83,7 +82,7 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
         created = Sandbox.objects.bulk_create(rows)
         ids = [row.pk for row in created]
         for sandbox_id in ids:
-            job_enqueue(warm_task, sandbox_id)
+            job_enqueue("workers.tasks.sandbox_warm", sandbox_id)
     return ids
 
 
@@ -166,6 +165,20 @@ def sandbox_stop(*, sandbox_id: int) -> bool:
         forget(row.backend, row.ref)
     set_state(row, Sandbox.State.STOPPED, stopped_at=timezone.now())
     return True
+
+
+def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEntry:
+    """Stop one sandbox as a staff or maintainer action (audited)."""
+
+    def run() -> dict:
+        try:
+            stopped = sandbox_stop(sandbox_id=int(sandbox_id))
+        except ValueError:
+            raise NotFound(f"No sandbox '{sandbox_id}'.", code="unknown_sandbox") from None
+        return {"sandbox_id": sandbox_id, "stopped": stopped}
+
+    return action_audited(actor=actor, action=AuditEntry.Action.SANDBOX_STOP, task_id=task_id,
+                          target=f"sandbox {sandbox_id}", run=run)
 
 
 def step_announce(*, task_ids: list[str], rollouts_per_task: int) -> dict[str, dict[str, int]]:

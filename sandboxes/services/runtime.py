@@ -11,7 +11,7 @@ from django.conf import settings
 
 from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
-from sandboxes.backends.docker import DockerEnv
+from sandboxes.backends.docker import DockerEnv, allowed_images
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
     ImageNotAllowed,
@@ -89,6 +89,30 @@ def env_check_granted(env, *, project) -> None:
         DockerEnv.parse({**env, "limits": spec.limits()}, narrowed)
     except NotGranted as exc:
         raise _project_refusal(exc, project.name) from None
+
+
+def env_check_project(env: dict, project) -> None:
+    """env_check_granted with its refusals as API errors (cache.hooks: a task's env is checked
+    when it is put)."""
+    try:
+        env_check_granted(env, project=project)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+
+
+def env_fingerprint_material(env: dict) -> dict:
+    """What identifies a managed environment beyond its spec (the docker image id, the sqlite
+    seed's hash): a rebuilt image is a new environment, so its tasks' old results never hit."""
+    if not is_managed(env.get("backend", "external")):
+        return {}
+    try:
+        return backend_named(env["backend"]).fingerprint_material(env)
+    except SandboxError as exc:
+        raise as_application_error(exc) from None
+
+
+def service_images() -> list[str]:
+    return sorted(allowed_images(sandbox_config().docker))
 
 
 def _project_refusal(exc: NotGranted, project: str) -> NotGranted:

@@ -21,7 +21,7 @@ import orjson
 from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
-from cache.inputs import CallContext, parse_call
+from cache.inputs import CallContext
 from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Rollout, Task
 from cache.projects import task_public_id, unknown_task
@@ -53,12 +53,11 @@ class CallOutcome:
     phases_ms: dict[str, float] = field(default_factory=dict)  # where the time went (Phases)
 
 
-def rollout_call(*, task_id: str, rollout_id: str, call_json: Any, epoch: int = 0) -> CallOutcome:
+def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 0) -> CallOutcome:
     """Four statements for a hit (claim and read the rollout, the lookup, the history append,
     the release); the task's row and a sandbox only for a miss."""
     started = time.perf_counter()
     handle = task_handle(task_id=task_id, cached=True)  # outdated at worst: the lookup checks its version
-    call = parse_call(call_json, "call")
     try:
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:

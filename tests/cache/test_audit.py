@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache.models import Divergence, Node, Task
+from cache.models import AuditEntry, Divergence, Node, Task
 from cache.services import divergence_record
-from dashboard.models import AuditEntry
 
 from .helpers import call, lookup, record
 

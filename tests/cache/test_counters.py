@@ -1,5 +1,6 @@
-"""Lookup counters are batched in process and flushed in one transaction: a batch must never be
-lost, neither to a flush that fails (PostgreSQL busy or restarting) nor to one bad key."""
+"""Lookup counters are batched in process (the ledger) and written in one transaction: a batch
+must never be lost, neither to a flush that fails (PostgreSQL busy or restarting) nor to one bad
+key."""
 
 import psycopg
 import pytest
@@ -7,7 +8,7 @@ from django.conf import settings
 from django.db import OperationalError, connection
 
 from cache.models import Node, Rollout, ToolStat
-from cache.services import counters
+from cache.services import ledger
 from lab.server import database_url
 
 from .helpers import call, lookup, record
@@ -32,13 +33,13 @@ def test_a_failed_flush_keeps_its_counts_and_the_next_one_writes_them_all(api, t
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '200ms'")
         with pytest.raises(OperationalError):
-            counters.counters_flush()
+            ledger.ledger_flush()
         other.rollback()
     with connection.cursor() as cursor:
         cursor.execute("RESET lock_timeout")
     assert ToolStat.objects.get(task_id="toy", tool="write").calls == 0  # nothing of the failed batch
     assert lookup(api, "toy", [], W, rollout_id="r1")["hit"] is True  # counted while the batch waits
-    counters.counters_flush()
+    ledger.ledger_flush()
     assert totals() == (4, 4, 4, 4)
 
 
@@ -46,9 +47,9 @@ def test_a_key_no_column_can_hold_never_enters_the_batch(api, toy_task):
     record(api, "toy", [], W, {"ok": True})
     node = Node.objects.get(task_id="toy").pk
     good = dict(task_id="toy", epoch=0, tool="write", rollout_id="r1", node_id=node, hit=True, seen=True, saved_ms=1.0)
-    counters.counters_add(**good)
+    ledger.lookup_add(**good)
     for bad in ({"epoch": 2**40}, {"tool": "wri\x00te"}, {"rollout_id": "r" * 201}, {"rollout_id": "r\x00"}):
-        counters.counters_add(**{**good, **bad})
-    counters.counters_add(**good)
-    counters.counters_flush()
+        ledger.lookup_add(**{**good, **bad})
+    ledger.lookup_add(**good)
+    ledger.ledger_flush()
     assert totals() == (2, 2, 2, 2)

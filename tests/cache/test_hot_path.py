@@ -1,12 +1,10 @@
-"""The deployed applications answer lookup and record before Django's handler and middleware
-(cache/api/lean.py: HotPathASGI, HotPathApplication for WSGI): every answer must be the one
-Django gives, byte for byte, headers included, and whatever the hot path is unsure of must still
-reach Django."""
+"""The deployed application answers lookup and record before Django's handler and middleware
+(cache/api/lean.py: HotPathASGI): every answer must be the one Django gives, byte for byte,
+headers included, and whatever the hot path is unsure of must still reach Django."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
 
@@ -14,12 +12,10 @@ import pytest
 from django.db import connections
 from django.test import override_settings
 
-from cache.api.lean import HotPathApplication, HotPathASGI
+from cache.api.lean import HotPath, HotPathASGI
 from cache.api.views import LookupView, RecordView
 from sandboxes.api import RolloutCallView
 from tvcache_site import asgi as asgi_module
-from tvcache_site.wsgi import application as wsgi_application
-from tvcache_site.wsgi import django_application
 
 from .helpers import call
 
@@ -29,29 +25,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 W = call("write", path="f", content="1")
 R = call("read", path="f")
-
-
-def wsgi(app, method: str, path: str, body: bytes = b"", token: str | None = None, host: str = "127.0.0.1:8000",
-         content_length: bool = True, request_id: str | None = "test-request-1"):
-    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": "", "SCRIPT_NAME": "",
-               "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8000", "SERVER_PROTOCOL": "HTTP/1.1",
-               "HTTP_HOST": host, "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
-               "wsgi.errors": io.StringIO(), "CONTENT_TYPE": "application/json"}
-    if content_length:
-        environ["CONTENT_LENGTH"] = str(len(body))
-    if token is not None:
-        environ["HTTP_AUTHORIZATION"] = token
-    if request_id is not None:
-        environ["HTTP_X_REQUEST_ID"] = request_id
-    answer = {}
-
-    def start_response(status, headers, exc_info=None):
-        answer["status"], answer["headers"] = int(status.split()[0]), headers
-
-    content = b"".join(application_iter := app(environ, start_response))
-    if hasattr(application_iter, "close"):
-        application_iter.close()
-    return answer["status"], sorted((k.lower(), v) for k, v in answer["headers"]), content
 
 
 def asgi(app, method: str, path: str, body: bytes = b"", token: str | None = None, host: str = "127.0.0.1:8000",
@@ -87,18 +60,15 @@ def asgi(app, method: str, path: str, body: bytes = b"", token: str | None = Non
     return start["status"], sorted((k.decode().lower(), v.decode()) for k, v in start["headers"]), content
 
 
-def test_the_deployed_applications_take_the_hot_routes():
-    for fast in (wsgi_application, asgi_module.http_application):
-        assert [view for _, view in fast.hot.routes] == [LookupView, RecordView, RolloutCallView]
-        assert fast.hot.enabled
+def test_the_deployed_application_takes_the_hot_routes():
+    fast = asgi_module.http_application
+    assert [view for _, view in fast.hot.routes] == [LookupView, RecordView, RolloutCallView]
+    assert fast.hot.enabled
 
 
-@pytest.fixture(params=["asgi", "wsgi"])
-def door(request):
+@pytest.fixture
+def door():
     """(send, hot-path application, Django's application, make(views) -> hot-path application)."""
-    if request.param == "wsgi":
-        yield wsgi, wsgi_application, django_application, lambda views: HotPathApplication(django_application, views)
-        return
     made = []
 
     def make(views):
@@ -130,8 +100,8 @@ def test_answers_equal_djangos(door, toy_task, auth):
             timing = [v for k, v in headers if k == "server-timing"]  # the hot path's own header
             assert len(timing) == 1 and re.fullmatch(r"queue;dur=[\d.]+, app;dur=[\d.]+, db;dur=[\d.]+, total;dur=[\d.]+", timing[0])
             headers = [(k, v) for k, v in headers if k != "server-timing"]
-        if ("connection", "close") in headers:  # the ASGI door refused the body unread, and closes
-            assert send is asgi and status == 401 and content
+        if ("connection", "close") in headers:  # the door refused the body unread, and closes
+            assert status == 401 and content
             headers.remove(("connection", "close"))
         assert (status, headers, answer) == send(plain, method, path, content, **kwargs)
         return status, headers, answer
@@ -173,10 +143,12 @@ def test_the_hot_path_echoes_the_request_id_or_makes_one(door, toy_task, auth):
         assert ids[0] == echoed if echoed else re.fullmatch(r"[0-9a-f]{32}", ids[0])  # a sane one is made
 
 
-def test_a_chunked_body_reaches_django(toy_task, auth):
-    status = wsgi(wsgi_application, "POST", f"/api/v1/tasks/{toy_task}/lookup", body(history=[], call=R), token=auth,
-                  content_length=False)[0]
-    assert status == 400  # Django's WSGI handler reads no body without a Content-Length
+def test_a_chunked_body_reaches_django(door, toy_task, auth):
+    send, fast, plain, _ = door
+    lookup = f"/api/v1/tasks/{toy_task}/lookup"
+    answer = send(fast, "POST", lookup, body(history=[], call=R), token=auth, content_length=False)
+    assert "server-timing" not in dict(answer[1])  # Django answered it
+    assert answer == send(plain, "POST", lookup, body(history=[], call=R), token=auth, content_length=False)
 
 
 def test_body_over_the_upload_limit_is_413_like_django(door, toy_task, auth):
@@ -196,12 +168,22 @@ def test_a_route_that_moved_is_left_to_django(door):
     assert door[3]([Moved]).hot.routes == []
 
 
+def in_thread(path: str, content: bytes, token: str) -> tuple[int, bytes]:
+    """What the front door's lane thread does for a request, done on this thread: its statements
+    count in django_assert_num_queries."""
+    hot = HotPath([LookupView, RecordView, RolloutCallView])
+    path_kwargs, view = hot.route("POST", path, "http", "127.0.0.1:8000", str(len(content)))
+    answer = hot.respond(view, path_kwargs=path_kwargs, authorization=token, read_body=lambda: content,
+                         request=lambda: None, incoming_id=None)
+    return answer.status, answer.body
+
+
 def test_a_hit_is_one_query_on_the_hot_path(toy_task, auth, django_assert_num_queries):
     task = f"/api/v1/tasks/{toy_task}"
-    wsgi(wsgi_application, "POST", f"{task}/record", body(history=[], call=W, result={"ok": True}, exec_ms=5.0), token=auth)
-    wsgi(wsgi_application, "POST", f"{task}/lookup", body(history=[], call=W), token=auth)  # task handle cached
+    in_thread(f"{task}/record", body(history=[], call=W, result={"ok": True}, exec_ms=5.0), auth)
+    in_thread(f"{task}/lookup", body(history=[], call=W), auth)  # task handle cached
     with django_assert_num_queries(1):
-        status, _, content = wsgi(wsgi_application, "POST", f"{task}/lookup", body(history=[], call=W), token=auth)
+        status, content = in_thread(f"{task}/lookup", body(history=[], call=W), auth)
     assert status == 200 and json.loads(content)["hit"] is True
 
 
@@ -218,43 +200,24 @@ def test_an_unexpected_error_is_djangos_json_500(door, toy_task, auth, monkeypat
     assert ("x-content-type-options", "nosniff") in headers
 
 
-class Unread(io.RawIOBase):
-    """A request body that fails the test if anything reads it."""
-
-    def read(self, *args):
-        raise AssertionError("the body was read")
-
-    readinto = readline = read
-
-
 @pytest.mark.parametrize("authorization", [None, "Token wrong", "Bearer x"])
 def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(door, toy_task, authorization):
-    send, fast, _, _ = door
+    fast = door[1]
     path = f"/api/v1/tasks/{toy_task}/lookup"
-    headers = {"HTTP_AUTHORIZATION": authorization} if authorization else {}
-    if send is wsgi:
-        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "QUERY_STRING": "", "SCRIPT_NAME": "",
-                   "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "8000", "HTTP_HOST": "127.0.0.1:8000",
-                   "wsgi.url_scheme": "http", "wsgi.input": Unread(), "wsgi.errors": io.StringIO(),
-                   "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(2 * 1024 * 1024), **headers}
-        statuses = []
-        body = b"".join(fast(environ, lambda status, headers, exc_info=None: statuses.append(status)))
-        status = int(statuses[0].split()[0])
-    else:
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-                 "headers": [(b"host", b"127.0.0.1:8000"), (b"content-length", str(2 * 1024 * 1024).encode()),
-                             *([(b"authorization", authorization.encode())] if authorization else [])],
-                 "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
-        sent = []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-length", str(2 * 1024 * 1024).encode()),
+                         *([(b"authorization", authorization.encode())] if authorization else [])],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    sent = []
 
-        async def receive():
-            raise AssertionError("the body was read")
+    async def receive():
+        raise AssertionError("the body was read")
 
-        async def collect(message):
-            sent.append(message)
+    async def collect(message):
+        sent.append(message)
 
-        asyncio.run(asyncio.wait_for(fast(scope, receive, collect), 30))
-        status, body = sent[0]["status"], sent[1]["body"]
+    asyncio.run(asyncio.wait_for(fast(scope, receive, collect), 30))
+    status, body = sent[0]["status"], sent[1]["body"]
     assert status == 401
     assert json.loads(body)["error"]["code"] == ("invalid_token" if authorization == "Token wrong" else "not_authenticated")

@@ -23,10 +23,9 @@ from rest_framework.test import APIClient
 
 from cache.api import auth
 from cache.api.auth import TOKEN_CACHE_TTL_S, principal_for_key, token_create
-from cache.models import ApiToken, Membership, Node, Project, Snapshot, Task
+from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.projects import task_key
-from cache.services.counters import counters_flush
-from dashboard.models import AuditEntry
+from cache.services.ledger import ledger_flush
 
 from .helpers import call, lookup, project_clients, record
 
@@ -59,7 +58,7 @@ def world(clients):
     bare = record(alpha, "only-alpha", [W], call("write", path="g", content="2"), {"ok": 2}, rollout_id="r2")["node_id"]
     for project in ("alpha", "beta"):
         assert clients[project, "maintainer"].put("/api/v1/tasks/task-0", EXTERNAL, format="json").status_code == 201
-    counters_flush()  # the lookup's rollout r2 is a row now
+    ledger_flush()  # the lookup's rollout r2 is a row now
     return {"write": write, "read": read, "bare": bare, "lease": lease}
 
 
@@ -261,18 +260,16 @@ def test_a_token_says_when_it_was_last_used(clients):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_hit_is_one_statement_in_any_project(clients, django_assert_num_queries):
-    from tests.cache.test_hot_path import body, wsgi
-    from tvcache_site.wsgi import application
+    from tests.cache.test_hot_path import body, in_thread
 
     key = token_create(name="hot", project="gamma", role="trainer")
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {key}")
     assert client.put("/api/v1/tasks/hot", EXTERNAL, format="json").status_code == 201
     record(client, "hot", [], W, {"ok": True})
-    wsgi(application, "POST", "/api/v1/tasks/hot/lookup", body(history=[], call=W), token=f"Token {key}")  # cached
+    in_thread("/api/v1/tasks/hot/lookup", body(history=[], call=W), f"Token {key}")  # cached
     with django_assert_num_queries(1):
-        status, _, content = wsgi(application, "POST", "/api/v1/tasks/hot/lookup", body(history=[], call=W),
-                                  token=f"Token {key}")
+        status, content = in_thread("/api/v1/tasks/hot/lookup", body(history=[], call=W), f"Token {key}")
     assert status == 200 and json.loads(content)["hit"] is True
 
 

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import connection
 from playwright.sync_api import expect, sync_playwright
 
-from cache.services.counters import counters_flush
+from cache.services.ledger import ledger_flush
 from lab.browser import chromium, collect_static, log_in
 from lab.server import service_running
 from tests.cache.helpers import call
@@ -51,7 +51,7 @@ def node_point(page, node_id: int) -> tuple[float, float]:
 @pytest.mark.browser
 def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
     tree = build_tree(api, toy_task)
-    counters_flush()  # this process buffers counters: the server must see them
+    ledger_flush()  # this process buffers counters: the server must see them
     rest = httpx.Client(base_url=server, headers={"Authorization": f"Token {token}"}, timeout=10)
     # No ORM below: Playwright's sync API runs an event loop in this thread.
     with sync_playwright() as playwright:

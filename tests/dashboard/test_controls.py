@@ -8,8 +8,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from cache.models import Lease, Node, Snapshot, Task
-from dashboard.models import AuditEntry
+from cache.models import AuditEntry, Lease, Node, Snapshot, Task
 
 pytestmark = pytest.mark.django_db
 
@@ -163,4 +162,4 @@ def test_django_admin_actions_confirm_then_use_the_same_services(staff_client, a
     assert b"sandbox_budget" in staff_client.post("/admin/cache/task/", data).content
     staff_client.post("/admin/cache/task/", {**data, "confirm": "yes", "sandbox_budget": "9"})
     assert Task.objects.get(pk=toy_task).sandbox_budget == 9
-    assert staff_client.get("/admin/dashboard/auditentry/").status_code == 200
+    assert staff_client.get("/admin/cache/auditentry/").status_code == 200

@@ -1,4 +1,4 @@
-"""Live updates over the Redis channel layer: the broadcast seam coalesces, the consumer forwards,
+"""Live updates over the Redis channel layer: the ledger coalesces, the consumer forwards,
 anonymous and cross-site sockets are refused, and a Redis outage never reaches the caller."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from channels.testing import WebsocketCommunicator
 from django.db import transaction
 from django.test import Client
 
-from dashboard import broadcast
+from cache.services import ledger
 from tvcache_site.asgi import application
 
 REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
@@ -25,9 +25,16 @@ REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
 @pytest.fixture
 def redis_layer(settings):
     settings.CHANNEL_LAYERS = REDIS_LAYER
-    broadcast._hub.paused_until = 0.0
+    ledger._ledger.paused_until = 0.0
     yield
-    broadcast._hub.paused_until = 0.0
+    ledger._ledger.paused_until = 0.0
+
+
+def lookup(task_id: str, hit: bool, *, seen: bool | None = None, epoch: int = 0, tool: str = "",
+           node_id: int | None = None, saved_ms: float = 0.0) -> None:
+    """A lookup answered, as the lookup service counts it (`seen`: the oracle's hit; `hit` unless said)."""
+    ledger.lookup_add(task_id=task_id, epoch=epoch, tool=tool, rollout_id="", node_id=node_id, hit=hit,
+                      seen=hit if seen is None else seen, saved_ms=saved_ms)
 
 
 @pytest.fixture
@@ -56,9 +63,9 @@ def test_a_thousand_lookups_arrive_as_a_few_summaries(redis_layer, staff_user, t
         assert (await task_socket.connect())[0] and (await overview.connect())[0]
         for i in range(1000):
             # 3 in 4 hit; every other miss had been seen (e.g. a tool that is not cacheable): the oracle's hit.
-            broadcast.lookup(task_id, i % 4 != 0, oracle=i % 8 != 0, epoch=2, tool="bash", node_id=7, saved_ms=10.0)
-        broadcast.node_created(task_id, 99)
-        broadcast.flush_now()
+            lookup(task_id, i % 4 != 0, seen=i % 8 != 0, epoch=2, tool="bash", node_id=7, saved_ms=10.0)
+        ledger.node_created(task_id, 99)
+        ledger.flush_now()
         totals = {"lookups": 0, "hits": 0, "oracle": 0, "saved_ms": 0.0, "messages": 0, "events": []}
         while totals["lookups"] < 1000:
             message = await receive_json(task_socket)
@@ -85,13 +92,41 @@ def test_a_thousand_lookups_arrive_as_a_few_summaries(redis_layer, staff_user, t
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_page_and_the_stats_count_the_same_lookups(redis_layer, staff_user, task_id, api):
+    """One ledger: the lookups a stats read writes to PostgreSQL reach the page too, counted once."""
+    write = {"tool": "write", "args": {"path": "f"}}
+    assert api.put(f"/api/v1/tasks/{task_id}", {"env": {"backend": "external"}}, format="json").status_code == 201
+    headers = session_headers(staff_user)
+
+    async def scenario():
+        socket = WebsocketCommunicator(application, f"/ws/dashboard/tasks/{task_id}/", headers=headers)
+        assert (await socket.connect())[0]
+        answers = [await asyncio.to_thread(api.post, f"/api/v1/tasks/{task_id}/{path}", body, format="json")
+                   for path, body in [("lookup", {"history": [], "call": write}),
+                                      ("record", {"history": [], "call": write, "result": {"ok": 1}, "exec_ms": 5.0}),
+                                      *[("lookup", {"history": [], "call": write})] * 3]]
+        assert [a.status_code for a in answers] == [200] * 5
+        stats = (await asyncio.to_thread(api.get, f"/api/v1/tasks/{task_id}/stats")).json()  # writes them first
+        ledger.flush_now()
+        lookups, hits = 0, 0
+        while lookups < 4:
+            message = await receive_json(socket)
+            lookups, hits = lookups + message["lookups"], hits + message["hits"]
+        assert (lookups, hits) == (stats["calls"], stats["hits"]) == (4, 3)
+        assert await socket.receive_nothing(timeout=0.7)  # each delta once
+        await socket.disconnect()
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_steady_flood_is_coalesced_to_a_few_messages_per_second(redis_layer, staff_user, task_id):
     headers = session_headers(staff_user)
     done = threading.Event()
 
     def flood():  # about 1,000 lookups per second for 1.5 s
         for _ in range(1500):
-            broadcast.lookup(task_id, True, tool="bash")
+            lookup(task_id, True, tool="bash")
             time.sleep(0.001)
         done.set()
 
@@ -141,7 +176,7 @@ def test_events_of_a_rolled_back_change_are_never_sent(redis_layer, staff_user, 
         def change(fail: bool, ref: str):
             try:
                 with transaction.atomic():
-                    broadcast.snapshot_event(task_id, "evicted", node_id=1, ref=ref)
+                    ledger.snapshot_event(task_id, "evicted", node_id=1, ref=ref)
                     if fail:
                         raise RuntimeError("rolled back")
             except RuntimeError:
@@ -149,7 +184,7 @@ def test_events_of_a_rolled_back_change_are_never_sent(redis_layer, staff_user, 
 
         await asyncio.to_thread(change, True, "lost")
         await asyncio.to_thread(change, False, "kept")
-        broadcast.flush_now()
+        ledger.flush_now()
         message = await receive_json(socket)
         assert [e["ref"] for e in message["events"]] == ["kept"] and message["snapshots"] == -1
         await socket.disconnect()
@@ -159,17 +194,17 @@ def test_events_of_a_rolled_back_change_are_never_sent(redis_layer, staff_user, 
 
 @pytest.mark.django_db(transaction=True)
 def test_redis_down_never_reaches_the_caller_and_recovery_is_automatic(settings, staff_user, task_id, monkeypatch):
-    monkeypatch.setattr(broadcast, "BACKOFF_S", 0.5)
+    monkeypatch.setattr(ledger, "BACKOFF_S", 0.5)
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
                                            "CONFIG": {"hosts": ["redis://127.0.0.1:9/0"]}}}  # nothing listens
-    broadcast._hub.paused_until = 0.0
+    ledger._ledger.paused_until = 0.0
     for _ in range(100):
-        broadcast.lookup(task_id, True)  # must not raise
-    broadcast.flush_now()
+        lookup(task_id, True)  # must not raise
+    ledger.flush_now()
     deadline = time.monotonic() + 5
-    while broadcast._hub.paused_until == 0.0 and time.monotonic() < deadline:
+    while ledger._ledger.paused_until == 0.0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert broadcast._hub.paused_until > 0.0  # the failed flush was absorbed by the thread
+    assert ledger._ledger.paused_until > 0.0  # the failed flush was absorbed by the thread
     settings.CHANNEL_LAYERS = REDIS_LAYER
     time.sleep(0.6)  # past the back-off
     headers = session_headers(staff_user)
@@ -177,8 +212,8 @@ def test_redis_down_never_reaches_the_caller_and_recovery_is_automatic(settings,
     async def scenario():
         socket = WebsocketCommunicator(application, f"/ws/dashboard/tasks/{task_id}/", headers=headers)
         assert (await socket.connect())[0]
-        broadcast.lookup(task_id, False)
-        broadcast.flush_now()
+        lookup(task_id, False)
+        ledger.flush_now()
         message = await receive_json(socket)
         assert message["lookups"] == 1 and message["hits"] == 0  # the outage's counts were dropped, not queued
         await socket.disconnect()
@@ -194,10 +229,10 @@ def test_pool_and_snapshot_events_reach_the_pools_page(redis_layer, staff_user, 
         pools = WebsocketCommunicator(application, "/ws/dashboard/pools/", headers=headers)
         overview = WebsocketCommunicator(application, "/ws/dashboard/overview/", headers=headers)
         assert (await pools.connect())[0] and (await overview.connect())[0]
-        await asyncio.to_thread(broadcast.pool_changed, task_id=task_id, pool="docker", state="ready")
-        await asyncio.to_thread(broadcast.snapshot_event, task_id, "created", node_id=3, ref="img:3")
-        await asyncio.to_thread(broadcast.task_changed, task_id, "flushed")
-        broadcast.flush_now()
+        await asyncio.to_thread(ledger.pool_changed, task_id=task_id, pool="docker", state="ready")
+        await asyncio.to_thread(ledger.snapshot_event, task_id, "created", node_id=3, ref="img:3")
+        await asyncio.to_thread(ledger.task_changed, task_id, "flushed")
+        ledger.flush_now()
         events = []
         while len(events) < 2:
             message = await receive_json(pools)

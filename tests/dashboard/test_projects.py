@@ -14,16 +14,15 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from cache.models import Membership, Node, Project
+from cache.models import AuditEntry, Membership, Node, Project
+from cache.services import ledger
 from cache.services.projects import project_named
-from dashboard import broadcast
-from dashboard.models import AuditEntry
 from sandboxes.models import Sandbox
 from tests.cache.helpers import project_clients
 from tvcache_site.asgi import application
 
 from .conftest import build_tree
-from .test_live import receive_json, session_headers
+from .test_live import lookup, receive_json, session_headers
 
 ALPHA_TASK, BETA_TASK = "alpha.only-alpha", "beta.task-0"
 EXTERNAL = {"env": {"backend": "external"}, "tools": {"read": {"mutates_state": False}}, "sandbox_budget": 4}
@@ -155,7 +154,7 @@ def test_the_project_page_shows_usage_against_grants_and_tokens(world):
 def test_the_websocket_sends_a_user_only_the_events_of_their_projects(settings, world):
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
                                            "CONFIG": {"hosts": [settings.REDIS_URL]}}}
-    broadcast._hub.paused_until = 0.0
+    ledger._ledger.paused_until = 0.0
     headers = {name: session_headers(user) for name, user in world["users"].items()}
 
     async def scenario():
@@ -170,9 +169,9 @@ def test_the_websocket_sends_a_user_only_the_events_of_their_projects(settings, 
         own = WebsocketCommunicator(application, f"/ws/dashboard/tasks/{ALPHA_TASK}/", headers=headers["ann"])
         assert (await own.connect())[0]
         for task in (ALPHA_TASK, BETA_TASK):
-            broadcast.lookup(task, True, tool="bash")
-            await asyncio.to_thread(broadcast.pool_changed, task_id=task, pool="root", state="ready")
-        broadcast.flush_now()
+            lookup(task, True, tool="bash")
+            await asyncio.to_thread(ledger.pool_changed, task_id=task, pool="root", state="ready")
+        ledger.flush_now()
         seen = {}
         for key, socket in sockets.items():
             message = await receive_json(socket)

@@ -88,14 +88,14 @@ def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, do
     from django.db.models import Sum
 
     from cache.models import ProjectRequests
-    from cache.services.counters import counters_flush
+    from cache.services.ledger import ledger_flush
 
     def admitted() -> int:
         return ProjectRequests.objects.aggregate(n=Sum("admitted"))["n"] or 0
 
     task = docker_task("counted")
     token = token_create(name="asgi")
-    counters_flush()  # this process's own requests (the task's PUT) are in the baseline
+    ledger_flush()  # this process's own requests (the task's PUT) are in the baseline
     before = admitted()
     with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service, \
             httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:

@@ -98,8 +98,8 @@ def test_a_hit_whose_audit_cannot_be_queued_is_served(api, caplog):
             format="json")
     read = {"tool": "read_file", "args": {"path": "a.txt"}}
     assert run(api, "files-audit", "r1", read)["cached"] is False
-    with broker_down(), caplog.at_level(logging.WARNING, logger="tvcache.audit"):
+    with broker_down(), caplog.at_level(logging.WARNING, logger="tvcache.background"):
         hit = run(api, "files-audit", "r2", read)
         assert (hit["cached"], hit["result"]) == (True, {"output": "A", "ok": True})
-        wait_for(lambda: "could not queue the audit" in caplog.text)  # the outbox's thread tried
+        wait_for(lambda: "could not queue workers.tasks.hit_audit" in caplog.text)  # the outbox's thread tried
     assert run(api, "files-audit", "r3", read)["cached"] is True  # and the broker is back for the rest

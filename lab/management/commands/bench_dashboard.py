@@ -26,9 +26,8 @@ from django.db.models import Max
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from cache.models import Node, Rollout, Snapshot, Task, ToolStat
+from cache.models import AuditEntry, Node, Rollout, Snapshot, Task, ToolStat
 from cache.services import task_put
-from dashboard.models import AuditEntry
 from lab import browser
 from lab.server import service_running
 

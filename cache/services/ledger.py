@@ -1,0 +1,369 @@
+"""The in-process ledger: what this process counted and announced since the last flush, and the one
+thread that flushes it.
+
+The hot paths only write here: a lookup adds its counts (node hits, per-tool stats, rollout
+counts; `lookup_add`), an API request its project's (`request_add`), a record its event
+(`node_created`): a lock and a few dict updates, never a statement. Every FLUSH_INTERVAL_S (or
+at `flush_now`) a daemon thread, restarted in a forked child, takes what came. The same lookup
+deltas then go two ways:
+
+- to PostgreSQL, in one transaction, every TVCACHE["COUNTER_FLUSH_S"] (checked each interval; 0:
+  only when stats are read, which call `ledger_flush` first). A crash loses at most that long of
+  counters, never a recorded result: counters are statistics, and the lookup stays one indexed
+  read (4x cheaper for PostgreSQL than a write). A batch is written whole or not at all, so one
+  row PostgreSQL refuses would lose everyone's counters: the edge (cache.inputs) keeps such keys
+  out, `lookup_add` drops any that still come (logged), and a write that fails (PostgreSQL
+  restarting) keeps its counts for the next one (one whose commit was lost with its connection
+  may so count its batch twice: statistics).
+- to the dashboards, with the events of the interval, as ONE summary message per subscribed
+  topic (`cache.events`), so 1,000 lookups/s become a few messages per second per page. The
+  thread owns one event loop for its whole life, so the Redis connection pool of channels_redis
+  is reused between sends. When Redis is down a send is dropped (a dashboard counter is not a
+  record: PostgreSQL keeps the real figures) and the thread backs off; callers never notice.
+
+Events other than the hot paths' are taken after the surrounding transaction commits (a
+rolled-back change is never announced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import threading
+import time
+
+from django.conf import settings
+from django.db import connection, transaction
+
+from cache import events
+from cache.inputs import INT32, MAX_ID_LENGTH
+from cache.projects import MAX_TASK_KEY
+
+from .prepared import prepared_cursor
+
+log = logging.getLogger("tvcache.ledger")
+
+FLUSH_INTERVAL_S = 0.3  # at most ~3 messages per second per page
+SEND_TIMEOUT_S = 2.0
+BACKOFF_S = 5.0  # after a failed send (Redis down): drop what arrives meanwhile
+
+STATS_SQL = """
+INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
+SELECT t.task_id, t.epoch, t.tool, t.calls, t.hits, t.oracle_hits, 0, 0, t.saved_ms
+FROM unnest(%s::text[], %s::int[], %s::text[], %s::int[], %s::int[], %s::int[], %s::float8[])
+     AS t(task_id, epoch, tool, calls, hits, oracle_hits, saved_ms)
+JOIN cache_task ON cache_task.id = t.task_id
+ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
+    calls = cache_toolstat.calls + EXCLUDED.calls,
+    hits = cache_toolstat.hits + EXCLUDED.hits,
+    oracle_hits = cache_toolstat.oracle_hits + EXCLUDED.oracle_hits,
+    saved_ms = cache_toolstat.saved_ms + EXCLUDED.saved_ms
+"""
+
+FLUSH_LOCK_KEY = 0x7476_6361_6368_6531  # "tvcache1": the advisory lock that serializes counter flushes
+
+NODES_SQL = """
+UPDATE cache_node SET hit_count = cache_node.hit_count + t.hits, last_hit_at = now()
+FROM unnest(%s::bigint[], %s::int[]) AS t(id, hits) WHERE cache_node.id = t.id
+"""
+
+ROLLOUTS_SQL = """
+INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
+SELECT t.task_id, t.rollout_id, t.epoch, t.calls, t.hits, '[]'::jsonb, now()
+FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[], %s::int[]) AS t(task_id, rollout_id, epoch, calls, hits)
+JOIN cache_task ON cache_task.id = t.task_id
+ON CONFLICT (task_id, rollout_id) DO UPDATE SET
+    calls = cache_rollout.calls + EXCLUDED.calls, hits = cache_rollout.hits + EXCLUDED.hits, epoch = EXCLUDED.epoch
+"""
+
+# API requests per project and minute (cache.api.auth.admit): the project page's request rate.
+REQUESTS_SQL = """
+INSERT INTO cache_projectrequests (project_id, minute, admitted, refused)
+SELECT t.project_id, date_trunc('minute', now()), t.admitted, t.refused
+FROM unnest(%s::bigint[], %s::int[], %s::int[]) AS t(project_id, admitted, refused)
+JOIN cache_project ON cache_project.id = t.project_id
+ON CONFLICT (project_id, minute) DO UPDATE SET
+    admitted = cache_projectrequests.admitted + EXCLUDED.admitted,
+    refused = cache_projectrequests.refused + EXCLUDED.refused
+"""
+
+
+class Counts:
+    """Lookup and request counts, as deltas."""
+
+    __slots__ = ("stats", "nodes", "rollouts", "requests")
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, int, str], list] = {}  # (task, epoch, tool) -> [calls, hits, oracle, saved_ms]
+        self.nodes: dict[tuple[str, int], int] = {}  # (task, node id) -> hits
+        self.rollouts: dict[tuple[str, str], list[int]] = {}  # (task, rollout) -> [calls, hits, epoch]
+        self.requests: dict[int, list[int]] = {}  # project id -> [admitted, refused]
+
+    def __bool__(self) -> bool:
+        return bool(self.stats or self.nodes or self.rollouts or self.requests)
+
+    def merge(self, other: Counts) -> None:
+        """Add `other`'s counts (rollout epochs: `other`'s, the newer, win)."""
+        for key, values in other.stats.items():
+            stat = self.stats.setdefault(key, [0, 0, 0, 0.0])
+            for index, value in enumerate(values):
+                stat[index] += value
+        for key, hits in other.nodes.items():
+            self.nodes[key] = self.nodes.get(key, 0) + hits
+        for key, (calls, hits, epoch) in other.rollouts.items():
+            entry = self.rollouts.setdefault(key, [0, 0, epoch])
+            entry[0] += calls
+            entry[1] += hits
+            entry[2] = epoch
+        for project_id, (admitted, refused) in other.requests.items():
+            counts = self.requests.setdefault(project_id, [0, 0])
+            counts[0] += admitted
+            counts[1] += refused
+
+    def write(self) -> None:
+        with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
+            cursor.execute("SET LOCAL synchronous_commit = off")
+            # One flush at a time across processes: each locks many node, stat and rollout rows, in
+            # whatever order its batch has, and two of them at once deadlocked under load.
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
+            if self.stats:
+                keys, values = list(self.stats), list(self.stats.values())
+                cursor.execute(STATS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+                                           [v[0] for v in values], [v[1] for v in values], [v[2] for v in values],
+                                           [v[3] for v in values]])
+            if self.nodes:
+                cursor.execute(NODES_SQL, [[k[1] for k in self.nodes], list(self.nodes.values())])
+            if self.rollouts:
+                keys, values = list(self.rollouts), list(self.rollouts.values())
+                cursor.execute(ROLLOUTS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [v[2] for v in values],
+                                              [v[0] for v in values], [v[1] for v in values]])
+            if self.requests:
+                cursor.execute(REQUESTS_SQL, [list(self.requests), [v[0] for v in self.requests.values()],
+                                              [v[1] for v in self.requests.values()]])
+
+
+def _storable(task_id: str, epoch: int, tool: str, rollout_id: str) -> bool:
+    """The key fits the columns of the flush's statements (text without NUL, int epoch)."""
+    return (INT32[0] <= epoch <= INT32[1] and len(task_id) <= MAX_TASK_KEY and len(tool) <= MAX_ID_LENGTH
+            and len(rollout_id) <= MAX_ID_LENGTH and "\x00" not in task_id + tool + rollout_id)
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # what the callers write (fresh counts, events)
+        self.flush_lock = threading.Lock()  # what is taken and not yet written (unwritten)
+        self.pid: int | None = None
+        self.wake = threading.Event()
+        self.paused_until = 0.0
+        self.written_at = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.fresh = Counts()  # since the last take
+        self.counted: list[Counts] = []  # taken, for the next send
+        self.tasks: dict[str, events.TaskActivity] = {}
+        self.pools: list[dict] = []
+        self.unwritten = Counts()  # taken, not yet written to PostgreSQL
+
+    def started(self) -> None:
+        # Callers hold the lock. A forked child starts afresh: its parent flushes what it holds.
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            self._reset()
+            threading.Thread(target=self._run, name="tvcache-ledger", daemon=True).start()
+
+    def activity(self, task_id: str) -> events.TaskActivity:
+        # Callers hold the lock.
+        self.started()
+        activity = self.tasks.get(task_id)
+        if activity is None:
+            activity = self.tasks[task_id] = events.TaskActivity()
+        return activity
+
+    def flush(self, *, write: bool = True) -> None:
+        """Take the fresh counts (queued for the next send as they are), add them to the unwritten
+        ones and, with `write`, write those; a write that fails keeps them and raises."""
+        with self.lock:
+            if self.pid != os.getpid():  # nothing counted here (a forked child holds its parent's counts)
+                return
+            taken, self.fresh = self.fresh, Counts()
+            if taken:
+                self.counted.append(taken)
+        with self.flush_lock:
+            self.unwritten.merge(taken)
+            if write and self.unwritten:
+                self.unwritten.write()
+                self.unwritten = Counts()
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        while True:
+            self.wake.wait(FLUSH_INTERVAL_S)
+            self.wake.clear()
+            interval = settings.TVCACHE.get("COUNTER_FLUSH_S", 0)
+            due = bool(interval) and time.monotonic() - self.written_at >= interval
+            if due:
+                self.written_at = time.monotonic()
+            try:
+                self.flush(write=due)
+            except Exception:  # the next interval retries; counters are never worth a crash
+                log.exception("counter flush failed")  # a connection that died is dropped by the rollback
+            self._send(loop)
+
+    def _send(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self.lock:
+            counted, tasks, pools = self.counted, self.tasks, self.pools
+            self.counted, self.tasks, self.pools = [], {}, []
+        if time.monotonic() < self.paused_until:
+            return
+        for counts in counted:
+            for (task_id, epoch, tool), (calls, hits, oracle, saved_ms) in counts.stats.items():
+                activity = tasks.setdefault(task_id, events.TaskActivity())
+                activity.lookups_add(epoch=epoch, tool=tool, calls=calls, hits=hits, oracle=oracle, saved_ms=saved_ms)
+            for (task_id, node_id), hits in counts.nodes.items():
+                tasks[task_id].node_hits_add(node_id, hits)
+        if not tasks and not pools:
+            return
+        try:
+            loop.run_until_complete(asyncio.wait_for(events.send(events.messages(tasks, pools)), SEND_TIMEOUT_S))
+        except Exception as exc:  # Redis down or slow: drop this send, back off, never stop
+            self.paused_until = time.monotonic() + BACKOFF_S
+            log.warning("live events dropped: %r", exc)
+
+
+_ledger = _Ledger()
+
+
+# --- what the rest of the service calls -------------------------------------------------------
+
+def lookup_add(*, task_id: str, epoch: int, tool: str, rollout_id: str, node_id: int | None, hit: bool,
+               seen: bool, saved_ms: float) -> None:
+    """One lookup answered (hot path). `seen`: the state and call had been seen (a node exists,
+    cacheable or not: the oracle's hit)."""
+    if not _storable(task_id, epoch, tool, rollout_id):
+        log.error("counters of a key no column can hold dropped: task %r epoch %r tool %r rollout %r",
+                  task_id[:MAX_ID_LENGTH], epoch, tool[:MAX_ID_LENGTH], rollout_id[:MAX_ID_LENGTH])
+        return
+    with _ledger.lock:
+        _ledger.started()
+        counts = _ledger.fresh
+        stat = counts.stats.get((task_id, epoch, tool))
+        if stat is None:
+            stat = counts.stats[(task_id, epoch, tool)] = [0, 0, 0, 0.0]
+        stat[0] += 1
+        stat[1] += hit
+        stat[2] += seen
+        if hit:
+            stat[3] += saved_ms
+            if node_id is not None:
+                key = (task_id, node_id)
+                counts.nodes[key] = counts.nodes.get(key, 0) + 1
+        if rollout_id:
+            entry = counts.rollouts.setdefault((task_id, rollout_id), [0, 0, epoch])
+            entry[0] += 1
+            entry[1] += hit
+            entry[2] = epoch
+
+
+def request_add(*, project_id: int, admitted: bool) -> None:
+    """One API request of the project, admitted or refused by its rate limit."""
+    with _ledger.lock:
+        _ledger.started()
+        counts = _ledger.fresh.requests.get(project_id)
+        if counts is None:
+            counts = _ledger.fresh.requests[project_id] = [0, 0]
+        counts[0 if admitted else 1] += 1
+
+
+def ledger_flush() -> None:
+    """Write the counts this process holds (readers of stats call it first). Raises if the write
+    fails; the counts stay for the next one."""
+    _ledger.flush()
+
+
+def node_created(task_id: str, node_id: int) -> None:
+    """A new node was recorded (hot path)."""
+    _task_event(task_id, {"kind": "node_created", "node_id": node_id}, nodes=1)
+
+
+def nodes_removed(task_id: str, node_ids: list[int]) -> None:
+    _after_commit(lambda: _task_event(task_id, {"kind": "nodes_removed", "node_ids": list(node_ids)},
+                                      nodes=-len(node_ids), changed=True))
+
+
+def snapshot_event(task_id: str, kind: str, *, node_id: int | None = None, ref: str = "",
+                   snapshot_id: int | None = None) -> None:
+    """A snapshot was created ("created") or evicted ("evicted")."""
+    event = {"kind": "snapshot", "event": kind, "node_id": node_id, "ref": ref, "snapshot_id": snapshot_id}
+    delta = {"created": 1, "evicted": -1}.get(kind, 0)
+
+    def push() -> None:
+        _task_event(task_id, event, snapshots=delta)
+        _pool_event({**event, "task_id": task_id})
+
+    _after_commit(push)
+
+
+def node_changed(task_id: str, node_id: int, **fields) -> None:
+    """A node's flags changed (pinned)."""
+    _after_commit(lambda: _task_event(task_id, {"kind": "node_changed", "node_id": node_id, **fields}))
+
+
+def task_changed(task_id: str, what: str) -> None:
+    """A task was created, flushed, or its budget or environment changed: pages refetch."""
+    _after_commit(lambda: _task_event(task_id, {"kind": "task_changed", "what": what}, changed=True))
+
+
+def pool_changed(**details) -> None:
+    """Sandboxes changed state in a pool (warming, ready, leased, stopping) or the engine's health changed."""
+    _after_commit(lambda: _pool_event({"kind": "pool", **details}))
+
+
+def flush_now() -> None:
+    """Ask the thread for an immediate flush (tests and shutdown; not needed in normal operation)."""
+    _ledger.wake.set()
+
+
+# --- internals -------------------------------------------------------------------------------
+
+def _task_event(task_id: str, event: dict, *, nodes: int = 0, snapshots: int = 0, changed: bool = False) -> None:
+    try:
+        with _ledger.lock:
+            a = _ledger.activity(task_id)
+            a.event(event)
+            a.nodes += nodes
+            a.snapshots += snapshots
+            a.changed = a.changed or changed
+    except Exception:
+        pass
+
+
+def _pool_event(event: dict) -> None:
+    try:
+        with _ledger.lock:
+            _ledger.started()
+            if len(_ledger.pools) < events.MAX_EVENTS:
+                _ledger.pools.append(event)
+    except Exception:
+        pass
+
+
+def _after_commit(push) -> None:
+    """Push once the surrounding transaction commits (at once outside one)."""
+    try:
+        if connection.in_atomic_block:  # read without opening a connection (any thread may call this)
+            transaction.on_commit(push)
+            return
+    except Exception:
+        pass
+    push()
+
+
+@atexit.register
+def _final_flush() -> None:
+    try:
+        ledger_flush()
+    except Exception:
+        log.exception("final counter flush failed")
