@@ -20,7 +20,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cache.bench.server import service_running
+from lab.server import service_running
 from sandboxes.images import build_busybox_image
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.docker]
