@@ -1,4 +1,4 @@
-"""Sandbox REST API v1: tool-server mode, step announcements and pools."""
+"""Sandbox REST API v1: tool-server mode, step announcements, pools and a task's sandboxes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from cache.inputs import INT32, parse_id, parse_rollout_call
 from cache.projects import task_public_id
 from observability import metrics
 from sandboxes import selectors, services
+from sandboxes.models import Sandbox
 
 ERRORS = {code: ErrorSerializer for code in (400, 401, 403, 404, 409, 429, 503)}
 
@@ -39,6 +40,22 @@ class StepSerializer(serializers.Serializer):
     tasks = serializers.ListField(child=serializers.SlugField(), max_length=10_000)
     rollouts_per_task = serializers.IntegerField(min_value=1, max_value=256)
     epoch = serializers.IntegerField(required=False, default=0)
+
+
+class LiveSandboxSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    backend = serializers.CharField()
+    pool = serializers.ChoiceField(choices=Sandbox.Pool.choices)
+    state = serializers.ChoiceField(choices=Sandbox.State.choices)
+    rollout_id = serializers.CharField(allow_null=True, help_text="the rollout it serves; null while in a pool")
+    ref = serializers.CharField(allow_blank=True, help_text="the backend's id of it (a container id); empty while "
+                                                             "it starts")
+
+
+class TaskSandboxesSerializer(serializers.Serializer):
+    started = serializers.IntegerField(help_text="sandboxes the service started or forked for the task, stopped "
+                                                 "ones included")
+    live = LiveSandboxSerializer(many=True, help_text="those not stopped, oldest first")
 
 
 @extend_schema_view(post=extend_schema(
@@ -77,6 +94,13 @@ class StepsView(APIView):
                                          rollouts_per_task=data["rollouts_per_task"])
         return Response({"planned": {task_public_id(key): plan for key, plan in planned.items()}},
                         status=status.HTTP_202_ACCEPTED)
+
+
+class TaskSandboxesView(APIView):
+    @extend_schema(responses={200: TaskSandboxesSerializer, **ERRORS},
+                   summary="A task's sandboxes: how many the service started, and those alive now with their rollouts")
+    def get(self, request, task_id: str):
+        return Response(selectors.task_sandboxes(task_id=request.user.task_key(task_id)))
 
 
 class PoolsView(APIView):

@@ -1,4 +1,5 @@
-"""Reads about managed sandboxes: the pools overview (dashboard, /api/v1/pools)."""
+"""Reads about managed sandboxes: the pools overview (dashboard, /api/v1/pools), a task's
+sandboxes (/api/v1/tasks/{id}/sandboxes)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from django.db.models import Count
 
 from cache.models import Snapshot
 from cache.projects import key_project, task_public_id
+from cache.selectors import task_get
 from cache.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
@@ -106,3 +108,15 @@ def pools_overview(*, project_id: int | None = None, project_ids: list[int] | No
         "snapshots": snapshots,
         "fork_latency_ms": {"warm_p50": warm_p50, "warm_p95": warm_p95, "cold_p50": cold_p50, "cold_p95": cold_p95},
     }
+
+
+def task_sandboxes(*, task_id: str) -> dict:
+    """How many sandboxes the service started or forked for the task (every one that got
+    running), and those alive now with the rollout each serves (/api/v1/tasks/{id}/sandboxes)."""
+    task_get(task_id=task_id)
+    rows = Sandbox.objects.filter(task_id=task_id)
+    live = (rows.exclude(state__in=LIVE_EXCLUDED).order_by("pk")
+            .values("pk", "backend", "pool", "state", "rollout__rollout_id", "ref"))
+    return {"started": rows.filter(ready_at__isnull=False).count(),
+            "live": [{"id": row["pk"], "backend": row["backend"], "pool": row["pool"], "state": row["state"],
+                      "rollout_id": row["rollout__rollout_id"], "ref": row["ref"]} for row in live]}

@@ -67,6 +67,10 @@ INSTALLED_APPS = [
     "workers",
     "dashboard",
 ]
+# The lab (replays, benchmarks, the demo workload: lab/) comes with a checkout, not with the
+# service's wheel: its management commands are there when it is.
+if (BASE_DIR / "lab" / "apps.py").is_file():
+    INSTALLED_APPS.append("lab")
 
 MIDDLEWARE = [
     "observability.logs.RequestIdMiddleware",  # first: every response carries X-Request-ID

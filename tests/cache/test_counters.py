@@ -7,9 +7,9 @@ import pytest
 from django.conf import settings
 from django.db import OperationalError, connection
 
-from cache.bench.server import database_url
 from cache.models import Node, Rollout, ToolStat
 from cache.services import ledger
+from lab.server import database_url
 
 from .helpers import call, lookup, record
 

@@ -1,4 +1,4 @@
-"""Faults degrade, never break (issue 16): a served instance (cache/bench/server.py, production
+"""Faults degrade, never break (issue 16): a served instance (lab/server.py, production
 settings, the deployed ASGI application) against the real PostgreSQL, Redis and Docker engine.
 Nothing shared is stopped: PostgreSQL "restarts" by having the served instance's connections
 terminated, Redis is "down" for an instance pointed at a port where nothing listens."""
@@ -17,8 +17,8 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from cache.bench.server import ROOT, database_url, free_port, service_running
 from cache.models import ToolStat
+from lab.server import ROOT, database_url, free_port, service_running
 from sandboxes.models import Sandbox
 
 from .helpers import call, record, wait_for, waiting_on_locks
@@ -195,8 +195,8 @@ def test_sigkill_of_the_worker_then_of_the_server_mid_load_loses_no_acknowledged
     server. Every write the service acknowledged is in PostgreSQL, and a new server serves it."""
     import threading
 
-    from cache.bench.server import crash
     from cache.models import Node, Rollout
+    from lab.server import crash
 
     assert api.put("/api/v1/tasks/folders", {"env": {"backend": "directory"}}, format="json").status_code == 201
     db = settings.DATABASES["default"]

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from django.conf import settings
 
-from cache.bench.server import database_url, service_running
+from lab.server import database_url, service_running
 
 from .helpers import call, record, wait_for, waiting_on_locks
 

@@ -12,7 +12,7 @@ from xml.etree import ElementTree
 import pytest
 from django.conf import settings
 
-from cache.bench.server import service_running
+from lab.server import service_running
 
 from .helpers import call, lookup, record
 

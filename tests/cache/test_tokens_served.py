@@ -12,7 +12,7 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import TOKEN_CACHE_TTL_S, token_create, token_revoke
-from cache.bench.server import _cpu_s, process_tree, service_running
+from lab.server import _cpu_s, process_tree, service_running
 
 from .helpers import call, record
 

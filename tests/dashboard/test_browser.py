@@ -12,9 +12,9 @@ from django.conf import settings
 from django.db import connection
 from playwright.sync_api import expect, sync_playwright
 
-from cache.bench.server import service_running
 from cache.services.ledger import ledger_flush
-from dashboard.browser import chromium, collect_static, log_in
+from lab.browser import chromium, collect_static, log_in
+from lab.server import service_running
 from tests.cache.helpers import call
 from tests.dashboard.conftest import CLONE, MAKE, PASSWORD, TEST, build_tree
 

@@ -12,7 +12,7 @@ from django.apps import apps
 from django.conf import settings as django_settings
 from django.db import connection
 
-from cache.bench.server import database_url
+from lab.server import database_url
 from sandboxes.services import pool_request
 from tests.cache.helpers import call, lookup, record
 from tvcache_site.celery import app as celery_app

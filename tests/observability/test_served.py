@@ -10,7 +10,7 @@ import httpx
 import pytest
 from django.db import connection
 
-from cache.bench.server import process_tree, service_running
+from lab.server import process_tree, service_running
 from tests.cache.helpers import call, record
 
 from .helpers import Scrape

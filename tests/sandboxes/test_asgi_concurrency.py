@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import token_create
-from cache.bench.server import service_running
+from lab.server import service_running
 from sandboxes.models import Sandbox
 
 from .helpers import bash

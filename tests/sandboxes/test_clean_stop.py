@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import token_create
-from cache.bench.server import ROOT, _queue_delete, answers, process_tree, database_url, free_port, wait_until
+from lab.server import ROOT, _queue_delete, answers, process_tree, database_url, free_port, wait_until
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import backend_named, labels
 

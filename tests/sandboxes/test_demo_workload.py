@@ -8,8 +8,8 @@ from django.conf import settings
 from django.core.management import call_command
 
 from cache.api.auth import token_create
-from cache.bench.server import service_running
 from cache.models import Task
+from lab.server import service_running
 from sandboxes.services import tasks_release
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cache.bench.server import service_running
+from lab.server import service_running
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.docker]
 

@@ -129,3 +129,23 @@ def test_without_the_services_allowance_no_project_has_network(clients, busybox)
                                                  format="json")
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "network_not_granted"
     assert "TVCACHE_DOCKER_ALLOW_NETWORK" in refused.json()["error"]["message"]
+
+
+def test_a_tasks_sandboxes_read_in_its_project_only(clients):
+    """GET /tasks/{id}/sandboxes (what the replay reads): the sandboxes the service started for
+    the task, and the live ones with the rollout each serves; another project's task is 404."""
+    alpha = clients["alpha", "trainer"]
+    assert alpha.put("/api/v1/tasks/files", FILES, format="json").status_code == 201
+    assert alpha.get("/api/v1/tasks/files/sandboxes").json() == {"started": 0, "live": []}
+    run(alpha, "files", "r1", write("b.txt", "alpha"))
+    answer = alpha.get("/api/v1/tasks/files/sandboxes").json()
+    row = Sandbox.objects.get(task_id="alpha.files", rollout__rollout_id="r1")
+    assert {"id": row.pk, "backend": "directory", "pool": row.pool, "state": "leased", "rollout_id": "r1",
+            "ref": row.ref} in answer["live"] and row.ref
+    assert answer["started"] == Sandbox.objects.filter(task_id="alpha.files", ready_at__isnull=False).count() >= 1
+    assert alpha.delete("/api/v1/tasks/files/rollouts/r1").status_code == 204
+    after = alpha.get("/api/v1/tasks/files/sandboxes").json()
+    assert not [s for s in after["live"] if s["state"] == "leased"] and after["started"] == answer["started"]
+    for role in ("trainer", "maintainer"):
+        refused = clients["beta", role].get("/api/v1/tasks/files/sandboxes")
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "unknown_task"

@@ -141,7 +141,7 @@ def test_without_redis_the_service_runs_the_periodic_jobs_itself_one_process_at_
     from django.conf import settings
     from django.db import connection
 
-    from cache.bench.server import service_running
+    from lab.server import service_running
     from workers.periodic import job_lock_key
 
     task = docker_task("embedded-jobs")

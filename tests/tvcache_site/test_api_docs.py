@@ -12,8 +12,8 @@ from django.conf import settings
 from django.db import connection
 from playwright.sync_api import expect, sync_playwright
 
-from cache.bench.server import service_running
-from dashboard.browser import chromium, collect_static
+from lab.browser import chromium, collect_static
+from lab.server import service_running
 
 SHOTS = Path(settings.BASE_DIR) / "artifacts" / "screenshots"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}

@@ -175,6 +175,9 @@ class TVCacheClient:
     def pools(self) -> dict[str, Any]:
         return self._send(operations.pools())
 
+    def sandboxes(self, task_id: str) -> dict[str, Any]:
+        return self._send(operations.sandboxes(task_id))
+
 
 class AsyncTVCacheClient:
     """The same endpoints as TVCacheClient, awaitable, over one httpx.AsyncClient."""
@@ -314,3 +317,6 @@ class AsyncTVCacheClient:
 
     async def pools(self) -> dict[str, Any]:
         return await self._send(operations.pools())
+
+    async def sandboxes(self, task_id: str) -> dict[str, Any]:
+        return await self._send(operations.sandboxes(task_id))

@@ -209,6 +209,10 @@ def pools() -> Operation[dict[str, Any]]:
     return Operation("GET", f"{API}/pools", _object)
 
 
+def sandboxes(task_id: str) -> Operation[dict[str, Any]]:
+    return Operation("GET", f"{_task_path(task_id)}/sandboxes", _object)
+
+
 def read_response(operation: Operation[T], reply: Reply) -> T:
     """The operation's typed answer, or the service's error raised as a TVCacheError."""
     if reply.status >= 400:

@@ -1,4 +1,4 @@
-"""Debian's Chromium driven by Playwright against a served tvcache (`cache.bench.server`): shared
+"""Debian's Chromium driven by Playwright against a served tvcache (`lab.server`): shared
 by the browser tests and `manage.py bench_dashboard`. Playwright never downloads a browser here:
 it launches /usr/bin/chromium (CHROMIUM_PATH to change it)."""
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .harness import EXACT_KEYS, Arm, CallSample, EpochRun, Replay, mean, percentile
+from lab.figures import percentile
+
+from .harness import EXACT_KEYS, Arm, CallSample, EpochRun, Replay, mean
 
 HIT_VS_ORACLE_POINTS = 0.5  # target: |hit rate - oracle hit rate| below this many points (no budget)
 MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at least this much
@@ -17,8 +19,9 @@ MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to t
 
 
 def _latency(values: list[float]) -> dict[str, float]:
-    return {"p50": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3),
-            "p99": round(percentile(values, 99), 3), "mean": round(mean(values), 3), "n": len(values)}
+    """Percentiles and mean in ms; zeros for no calls (the plots and the headline read them)."""
+    return {**{f"p{q}": percentile(values, q, 3) or 0.0 for q in (50, 95, 99)},
+            "mean": round(mean(values), 3), "n": len(values)}
 
 
 def _quantiles(values: list[float], points: int = 101) -> list[float]:

@@ -1,10 +1,10 @@
 """Hits' latency under overload (issue 16): slow tool-server leaders with waiters, plus a flood of
 unauthenticated 2 MB bodies.
 
-Serves tvcache as deployed (cache/bench/server.py: uvicorn, production settings), sets it up over
+Serves tvcache as deployed (lab/server.py: uvicorn, production settings), sets it up over
 HTTP (a client-mode task of recorded paths, a docker task with a recorded read-only call), then
 runs two phases of --duration seconds with the same open-loop offered rate of hits
-(cache/bench/loadgen.py): lookups that hit and tool-server calls that hit, half and half.
+(lab/bench/loadgen.py): lookups that hit and tool-server calls that hit, half and half.
 
 - quiet: the hits alone;
 - stressed: the hits, while --leaders tool-server rollouts each run a different slow call
@@ -15,8 +15,8 @@ runs two phases of --duration seconds with the same open-loop offered rate of hi
 Writes overload.json (every figure) and overload.md (the table) under --out. Loopback only,
 bounded in time (the phases, a drain, the leaders' run).
 
-    python -m cache.bench.overload --out artifacts/bench
-    python -m cache.bench.overload --served-from /path/to/another/checkout   # e.g. before a change
+    python -m lab.bench.overload --out artifacts/bench
+    python -m lab.bench.overload --served-from /path/to/another/checkout   # e.g. before a change
 
 Needs DATABASE_URL (the served instance's database, migrated), SECRET_KEY or DEBUG for the
 token command, and a Docker engine with the busybox base image (manage.py build_images).
@@ -39,16 +39,10 @@ from pathlib import Path
 
 import httpx
 
-from cache.bench.server import ROOT, service_running
+from lab.figures import percentile
+from lab.server import ROOT, service_running
 
 FLOOD_BODY_BYTES = 2 * 1024 * 1024
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 2)
 
 
 def token_made(root: Path) -> str:
@@ -102,7 +96,7 @@ def setup(client: httpx.Client, run_id: str, paths: int) -> tuple[str, str, list
 
 def drive(url: str, token: str, requests_file: Path, rate: float, duration: float, out: Path) -> dict:
     """One open-loop run of the load generator."""
-    subprocess.run([sys.executable, "-m", "cache.bench.loadgen", "--url", url, "--rate", str(rate), "--duration",
+    subprocess.run([sys.executable, "-m", "lab.bench.loadgen", "--url", url, "--rate", str(rate), "--duration",
                     str(duration), "--requests", str(requests_file), "--token", token, "--connections", "32",
                     "--drain", "60", "--out", str(out)], check=True, cwd=ROOT)
     return json.loads(out.read_text())
@@ -119,8 +113,8 @@ def summary(result: dict, service, cpu_before: float, load_before: float) -> dic
             if k == kind:
                 statuses[str(status)] = statuses.get(str(status), 0) + 1
         rows[kind] = {"requests": len(latencies), "statuses": statuses,
-                      **{f"p{q}": percentile(latencies, q) for q in (50, 95, 99)},
-                      "max": percentile(latencies, 100)}
+                      **{f"p{q}": percentile(latencies, q, 2) for q in (50, 95, 99)},
+                      "max": percentile(latencies, 100, 2)}
     return rows
 
 

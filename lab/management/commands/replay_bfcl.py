@@ -1,11 +1,11 @@
 """Replay rollouts of BFCL multi-turn tasks (bfcl-eval's stateful Python tools) through tvcache in
 client mode, and without cache, side by side. `--calibrate` regenerates the annotation of which
-tools mutate state (cache/replay/data/bfcl_tool_effects.json) instead."""
+tools mutate state (lab/replay/data/bfcl_tool_effects.json) instead."""
 
 import json
 
-from cache.replay.bfcl import EFFECTS_PATH, BfclWorkload, calibrate
-from cache.replay.command import ReplayCommand
+from lab.replay.bfcl import EFFECTS_PATH, BfclWorkload, calibrate
+from lab.replay.command import ReplayCommand
 
 
 class Command(ReplayCommand):

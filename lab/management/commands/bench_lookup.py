@@ -21,20 +21,14 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from cache.api.auth import token_create
-from cache.bench.server import SERVERS, service_running
 from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken
 from cache.services import node_record, task_flush, task_put
 from cache.tcg import ToolCall
+from lab.figures import percentile
+from lab.server import SERVERS, service_running
 
 TASK = "bench-lookup"
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def build_graph(nodes: int, max_depth: int, seed: int) -> list[tuple[list[ToolCall], ToolCall]]:
@@ -116,7 +110,7 @@ class Command(BaseCommand):
         (they share the machine with PostgreSQL) and the machine's load before it started."""
         load_before = os.getloadavg()[0]
         server_before, loadgen_before = running.cpu_s(), _children_cpu_s()
-        subprocess.run([sys.executable, "-m", "cache.bench.loadgen", "--url", running.url, "--rate", str(rate),
+        subprocess.run([sys.executable, "-m", "lab.bench.loadgen", "--url", running.url, "--rate", str(rate),
                         "--duration", str(duration), "--requests", str(bodies), "--token", token,
                         "--processes", str(self.loadgen_processes), "--out", str(out)], check=True)
         result = json.loads(out.read_text())
@@ -134,7 +128,7 @@ class Command(BaseCommand):
                "load_avg_before": round(result["load_avg_before"], 2)}
         for kind in ("hit", "miss"):
             latencies = [ms for k, status, ms in result["results"] if k == kind]
-            row[kind] = {f"p{q}": round(percentile(latencies, q), 2) for q in (50, 95, 99)}
+            row[kind] = {f"p{q}": percentile(latencies, q, 2) for q in (50, 95, 99)}
         return row
 
     def _write(self, out: Path, rows: list[dict], **meta) -> None:

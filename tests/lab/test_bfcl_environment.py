@@ -1,6 +1,6 @@
 """The bfcl environment sees which calls of its state-changing tools changed nothing."""
 
-from cache.replay.bfcl import BfclEnvironment, load_effects, load_entries, read_only_tools
+from lab.replay.bfcl import BfclEnvironment, load_effects, load_entries, read_only_tools
 
 
 def test_a_call_that_left_the_tool_state_as_it_was_is_observed_unchanged():

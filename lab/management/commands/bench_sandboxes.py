@@ -29,12 +29,13 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count
 
 from cache.api.auth import token_create
-from cache.bench.server import service_running
 from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken, Lease, Rollout, Snapshot, Task
 from cache.services import node_record, snapshot_register, task_put
 from cache.tcg import ToolCall
-from sandboxes import bench, services
+from lab.bench import sandboxes as bench
+from lab.server import service_running
+from sandboxes import services
 from sandboxes.backends.config import DockerConfig
 from sandboxes.backends.docker import DockerBackend
 from sandboxes.images import BUSYBOX_TAG, DEBIAN_TAG

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cache.bench.server import database_url, service_running
+from lab.server import database_url, service_running
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

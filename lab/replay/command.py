@@ -51,7 +51,7 @@ class ReplayCommand(BaseCommand):
         parser.add_argument("--faults", action="store_true",
                             help="the fault arm: seeded timeouts, environment errors, sandbox deaths and a service "
                                  "restart per arm (the restart needs a service started here: not with --url); the "
-                                 "report adds wrong answers, divergences and the hit-rate cost (cache/replay/faults.py)")
+                                 "report adds wrong answers, divergences and the hit-rate cost (lab/replay/faults.py)")
         parser.add_argument("--fault-rate", type=float, default=0.25, help="with --faults: share of rollouts that "
                                                                                "meet a fault, per task and epoch")
 
@@ -84,11 +84,15 @@ class ReplayCommand(BaseCommand):
                     replay = Replay(workload, client, ReplayConfig(
                         epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
                         run_tag=stamp.replace("t", ""), think_ms=options["think_ms"], warm_wait_s=options["warm_wait_s"],
-                        release_sandboxes=service is not None, faults=faults,
+                        faults=faults,
                         restart_service=service.restart if service is not None else None,
                         keep_examples=10 if faults is not None else 5))
                     began = time.perf_counter()
-                    replay.run()
+                    try:
+                        replay.run()
+                    finally:
+                        if service is not None:
+                            self._release(replay.server_task_ids())
                     report = build_report(replay, workload=self.workload_name, config=config, started_at=started_at,
                                           seconds=time.perf_counter() - began,
                                           server={"url": url, "started_here": service is not None})
@@ -109,6 +113,15 @@ class ReplayCommand(BaseCommand):
             self.stdout.write(f"plot: {plot}")
         return None
 
+    @staticmethod
+    def _release(task_ids: list[str]) -> None:
+        """Stop the sandboxes and free the snapshots of the tasks a service started here ran for
+        the tool-server arms: it goes with the run, and nothing would reap what its pools keep
+        ready. Their results stay cached. (With --url the sandboxes are the service's to manage.)"""
+        from sandboxes.services import tasks_release
+
+        tasks_release(task_ids=task_ids)
+
     @contextlib.contextmanager
     def _service(self, options, out_dir: Path):
         """(url, token, the service if this command started it, else None)."""
@@ -118,7 +131,7 @@ class ReplayCommand(BaseCommand):
             yield options["url"], options["token"], None
             return
         from cache.api.auth import token_create
-        from cache.bench.server import service_running
+        from lab.server import service_running
 
         log_dir = out_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tvclient import TVCacheClient
+
     from .harness import Call, Workload
 
 log = logging.getLogger("tvcache.replay")
@@ -130,40 +132,34 @@ def timed_out(result: Any) -> bool:
 # Sandbox deaths (tool-server mode)
 
 
-def kill_rollout_sandbox(task_id: str, rollout_id: str) -> str | None:
+def kill_rollout_sandbox(client: TVCacheClient, task_id: str, rollout_id: str) -> str | None:
     """Remove (kill) the docker container the service leased to the rollout; the container's id,
-    or None when the rollout has none now. Only a container whose labels name this task, this
-    sandbox row and this database is touched: never another run's or another agent's.
-
-    The service says which sandbox a rollout holds in its database only (no API route maps a
-    rollout to its sandbox), so that is read there, as the harness reads the pools' rows."""
+    or None when the rollout has none now. The service says which one over its API
+    (`GET /api/v1/tasks/{id}/sandboxes`); only a container whose labels name this task, that
+    sandbox and this installation's database is touched: never another run's or another agent's."""
     import docker
-    from django.db import connection
 
-    from sandboxes.models import Sandbox
     from sandboxes.services.runtime import SANDBOX_LABEL, TASK_LABEL, instance_selector
 
-    try:
-        row = (Sandbox.objects.filter(task_id=task_id, rollout__rollout_id=rollout_id, state=Sandbox.State.LEASED,
-                                      backend="docker").exclude(ref="").order_by("-pk").first())
-    finally:
-        if not connection.in_atomic_block:  # a rollout's thread: its connection would outlive the run
-            connection.close()
-    if row is None:
+    leased = [row for row in client.sandboxes(task_id)["live"]
+              if row["rollout_id"] == rollout_id and row["state"] == "leased" and row["backend"] == "docker"
+              and row["ref"]]
+    if not leased:
         return None
-    client = docker.from_env()
+    row = max(leased, key=lambda r: r["id"])
+    engine = docker.from_env()
     try:
-        container = client.containers.get(row.ref)
-        expected = {TASK_LABEL: task_id, SANDBOX_LABEL: str(row.pk), **instance_selector()}
+        container = engine.containers.get(row["ref"])
+        expected = {TASK_LABEL: task_id, SANDBOX_LABEL: str(row["id"]), **instance_selector()}
         if any(container.labels.get(key) != value for key, value in expected.items()):
-            log.warning("container %s is not sandbox %s of task %s: left alone", row.ref[:12], row.pk, task_id)
+            log.warning("container %s is not sandbox %s of task %s: left alone", row["ref"][:12], row["id"], task_id)
             return None
         container.remove(force=True)
         return container.id
     except docker.errors.NotFound:
         return None
     finally:
-        client.close()
+        engine.close()
 
 
 def divergence_count(stats: dict[str, Any]) -> dict[str, int] | None:

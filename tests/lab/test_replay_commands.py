@@ -12,8 +12,8 @@ from django.conf import settings
 from django.core.management import call_command
 
 from cache.api.auth import token_create
-from cache.bench.server import service_running
 from cache.models import Task
+from lab.server import service_running
 from sandboxes.services import tasks_release
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,10 +31,14 @@ def service(tmp_path):
         tasks_release(task_ids=list(Task.objects.values_list("pk", flat=True)))
 
 
-def replay(command: str, service, tmp_path, **options) -> dict:
+def replay(command: str, service, tmp_path, blocker, **options) -> dict:
     url, token = service
     out = tmp_path / "out"
-    call_command(command, url=url, token=token, rollouts=2, epochs=2, out=str(out), seed=3, think_ms=10, **options)
+    # With --url the replay talks to the service over HTTP only: a query on this process's
+    # database, from any of its threads, fails the run.
+    with blocker.block():
+        call_command(command, url=url, token=token, rollouts=2, epochs=2, out=str(out), seed=3, think_ms=10,
+                     **options)
     [report] = out.glob("*.json")
     return json.loads(report.read_text())
 
@@ -78,20 +82,20 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
                 assert png.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_replay_sql(service, tmp_path):
-    report = replay("replay_sql", service, tmp_path, tasks=1, latency_ms=5, rows=300)
+def test_replay_sql(service, tmp_path, django_db_blocker):
+    report = replay("replay_sql", service, tmp_path, django_db_blocker, tasks=1, latency_ms=5, rows=300)
     check(report, "sql", ["client", "server"], plots=True)
 
 
-def test_replay_bfcl(service, tmp_path):
-    report = replay("replay_bfcl", service, tmp_path, tasks=2, no_plots=True)
+def test_replay_bfcl(service, tmp_path, django_db_blocker):
+    report = replay("replay_bfcl", service, tmp_path, django_db_blocker, tasks=2, no_plots=True)
     check(report, "bfcl", ["client"])
     assert "GorillaFileSystem.ls" in report["workload_info"]["read_only_tools"]
 
 
-def test_replay_terminal(service, tmp_path):
+def test_replay_terminal(service, tmp_path, django_db_blocker):
     docker.from_env().images.get("tvcache/debian:bookworm")  # a missing image fails the test
-    report = replay("replay_terminal", service, tmp_path, task_names="config-edit", arms="server,client",
+    report = replay("replay_terminal", service, tmp_path, django_db_blocker, task_names="config-edit", arms="server,client",
                     no_plots=True)
     check(report, "terminal", ["server", "client"])
     assert report["epochs"][0]["arms"]["server"]["sandboxes"]["starts"] > 0

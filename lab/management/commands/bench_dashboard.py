@@ -26,10 +26,10 @@ from django.db.models import Max
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from cache.bench.server import service_running
 from cache.models import AuditEntry, Node, Rollout, Snapshot, Task, ToolStat
 from cache.services import task_put
-from dashboard import browser
+from lab import browser
+from lab.server import service_running
 
 SHOTS = Path(settings.BASE_DIR) / "artifacts" / "screenshots"
 TASK_ID = "bench-dashboard"

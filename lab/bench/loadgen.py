@@ -12,7 +12,7 @@ carries one request at a time (no pipelining), and a request that finds every co
 waits in a queue, its clock running. `--processes N` splits the schedule (request i goes to
 process i mod N, all on one start time) when one process cannot keep up.
 
-    python -m cache.bench.loadgen --url http://127.0.0.1:8000 --rate 1024 --duration 10 \
+    python -m lab.bench.loadgen --url http://127.0.0.1:8000 --rate 1024 --duration 10 \
         --requests bodies.json --token KEY --out result.json
 """
 

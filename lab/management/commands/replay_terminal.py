@@ -1,8 +1,8 @@
 """Replay terminal-bench-like docker rollouts (C build, Python tests, git, config edits) through the
 service in tool-server mode and client mode, and without cache, side by side."""
 
-from cache.replay.command import ReplayCommand
-from cache.replay.terminal import TerminalWorkload
+from lab.replay.command import ReplayCommand
+from lab.replay.terminal import TerminalWorkload
 
 
 class Command(ReplayCommand):

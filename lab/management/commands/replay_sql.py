@@ -1,8 +1,8 @@
 """Replay read-only query rollouts over generated SQLite databases: client mode, tool-server mode
 (sqlite backend) and no cache side by side; a configurable latency models a remote database."""
 
-from cache.replay.command import ReplayCommand
-from cache.replay.sql import SqlWorkload
+from lab.replay.command import ReplayCommand
+from lab.replay.sql import SqlWorkload
 
 
 class Command(ReplayCommand):

@@ -22,24 +22,19 @@ from typing import Any
 
 import httpx
 
+from lab.figures import percentile
+
 BENCH_LABEL = "tvcache.bench"  # on everything the backend-level measurements create
 
 
 # --- figures -----------------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
 def summary(values: list[float]) -> dict[str, Any]:
     """median / P95 / max in ms, rounded; n samples."""
     if not values:
         return {"n": 0, "median_ms": None, "p95_ms": None, "max_ms": None}
-    return {"n": len(values), "median_ms": round(percentile(values, 50), 1), "p95_ms": round(percentile(values, 95), 1),
+    return {"n": len(values), "median_ms": percentile(values, 50, 1), "p95_ms": percentile(values, 95, 1),
             "max_ms": round(max(values), 1)}
 
 

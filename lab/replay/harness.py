@@ -35,8 +35,6 @@ from tvclient import SnapshotStore, TVCacheClient, ToolCallExecutor, ToolExecuti
 from tvclient.errors import TVCacheError, TVCacheUnavailable
 
 from cache.tcg import TaskPolicy, ToolCall, call_digest, next_state_key, root_state_key
-from sandboxes.models import Sandbox
-from sandboxes.services import tasks_release
 
 from .faults import Fault, FaultPlan, divergence_count, faulty_answer, kill_rollout_sandbox, timed_out
 
@@ -313,9 +311,6 @@ class ReplayConfig:
     think_ms: float = 0.0  # the policy's generation time before each call (mean); see Replay.thinking
     warm_wait_s: float = 5.0
     keep_examples: int = 5
-    # Stop the tool-server arms' sandboxes and free their snapshots at the end: set when the
-    # service was started for the run and goes with it.
-    release_sandboxes: bool = False
     faults: FaultPlan | None = None
     # Kills the service and starts it again (the fault arm's restart); None: no restart.
     restart_service: Callable[[], None] | None = None
@@ -365,10 +360,11 @@ class Replay:
             progress.close()
             for store in self._snapshots.values():
                 store.close()
-            if self.config.release_sandboxes:
-                tasks_release(task_ids=[task_id for arm in self.config.arms if arm.mode == "server"
-                                        for task_id in self.arm_task_ids(arm)])
         return self.runs
+
+    def server_task_ids(self) -> list[str]:
+        """The tasks whose sandboxes the service runs (the tool-server arms')."""
+        return [task_id for arm in self.config.arms if arm.mode == "server" for task_id in self.arm_task_ids(arm)]
 
     def _plan(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
         """The epoch's rollouts of the task as every arm issues them; under faults, each
@@ -499,8 +495,8 @@ class Replay:
         return time.perf_counter() - started
 
     def _service_sandboxes(self, arm: Arm) -> int:
-        """Sandboxes the service started or forked for the arm's tasks (rows that got running)."""
-        return Sandbox.objects.filter(task_id__in=self.arm_task_ids(arm), ready_at__isnull=False).count()
+        """Sandboxes the service started or forked for the arm's tasks (that got running)."""
+        return sum(self.client.sandboxes(task_id)["started"] for task_id in self.arm_task_ids(arm))
 
     def _settled_stats(self, arm: Arm) -> dict[str, dict[str, Any]]:
         """The arm's task stats once they stop moving. Each server process buffers its lookup
@@ -639,7 +635,8 @@ class Replay:
                 time.sleep(think[position])
                 killed = None
                 if death is not None and position >= death:
-                    killed = kill_rollout_sandbox(task_id, rollout_id)  # the first time it has one
+                    # The first time it has one (the service says which, even while it restarts).
+                    killed = self._retrying(lambda: kill_rollout_sandbox(self.client, task_id, rollout_id))[0]
                     death = None if killed else death
                 started = time.perf_counter()
                 answer, retries, error, sent = self._retrying(
@@ -751,15 +748,6 @@ class Replay:
                  "oracle_hit_rate": c["oracle_hits"] / c["calls"] if c["calls"] else 0.0}
                 for tool, c in sorted(tools.items())
             ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
-    return ordered[rank - 1]
 
 
 def mean(values: list[float]) -> float:

@@ -3,11 +3,11 @@ the known-state rule marks a rollout's calls, and what the oracle lets them hit.
 
 from __future__ import annotations
 
-from cache.replay.faults import FaultPlan, divergence_count
-from cache.replay.harness import CallSample, EpochRun, mark_unknown_state
-from cache.replay.report import issued_oracle
-from cache.replay.sql import SqlWorkload
-from cache.replay.terminal import TerminalWorkload
+from lab.replay.faults import FaultPlan, divergence_count
+from lab.replay.harness import CallSample, EpochRun, mark_unknown_state
+from lab.replay.report import issued_oracle
+from lab.replay.sql import SqlWorkload
+from lab.replay.terminal import TerminalWorkload
 
 
 def terminal(seed: int) -> TerminalWorkload:

@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
 
 SERVERS = {

@@ -1,0 +1,12 @@
+"""The one percentile of the lab's reports (replays, benchmarks)."""
+
+from __future__ import annotations
+
+
+def percentile(values: list[float], q: float, ndigits: int | None = None) -> float | None:
+    """Nearest-rank percentile (q in 0..100), rounded to `ndigits` if given; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    value = ordered[max(1, min(len(ordered), int(-(-q * len(ordered) // 100)))) - 1]
+    return value if ndigits is None else round(value, ndigits)
