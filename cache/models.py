@@ -158,6 +158,8 @@ class Snapshot(models.Model):
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshots")
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="snapshots")
     backend = models.CharField(max_length=40)
+    # The docker engine holding a service snapshot's image, where its forks run (as Sandbox.engine).
+    engine = models.CharField(max_length=200, blank=True, default="")
     ref = models.CharField(max_length=300)
     owner = models.CharField(max_length=10, choices=Owner.choices, default=Owner.CLIENT)
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.LIVE)

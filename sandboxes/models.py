@@ -21,6 +21,9 @@ class Sandbox(models.Model):
 
     task = models.ForeignKey("cache.Task", on_delete=models.CASCADE, related_name="sandboxes")
     backend = models.CharField(max_length=40)
+    # The docker engine that holds it (services/engines.py: its URL; "" for the one engine of a
+    # deployment that names none, and for the backends that run on this host).
+    engine = models.CharField(max_length=200, blank=True, default="")
     ref = models.CharField(max_length=200, blank=True, default="")  # the backend's sandbox id
     pool = models.CharField(max_length=10, choices=Pool.choices)
     snapshot = models.ForeignKey("cache.Snapshot", null=True, blank=True, on_delete=models.SET_NULL,

@@ -14,25 +14,40 @@ from cache.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
-from .services.runtime import backend_named
+from .services.engines import Engine, engines, live_per_engine
+from .services.runtime import engine_backend
 
 HEALTH_TTL_S = 10.0
 _health: TTLCache[str, dict] = TTLCache()
 
 
-def engine_health(name: str = "docker") -> dict:
-    """The backend's health, cached a few seconds: pages render it on every view."""
-    cached = _health.get(name)
+def engine_health(engine: Engine) -> dict:
+    """A docker engine's health, cached a few seconds: pages render it on every view."""
+    cached = _health.get(engine.name)
     if cached is not None:
         return cached
     try:
-        report = backend_named(name).health()
+        report = engine_backend("docker", engine.name).health()
     except SandboxError as exc:
         report = {"ok": False, "detail": exc.message}
-    report = {"backend": name, "ok": bool(report.get("ok")), "detail": report.get("detail") or report.get("error", ""),
+    report = {"backend": "docker", "ok": bool(report.get("ok")), "detail": report.get("detail") or report.get("error", ""),
               **{k: v for k, v in report.items() if k not in ("ok", "detail")}}
-    _health.put(name, report, HEALTH_TTL_S)
+    _health.put(engine.name, report, HEALTH_TTL_S)
     return report
+
+
+def engines_health() -> tuple[dict, list[dict]]:
+    """The deployment's docker engines: together (the one engine's health as it is, or whether all
+    of several answer), and each with its capacity, live sandboxes and Celery queue."""
+    live = live_per_engine()
+    each = [{"url": engine.label, "capacity": engine.capacity, "live_sandboxes": live[engine.name],
+             "queue": engine.queue, **engine_health(engine)} for engine in engines()]
+    if len(each) == 1:
+        return engine_health(engines()[0]), each
+    down = [entry["url"] for entry in each if not entry["ok"]]
+    together = {"backend": "docker", "ok": not down, "detail": f"down: {', '.join(down)}" if down else "",
+                "engines": len(each), "running_sandboxes": sum(entry.get("running_sandboxes", 0) for entry in each)}
+    return together, each
 
 
 def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -81,11 +96,14 @@ def pools_overview(*, project_id: int | None = None, project_ids: list[int] | No
     cold = [ms for ms in recent.filter(pool=Sandbox.Pool.FORK).exclude(rollout=None).values_list("start_ms", flat=True)[:500]]
     warm_p50, warm_p95 = _percentiles(warm)
     cold_p50, cold_p95 = _percentiles(cold)
-    engine = engine_health()
-    if project_id is not None or project_ids is not None:  # the engine's count spans every project
+    engine, engines_each = engines_health()
+    if project_id is not None or project_ids is not None:  # the engines' counts span every project
         engine = {k: v for k, v in engine.items() if k != "running_sandboxes"}
+        engines_each = [{k: v for k, v in entry.items() if k not in ("running_sandboxes", "live_sandboxes")}
+                        for entry in engines_each]
     return {
         "engine": engine,
+        "engines": engines_each,
         "pools": sorted(pools.values(), key=lambda p: (p["task_id"], p["pool"])),
         "snapshots": snapshots,
         "fork_latency_ms": {"warm_p50": warm_p50, "warm_p95": warm_p95, "cold_p50": cold_p50, "cold_p95": cold_p95},

@@ -30,8 +30,8 @@ def sandboxes_reap() -> dict:
 
 
 @shared_task(acks_late=True)
-def snapshots_collect() -> dict:
-    return services.snapshots_collect()
+def snapshots_collect(engine: str | None = None) -> dict:
+    return services.snapshots_collect(engine=engine)
 
 
 @shared_task(acks_late=True)
@@ -55,6 +55,6 @@ def project_requests_prune() -> int:
 
 
 @shared_task(acks_late=True, **RETRY)
-def hit_audit(task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
+def hit_audit(task_id: str, node_id: int, rollout_pk: int, applied: int, engine: str = "") -> str:
     """Determinism audit of a sampled tool-server hit (sandboxes.services.audit)."""
-    return services.hit_audit(task_id=task_id, node_id=node_id, rollout_pk=rollout_pk, applied=applied)
+    return services.hit_audit(task_id=task_id, node_id=node_id, rollout_pk=rollout_pk, applied=applied, engine=engine)

@@ -10,6 +10,8 @@ time refusing it (Redis down: 0.6 to 6 s of reconnect attempts) or is gone:
   in the caller as before.
 - `job_offer`: work worth doing only if the broker takes it (the determinism audit of a sampled
   hit): one the broker cannot take is dropped (logged), never run in process.
+A job that works on a docker engine's sandboxes names it (`near`, the engine's queue name): it
+goes to the queue of the workers next to that engine (`job_queue`).
 """
 
 from __future__ import annotations
@@ -47,20 +49,27 @@ def _sender() -> ThreadPoolExecutor:
     return _senders[1]
 
 
-def job_enqueue(name: str, *args) -> None:
+def job_queue(task, near: str | None) -> str | None:
+    """`<default queue>.<near>`: the queue of the workers next to `near` (an engine's queue name);
+    None: the default queue. Below the default queue, so that installations (and test sessions)
+    sharing a broker keep their jobs apart."""
+    return f"{task.app.conf.task_default_queue}.{near}" if near else None
+
+
+def job_enqueue(name: str, *args, near: str | None = None) -> None:
     """Queue the Celery task named `name` with `args` after the current transaction commits (at
     once outside one). Never raises and never blocks for the broker; a job the broker refuses runs
     here. Jobs are idempotent repairs or speed-ups (a warm sandbox, freed storage): one dropped
     when MAX_PENDING are waiting is redone by the periodic jobs (the reaper fails a sandbox row
     that never warmed)."""
     task = _task(name)
-    transaction.on_commit(lambda: _submit(task, args))
+    transaction.on_commit(lambda: _submit(task, args, job_queue(task, near)))
 
 
-def _submit(task, args: tuple) -> None:
+def _submit(task, args: tuple, queue: str | None) -> None:
     if task.app.conf.task_always_eager:  # embedded: runs here, as Celery does without a broker
         try:
-            task.apply_async(args)
+            task.apply_async(args, queue=queue)
         except Exception:
             log.exception("background job %s%r failed", task.name, args)
         return
@@ -69,15 +78,15 @@ def _submit(task, args: tuple) -> None:
         log.error("%d background jobs waiting: %s%r dropped", MAX_PENDING, task.name, args)
         return
     try:
-        sender.submit(_send, task, args)
+        sender.submit(_send, task, args, queue)
     except RuntimeError:  # the interpreter is shutting down
         _pending.release()
 
 
-def _send(task, args: tuple) -> None:
+def _send(task, args: tuple, queue: str | None) -> None:
     try:
         try:
-            task.apply_async(args, retry=False)
+            task.apply_async(args, retry=False, queue=queue)
         except Exception as exc:  # the broker is down or refused: do the work here
             log.warning("broker unavailable (%s): running %s%r in process", exc, task.name, args)
             result = task.apply(args)
@@ -90,13 +99,13 @@ def _send(task, args: tuple) -> None:
         connections.close_all()  # this thread's, if the job used any
 
 
-def job_offer(name: str, *args) -> None:
+def job_offer(name: str, *args, near: str | None = None) -> None:
     """Offer the Celery task named `name` with `args` to the broker once the current transaction
     commits. Never raises, never waits: a broker that is down costs the jobs it cannot take
     (logged); so does a full outbox, and a process that exits before its outbox is empty."""
     task = _task(name)
     try:
-        transaction.on_commit(lambda: _outbox.put((task, args)))
+        transaction.on_commit(lambda: _outbox.put((task, args, job_queue(task, near))))
     except Exception as exc:
         log.warning("could not queue %s%r: %s", name, args, exc)
 
@@ -131,9 +140,9 @@ class _Outbox:
     @staticmethod
     def _send(jobs: queue.Queue) -> None:
         while True:
-            task, args = jobs.get()
+            task, args, queue_name = jobs.get()
             try:
-                task.apply_async(args, retry=False)
+                task.apply_async(args, retry=False, queue=queue_name)
             except Exception as exc:  # the broker is down: this job is dropped
                 log.warning("could not queue %s%r: %s", task.name, args, exc)
 

@@ -15,6 +15,10 @@ DEBIAN_TAG = "tvcache/debian:bookworm"
 @dataclass(frozen=True)
 class DockerConfig:
     base_url: str | None = None  # None: DOCKER_HOST or the local socket, as the docker CLI does
+    # The engine (URL) whose images this one runs, by id, so that every engine of a deployment runs
+    # the images its env fingerprints name; one missing here is moved (docker save | docker load).
+    # None: this engine's own images.
+    images_from: str | None = None
     default_image: str = BUSYBOX_TAG
     # The images a task may name (the default image always); never a snapshot image.
     images: tuple[str, ...] = (BUSYBOX_TAG, DEBIAN_TAG)

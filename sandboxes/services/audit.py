@@ -26,26 +26,29 @@ from cache.tcg import ToolCall, canonical_json
 from sandboxes.backends.base import SandboxBackend, SandboxError
 from sandboxes.models import Sandbox
 
-from .pools import idle_deadline, sandbox_stop, set_state
-from .runtime import backend_named, labels
+from .engines import engine_queue, engines_for
+from .pools import idle_deadline, sandbox_launch, sandbox_stop, set_state
+from .runtime import backend_named
 
 log = logging.getLogger("tvcache.audit")
 
 EQUAL, DIVERGENT, INCONCLUSIVE, SKIPPED = "equal", "divergent", "inconclusive", "skipped"
 
 
-def hit_audit_enqueue(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> None:
+def hit_audit_enqueue(*, task_id: str, node_id: int, rollout_pk: int, applied: int, backend: str) -> None:
     """Have a worker audit the hit of node `node_id` by the rollout whose history's first `applied`
-    calls led to it, once the current transaction commits. Never raises, never waits: a broker
-    that cannot take it costs only this audit (audits are samples)."""
-    job_offer("workers.tasks.hit_audit", task_id, node_id, rollout_pk, applied)
+    calls led to it, once the current transaction commits. Never waits: a broker that cannot take
+    it costs only this audit (audits are samples). The audit's sandbox goes to the engine a new
+    sandbox would go to now, and the audit to the queue of the workers next to that engine."""
+    engine = engines_for(backend, 1)[0]
+    job_offer("workers.tasks.hit_audit", task_id, node_id, rollout_pk, applied, engine, near=engine_queue(engine))
 
 
-def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> str:
+def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engine: str = "") -> str:
     """Re-execute node `node_id`'s call at its parent state and compare: "equal", "divergent"
     (recorded), "inconclusive" (the sandbox failed, a call timed out, the replay missed the parent's
     state) or "skipped" (the node, the rollout or the task's keys are gone, or the node is divergent
-    already)."""
+    already). The audit's sandbox goes to `engine` (a docker engine's name)."""
     node = Node.objects.filter(task_id=task_id, pk=node_id, divergent=False).first()
     rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history", "rollout_id").first()
     task = Task.objects.filter(pk=task_id).first()
@@ -62,7 +65,8 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int) -> s
     parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
               .values("pk", "tool", "state_shape").first() if writes else None)
     try:
-        run = _reexecute(task, backend, writes, call, parent, rollout_id, shape=node.mutates and bool(node.state_shape))
+        run = _reexecute(task, backend, engine, writes, call, parent, rollout_id,
+                         shape=node.mutates and bool(node.state_shape))
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
         return INCONCLUSIVE
@@ -90,17 +94,18 @@ def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], sha
     return EQUAL
 
 
-def _reexecute(task: Task, backend: SandboxBackend, writes: list[ToolCall], call: ToolCall, parent: dict | None,
-               rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
+def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[ToolCall], call: ToolCall,
+               parent: dict | None, rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
     """The call's result in a fresh sandbox of the task after `writes`, and with `shape` the shape
     of the state it left; None if the replay did not reach the parent node's state: a replayed
     call timed out, or the sandbox's state differs from the one the parent recorded (a divergence
     of kind "state", recorded on the parent: the audited node is not judged). A sandbox row
     accounts for the sandbox meanwhile (the pools page shows it; the orphan reaper spares it)."""
-    row = Sandbox.objects.create(task=task, backend=backend.name, pool=Sandbox.Pool.ROOT, state=Sandbox.State.WARMING)
+    row = Sandbox.objects.create(task=task, backend=backend.name, engine=engine, pool=Sandbox.Pool.ROOT,
+                                 state=Sandbox.State.WARMING)
     started = time.perf_counter()
     try:
-        sandbox = backend.start(task.env, labels=labels(task.pk, row.pk))
+        sandbox = sandbox_launch(row, task.env)
     except SandboxError as exc:
         set_state(row, Sandbox.State.FAILED, error=f"audit: {exc.code}: {exc.message}")
         raise

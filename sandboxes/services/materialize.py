@@ -29,8 +29,9 @@ from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
 from sandboxes.models import Sandbox
 
-from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_row, set_state
-from .runtime import as_application_error, forget, handle, labels, remember
+from .engines import engines_for
+from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, set_state
+from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 
 
 class Phases:
@@ -51,7 +52,7 @@ class Phases:
 
 @dataclass
 class Run:
-    """One miss being served: the task, its backend, the rollout's sandbox."""
+    """One miss being served: the task, the backend holding the rollout's sandbox, the sandbox."""
 
     task: Task
     backend: SandboxBackend
@@ -72,11 +73,11 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
     policy = TaskPolicy.from_json(task.tools)
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
     if row is not None and row.executing:
-        retire(row, backend, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
+        retire(row, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
         row = None
     try:
-        if row is not None:
-            run = Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+        run = _own(task, policy, rollout, row, phases) if row is not None else None
+        if run is not None:
             pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
             if not pending or _caught_up(run, pending, context, answer):
                 return run
@@ -97,13 +98,27 @@ def _caught_up(run: Run, calls, context: CallContext, answer) -> bool:
     try:
         if _replay_verified(run, calls, context, answer):
             return True
-        retire(run.row, run.backend, f"diverged from its history: {run.diverged}")
+        retire(run.row, f"diverged from its history: {run.diverged}")
     except SandboxGone as exc:
-        retire(run.row, run.backend, exc.message)
+        retire(run.row, exc.message)
     except SandboxError as exc:
-        retire(run.row, run.backend, f"its replay failed midway: {exc.code}: {exc.message}")
+        retire(run.row, f"its replay failed midway: {exc.code}: {exc.message}")
         raise
     return False
+
+
+def _run(task, policy, rollout, row: Sandbox, phases: Phases, restore_ms: float | None = None) -> Run:
+    sandbox = sandbox_handle(row)
+    return Run(task, sandbox_backend(row), policy, rollout, row, sandbox, phases, restore_ms)
+
+
+def _own(task, policy, rollout, row: Sandbox, phases: Phases) -> Run | None:
+    """The rollout's own sandbox; None when it is gone (retired: nothing ran in it since)."""
+    try:
+        return _run(task, policy, rollout, row, phases)
+    except SandboxGone as exc:
+        retire(row, exc.message)
+        return None
 
 
 def _from_root(task, backend, policy, rollout, context: CallContext, answer, phases: Phases) -> Run:
@@ -114,12 +129,12 @@ def _from_root(task, backend, policy, rollout, context: CallContext, answer, pha
         row = _start_leased(task, backend, rollout, None)
     if row is None:
         raise SandboxGone("could not start a fresh sandbox")
-    run = Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+    run = _run(task, policy, rollout, row, phases)
     if answer.full_replay:
         try:
             _replay_verified(run, answer.full_replay, context, answer)
         except SandboxError:
-            retire(row, backend, "its replay from the root failed midway")
+            retire(row, "its replay from the root failed midway")
             raise
     return run
 
@@ -145,29 +160,27 @@ def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> Run:
             restore_ms = row.start_ms if row is not None else None
         if row is not None:
             prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
-            return Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases, restore_ms)
+            return _run(task, policy, rollout, row, phases, restore_ms)
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
         task, backend, rollout, None)
-    return Run(task, backend, policy, rollout, row, handle(backend, row.ref), phases)
+    return _run(task, policy, rollout, row, phases)
 
 
 def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
     """Start (or fork) a sandbox on the critical path, leased to the rollout from the outset."""
-    row = sandbox_row(task=task, backend=backend.name, rollout=rollout, state=Sandbox.State.WARMING,
+    engine = snapshot.engine if snapshot is not None else engines_for(backend.name, 1)[0]
+    row = sandbox_row(task=task, backend=backend.name, engine=engine, rollout=rollout, state=Sandbox.State.WARMING,
                       pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT, snapshot=snapshot)
     started = time.perf_counter()
     try:
-        if snapshot is not None:
-            sandbox = backend.fork(snapshot.ref, task.env, labels=labels(task.pk, row.pk))
-        else:
-            sandbox = backend.start(task.env, labels=labels(task.pk, row.pk))
+        sandbox = sandbox_launch(row, task.env, snapshot=snapshot)
     except SnapshotMissing:
         set_state(row, Sandbox.State.FAILED, error="snapshot missing")
         return None
     except SandboxError as exc:
         set_state(row, Sandbox.State.FAILED, error=f"{exc.code}: {exc.message}")
         raise
-    remember(backend, sandbox)
+    remember(sandbox_backend(row), sandbox)
     set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
               start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
     metrics.sandbox_started(backend=backend.name, forked=snapshot is not None, path="critical", ms=row.start_ms)
@@ -206,13 +219,13 @@ def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
     return not run.diverged
 
 
-def retire(row: Sandbox, backend: SandboxBackend, reason: str) -> None:
+def retire(row: Sandbox, reason: str) -> None:
     """Take the sandbox away from the rollout; its next call materializes a new one."""
     set_state(row, Sandbox.State.FAILED, rollout=None, error=reason)
     forget(row.backend, row.ref)
     try:
-        backend.remove_sandbox(row.ref)
-    except SandboxError:  # the orphan reaper removes it later
+        sandbox_backend(row).remove_sandbox(row.ref)
+    except SandboxError:  # the orphan reaper removes it later (its engine down: with it)
         pass
 
 

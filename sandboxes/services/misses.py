@@ -30,6 +30,7 @@ from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, Inval
 from sandboxes.models import Sandbox
 
 from .materialize import Phases, Run, retire, rollout_sandbox
+from .engines import engine_queue
 from .pools import idle_deadline, prefork_if_room
 from .runtime import as_application_error, labels
 
@@ -52,7 +53,7 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
         with phases.timed("exec"):
             result, exec_ms, observed = _execute(run, context.call)
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
-        retire(run.row, run.backend, exc.message)
+        retire(run.row, exc.message)
         raise as_application_error(exc) from None
     except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
@@ -63,7 +64,7 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except SandboxError as exc:  # failed once the call may have run (a broken stream, an engine restart):
         # the sandbox may be ahead of the history, so it is retired; the rollout, which got an error
         # for the call, goes on from its history in a fresh sandbox
-        retire(run.row, run.backend, f"failed once its call may have run: {exc.code}: {exc.message}")
+        retire(run.row, f"failed once its call may have run: {exc.code}: {exc.message}")
         raise as_application_error(exc) from None
     if result.get("timed_out") or run.diverged:
         _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")
@@ -84,7 +85,7 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
         _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
         raise as_application_error(exc) from None
     except BaseException:
-        retire(run.row, run.backend, "failed after its call ran: its state is ahead of the rollout's history")
+        retire(run.row, "failed after its call ran: its state is ahead of the rollout's history")
         raise
     return result, outcome.node_id, mutates, True
 
@@ -106,7 +107,7 @@ def _detach(run: Run, reason: str, *, untrusted: bool = False) -> None:
     sandbox cannot be trusted with another call (`untrusted`); nothing is snapshotted from it."""
     rollout_detach(rollout=run.rollout, reason=reason)
     if untrusted:
-        retire(run.row, run.backend, reason)
+        retire(run.row, reason)
     else:
         Sandbox.objects.filter(pk=run.row.pk).update(executing=False, lease_expires_at=idle_deadline())
 
@@ -128,7 +129,7 @@ def _snapshot(run: Run, node_id: int) -> None:
     metrics.snapshot_committed(backend=run.backend.name, ms=info.create_ms)
     try:
         snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
-                                              backend=run.backend.name, size_bytes=info.size_bytes,
+                                              backend=run.backend.name, engine=run.row.engine, size_bytes=info.size_bytes,
                                               create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE)
     except (Conflict, Forbidden) as exc:  # another rollout's snapshot of the same node won, or over the project's bytes
         if isinstance(exc, Forbidden):
@@ -137,6 +138,7 @@ def _snapshot(run: Run, node_id: int) -> None:
         return
     prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
     if evicted:
-        job_enqueue("workers.tasks.snapshots_collect")
+        for engine in set(Snapshot.objects.filter(task_id=run.task.pk, ref__in=evicted).values_list("engine", flat=True)):
+            job_enqueue("workers.tasks.snapshots_collect", engine, near=engine_queue(engine))
 
 

@@ -23,10 +23,12 @@ from cache.services import ledger
 from cache.services.admin import action_audited
 from cache.services.background import job_enqueue
 from observability import metrics
-from sandboxes.backends.base import SandboxError
+from sandboxes.backends.base import EngineUnavailable, SandboxError, SnapshotMissing
+from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.models import Sandbox
 
-from .runtime import backend_named, env_check_granted, forget, is_managed, labels, remember, sandbox_config
+from .engines import engine_lost, engine_queue, engines_for, engines_placed
+from .runtime import env_check_granted, forget, is_managed, labels, remember, sandbox_backend, sandbox_config
 
 log = logging.getLogger("tvcache.sandboxes")
 
@@ -77,13 +79,39 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
             snapshot_ids = list(snapshot_ids)[:room]
             roots = max(0, min(roots, room - len(snapshot_ids)))
         backend = task.env.get("backend", "external")
-        rows = [Sandbox(task=task, backend=backend, pool=Sandbox.Pool.ROOT) for _ in range(roots)]
-        rows += [Sandbox(task=task, backend=backend, pool=Sandbox.Pool.FORK, snapshot_id=sid) for sid in snapshot_ids]
+        rows = [Sandbox(task=task, backend=backend, engine=engine, pool=Sandbox.Pool.ROOT)
+                for engine in engines_for(backend, roots)]
+        held = dict(Snapshot.objects.filter(pk__in=snapshot_ids).values_list("pk", "engine"))
+        rows += [Sandbox(task=task, backend=backend, engine=held.get(sid, ""), pool=Sandbox.Pool.FORK, snapshot_id=sid)
+                 for sid in snapshot_ids]
         created = Sandbox.objects.bulk_create(rows)
-        ids = [row.pk for row in created]
-        for sandbox_id in ids:
-            job_enqueue("workers.tasks.sandbox_warm", sandbox_id)
-    return ids
+        for row in created:
+            job_enqueue("workers.tasks.sandbox_warm", row.pk, near=engine_queue(row.engine))
+    return [row.pk for row in created]
+
+
+def sandbox_launch(row: Sandbox, env: dict, *, snapshot: Snapshot | None = None) -> SandboxHandle:
+    """Start the row's sandbox on its engine, or fork `snapshot` there (a fork's engine is its
+    snapshot's). A fresh sandbox whose engine cannot be reached goes to the next engine by load
+    (the row follows); a fork whose engine cannot be reached raises SnapshotMissing, so that the
+    caller starts afresh elsewhere and replays."""
+    tried: tuple[str, ...] = ()
+    while True:
+        try:
+            backend = sandbox_backend(row)
+            if snapshot is not None:
+                return backend.fork(snapshot.ref, env, labels=labels(row.task_id, row.pk))
+            return backend.start(env, labels=labels(row.task_id, row.pk))
+        except EngineUnavailable as exc:
+            engine_lost(row.engine)
+            if snapshot is not None:
+                raise SnapshotMissing(f"snapshot {snapshot.ref} is on an engine out of reach: {exc.message}") from exc
+            tried += (row.engine,)
+            others = engines_placed(1, exclude=tried) if row.backend == "docker" else []
+            if not others:
+                raise
+            row.engine = others[0].name
+            Sandbox.objects.filter(pk=row.pk).update(engine=row.engine)
 
 
 WAITING = (Sandbox.State.WARMING, Sandbox.State.READY)
@@ -105,22 +133,17 @@ def sandbox_warm(*, sandbox_id: int) -> None:
     row = Sandbox.objects.select_related("task", "task__project", "snapshot").filter(pk=sandbox_id).first()
     if row is None or row.state != Sandbox.State.WARMING:
         return
-    backend = backend_named(row.backend)
     started = time.perf_counter()
     try:
         env_check_granted(row.task.env, project=row.task.project)  # grants may have shrunk since the task was put
-        if row.pool == Sandbox.Pool.FORK:
-            snapshot = row.snapshot
-            if snapshot is None or snapshot.status != Snapshot.Status.LIVE:
-                set_state(row, Sandbox.State.FAILED, error="snapshot no longer live")
-                return
-            sandbox = backend.fork(snapshot.ref, row.task.env, labels=labels(row.task_id, row.pk))
-        else:
-            sandbox = backend.start(row.task.env, labels=labels(row.task_id, row.pk))
+        if row.pool == Sandbox.Pool.FORK and (row.snapshot is None or row.snapshot.status != Snapshot.Status.LIVE):
+            set_state(row, Sandbox.State.FAILED, error="snapshot no longer live")
+            return
+        sandbox = sandbox_launch(row, row.task.env, snapshot=row.snapshot if row.pool == Sandbox.Pool.FORK else None)
     except SandboxError as exc:
         set_state(row, Sandbox.State.FAILED, error=f"{exc.code}: {exc.message}")
         return
-    remember(backend, sandbox)
+    remember(sandbox_backend(row), sandbox)
     with transaction.atomic():
         current = Sandbox.objects.select_for_update().get(pk=row.pk)
         if current.state != Sandbox.State.WARMING:  # stopped meanwhile: do not leak the sandbox
@@ -159,7 +182,7 @@ def sandbox_stop(*, sandbox_id: int) -> bool:
         set_state(row, Sandbox.State.STOPPING, rollout=None)
     if row.ref:
         try:
-            backend_named(row.backend).remove_sandbox(row.ref)
+            sandbox_backend(row).remove_sandbox(row.ref)
         except SandboxError as exc:  # engine down: the orphan reaper finishes the job later
             log.warning("could not remove sandbox %s: %s", row.ref, exc)
         forget(row.backend, row.ref)

@@ -18,8 +18,9 @@ from sandboxes.backends import BACKEND_NAMES
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
+from .engines import engines
 from .pools import sandbox_stop, set_state
-from .runtime import backend_named, instance_selector
+from .runtime import engine_backend, instance_selector, sandbox_backend
 
 log = logging.getLogger("tvcache.reaper")
 ORPHAN_GRACE_S = 120.0  # a sandbox this young may still be on its way into the database
@@ -42,17 +43,18 @@ def sandboxes_reap() -> dict[str, int]:
     return {"leases": leases, "sandboxes": len({*idle, *ended}), "warmups": len(dead)}
 
 
-def snapshots_collect() -> dict[str, int]:
-    """Enforce every task's budget, then free the storage of evicted service snapshots and stop
-    the pre-forks nobody will take any more."""
+def snapshots_collect(*, engine: str | None = None) -> dict[str, int]:
+    """Enforce every task's budget, then free the storage of evicted service snapshots (those on
+    `engine` only, if given) and stop the pre-forks nobody will take any more."""
     for task_id in (Snapshot.objects.filter(status=Snapshot.Status.LIVE).values_list("task_id", flat=True).distinct()):
         task_enforce_budget(task_id=task_id)
     freed = 0
-    for snapshot in Snapshot.objects.filter(status=Snapshot.Status.EVICTED, owner=Snapshot.Owner.SERVICE):
+    evicted = Snapshot.objects.filter(status=Snapshot.Status.EVICTED, owner=Snapshot.Owner.SERVICE)
+    for snapshot in evicted.filter(engine=engine) if engine is not None else evicted:
         for sandbox_id in snapshot.forks.filter(state=Sandbox.State.READY).values_list("pk", flat=True):
             sandbox_stop(sandbox_id=sandbox_id)
         try:
-            backend_named(snapshot.backend).delete_snapshot(snapshot.ref)
+            sandbox_backend(snapshot).delete_snapshot(snapshot.ref)
         except SandboxError as exc:
             log.warning("could not delete snapshot %s: %s", snapshot.ref, exc)
             continue
@@ -89,9 +91,11 @@ def orphans_reap(*, grace_s: float = ORPHAN_GRACE_S) -> dict[str, int]:
     killed between creating a container and saving its id, a deleted task, ...)."""
     cutoff = timezone.now() - timedelta(seconds=grace_s)
     removed = {"sandboxes": 0, "snapshots": 0}
-    for name in BACKEND_NAMES:
-        backend = backend_named(name)
+    places = [(name, engine) for name in BACKEND_NAMES
+              for engine in ([e.name for e in engines()] if name == "docker" else [""])]
+    for name, engine in places:
         try:
+            backend = engine_backend(name, engine)
             known = set(Sandbox.objects.filter(backend=name).exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
                         .exclude(ref="").values_list("ref", flat=True))
             for resource in backend.list_sandboxes(instance_selector()):
@@ -104,8 +108,8 @@ def orphans_reap(*, grace_s: float = ORPHAN_GRACE_S) -> dict[str, int]:
                 if resource.id not in kept and _old(resource, cutoff):
                     backend.delete_snapshot(resource.id)
                     removed["snapshots"] += 1
-        except SandboxError as exc:  # one backend down must not stop the others' reaping
-            log.warning("reaping %s failed: %s", name, exc)
+        except SandboxError as exc:  # one backend or engine down must not stop the others' reaping
+            log.warning("reaping %s %s failed: %s", name, engine or "", exc)
     return removed
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 
@@ -14,6 +17,7 @@ from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, San
 from sandboxes.backends.docker import DockerEnv, allowed_images
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
+    EngineUnavailable,
     ImageNotAllowed,
     InvalidEnv,
     InvalidToolArgs,
@@ -23,9 +27,14 @@ from sandboxes.backends.base import (
     Sandbox,
     SandboxBackend,
     SandboxError,
+    SandboxGone,
     SandboxTampered,
+    SnapshotInfo,
     ToolNotFound,
 )
+from sandboxes.backends.hostfs import StateDigest
+
+from .engines import engine_lost, engine_named, engines
 
 TASK_LABEL = "tvcache.task"
 SANDBOX_LABEL = "tvcache.sandbox"
@@ -43,7 +52,7 @@ def sandbox_config() -> SandboxConfig:
     images = {"images": tuple(conf["DOCKER_IMAGES"])} if conf["DOCKER_IMAGES"] else {}  # else the base images
     return SandboxConfig(
         root=Path(conf["SANDBOX_ROOT"]),
-        docker=DockerConfig(base_url=conf.get("DOCKER_URL") or None, max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
+        docker=DockerConfig(base_url=engines()[0].url or None, max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
                             memory_mb=conf["DOCKER_MEMORY_MB"], cpus=conf["DOCKER_CPUS"], pids=conf["DOCKER_PIDS"],
                             max_memory_mb=conf["DOCKER_MAX_MEMORY_MB"], max_cpus=conf["DOCKER_MAX_CPUS"],
                             max_pids=conf["DOCKER_MAX_PIDS"], allow_network=conf["DOCKER_ALLOW_NETWORK"],
@@ -141,6 +150,26 @@ def backend_named(name: str) -> SandboxBackend:
     return backend_for(name, sandbox_config())
 
 
+def engine_backend(name: str, engine: str) -> SandboxBackend:
+    """The backend `name` on the docker engine named `engine` (engines.py), which runs the first
+    engine's images; the other backends run on this host."""
+    if name != "docker":
+        return backend_named(name)
+    found, first = engine_named(engine), engines()[0]
+    if found is None:
+        raise EngineUnavailable(f"engine {engine!r} is not one of this service's (TVCACHE_DOCKER_ENGINES)")
+    config = sandbox_config()
+    docker = dataclasses.replace(config.docker, base_url=found.url or None,
+                                 images_from=None if found == first else first.url)
+    return backend_for(name, dataclasses.replace(config, docker=docker))
+
+
+def sandbox_backend(row) -> SandboxBackend:
+    """The backend holding a sandbox's or a snapshot's row (sandboxes.models.Sandbox,
+    cache.models.Snapshot): on the row's engine."""
+    return engine_backend(row.backend, row.engine)
+
+
 def instance_selector() -> dict[str, str]:
     return {INSTANCE_LABEL: str(settings.DATABASES["default"]["NAME"])}
 
@@ -163,6 +192,65 @@ def handle(backend: SandboxBackend, ref: str) -> Sandbox:
     with _handles_lock:
         _handles[key] = sandbox
     return sandbox
+
+
+def sandbox_handle(row) -> Sandbox:
+    """A handle on the running sandbox of a row (sandboxes.models.Sandbox)."""
+    if row.backend == "docker" and engine_named(row.engine) is None:
+        raise SandboxGone(f"its engine {row.engine!r} is no longer one of this service's (TVCACHE_DOCKER_ENGINES)")
+    with engine_loss(row.engine):
+        sandbox = handle(sandbox_backend(row), row.ref)
+    return PlacedSandbox(sandbox, row.engine) if len(engines()) > 1 else sandbox
+
+
+@contextmanager
+def engine_loss(engine: str) -> Iterator[None]:
+    """An engine that fails is left out of placements for a while. With other engines to take
+    their rollouts, its sandboxes are gone (SandboxGone: a rollout goes on from its history on
+    another engine); else the engine is unavailable (503 until it is back)."""
+    try:
+        yield
+    except EngineUnavailable as exc:
+        engine_lost(engine)
+        if len(engines()) > 1:
+            raise SandboxGone(f"its engine failed: {exc.message}") from exc
+        raise
+
+
+class PlacedSandbox(Sandbox):
+    """A sandbox on one engine of several: its engine's failure is its death (engine_loss)."""
+
+    def __init__(self, sandbox: Sandbox, engine: str):
+        self.sandbox = sandbox
+        self.engine = engine
+        self.sandbox_id = sandbox.sandbox_id
+
+    def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        with engine_loss(self.engine):
+            return self.sandbox.execute(tool, args)
+
+    def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
+        with engine_loss(self.engine):
+            return self.sandbox.execute_observed(tool, args)
+
+    def state_fingerprint(self) -> StateDigest | None:
+        with engine_loss(self.engine):
+            return self.sandbox.state_fingerprint()
+
+    def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
+        with engine_loss(self.engine):
+            return self.sandbox.snapshot(labels=labels)
+
+    def stop(self) -> None:
+        with engine_loss(self.engine):
+            self.sandbox.stop()
+
+    def alive(self) -> bool:
+        try:
+            with engine_loss(self.engine):
+                return self.sandbox.alive()
+        except SandboxGone:
+            return False
 
 
 def remember(backend: SandboxBackend, sandbox: Sandbox) -> Sandbox:

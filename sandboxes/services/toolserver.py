@@ -25,7 +25,7 @@ from cache.inputs import CallContext
 from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Rollout, Task
 from cache.projects import task_public_id, unknown_task
-from cache.services import (LookupHit, TaskHandle, lookup_count, rollout_claim, rollout_history_append,
+from cache.services import (LookupHit, lookup_count, rollout_claim, rollout_history_append,
                             rollout_unclaim, single_flight, task_handle, tcg_lookup)
 from cache.tcg import ToolCall
 from sandboxes.backends.base import SandboxError, SandboxGone
@@ -35,7 +35,7 @@ from .audit import hit_audit_enqueue
 from .materialize import Phases, retire
 from .misses import serve_miss
 from .pools import idle_deadline, sandbox_stop
-from .runtime import as_application_error, backend_named, env_check_granted, handle
+from .runtime import as_application_error, backend_named, env_check_granted, sandbox_handle
 
 
 # The rollout_claim column of tool-server mode: the rollout has a sandbox of its own, which it
@@ -69,7 +69,7 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
         if detached:
             slow_lane_needed()  # (cache/lanes.py)
             with phases.timed("exec"):
-                result = _serve_detached(handle, rollout, call)
+                result = _serve_detached(rollout, call)
             return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True, phases.ms)
         context = CallContext(history, call, rollout_id, epoch, None)
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
@@ -85,7 +85,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
                 result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
                 mutates, on_graph = answer.mutates, True
                 if answer.audit:  # sampled: a worker re-executes it at this state and compares
-                    hit_audit_enqueue(task_id=task_id, node_id=node_id, rollout_pk=rollout.pk, applied=len(history))
+                    hit_audit_enqueue(task_id=task_id, node_id=node_id, rollout_pk=rollout.pk, applied=len(history),
+                                      backend=handle.backend)
             else:
                 lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
                              saved_ms=0.0)
@@ -113,18 +114,17 @@ def _granted(task: Task) -> None:
         raise as_application_error(exc) from None
 
 
-def _serve_detached(task: TaskHandle, rollout: Rollout, call: ToolCall) -> Any:
+def _serve_detached(rollout: Rollout, call: ToolCall) -> Any:
     """A detached rollout's call: in its own sandbox as it is, uncached and unrecorded."""
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
     if row is None:
         raise Conflict("The rollout's sandbox is in an unknown state and gone (an earlier call timed out, was killed "
                        "or failed mid-way): end the rollout.", code="rollout_state_unknown")
-    backend = backend_named(task.backend)
     Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=idle_deadline(busy=True))
     try:
-        result = handle(backend, row.ref).execute(call.tool, call.args)
+        result = sandbox_handle(row).execute(call.tool, call.args)
     except SandboxGone as exc:
-        retire(row, backend, exc.message)
+        retire(row, exc.message)
         raise as_application_error(exc) from None
     except SandboxError as exc:
         raise as_application_error(exc) from None

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import logging
-
 import docker
 import pytest
-from celery.contrib.testing.worker import start_worker
 
 from sandboxes.images import build_busybox_image
 from sandboxes.services.runtime import backend_named, labels
 from tvcache_site.celery import app as celery_app
+
+from .dockerd import SecondEngine
+from .helpers import worker_on
 
 
 @pytest.fixture(scope="session")
@@ -25,26 +25,8 @@ def busybox(django_db_blocker):
 def celery_worker(transactional_db, settings):
     """A real worker thread consuming the test session's queue on the real Redis broker."""
     assert not settings.CELERY_TASK_ALWAYS_EAGER, "set REDIS_URL: the tests need a real broker"
-    kept = _logging_state()
-    try:
-        with start_worker(celery_app, pool="threads", concurrency=2, queues=[celery_app.conf.task_default_queue],
-                          perform_ping_check=False, shutdown_timeout=30):
-            yield
-    finally:  # the worker sets up logging for its process; later tests' caplog needs it back
-        _logging_restore(kept)
-
-
-def _logging_state() -> dict:
-    loggers = [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
-    return {logger: (logger.disabled, logger.propagate, logger.level, list(logger.handlers)) for logger in loggers}
-
-
-def _logging_restore(kept: dict) -> None:
-    for logger, (disabled, propagate, level, handlers) in kept.items():
-        logger.disabled, logger.propagate, logger.level, logger.handlers = disabled, propagate, level, handlers
-    for logger in logging.root.manager.loggerDict.values():
-        if isinstance(logger, logging.Logger) and logger not in kept:
-            logger.disabled = False
+    with worker_on([celery_app.conf.task_default_queue]):
+        yield
 
 
 @pytest.fixture
@@ -68,3 +50,16 @@ def docker_task(api, busybox):
             backend.remove_sandbox(sandbox.id)
         for snapshot in backend.list_snapshots(selector):
             backend.delete_snapshot(snapshot.id)
+
+
+@pytest.fixture
+def second_engine():
+    """A dockerd of the test's own with the busybox image built on it (its own build, so its id
+    differs from the machine engine's); stopped, its bridge and folder removed afterwards."""
+    engine = SecondEngine()
+    try:
+        engine.start()
+        build_busybox_image(engine.client())
+        yield engine
+    finally:
+        engine.remove()

@@ -1,6 +1,13 @@
-"""Calls for the tool-server tests."""
+"""Calls for the tool-server tests, and Celery workers of their own."""
 
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from celery.contrib.testing.worker import start_worker
+
+from tvcache_site.celery import app as celery_app
 
 
 def bash(command: str, **args) -> dict:
@@ -21,3 +28,28 @@ def wait_for(predicate, timeout=60.0):
             return
         time.sleep(0.2)
     raise AssertionError("condition not reached in time")
+
+
+@contextmanager
+def worker_on(queues: list[str]) -> Iterator[None]:
+    """A real worker thread consuming `queues` on the real Redis broker."""
+    kept = _logging_state()
+    try:
+        with start_worker(celery_app, pool="threads", concurrency=2, queues=queues, perform_ping_check=False,
+                          shutdown_timeout=30):
+            yield
+    finally:  # the worker sets up logging for its process; later tests' caplog needs it back
+        _logging_restore(kept)
+
+
+def _logging_state() -> dict:
+    loggers = [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    return {logger: (logger.disabled, logger.propagate, logger.level, list(logger.handlers)) for logger in loggers}
+
+
+def _logging_restore(kept: dict) -> None:
+    for logger, (disabled, propagate, level, handlers) in kept.items():
+        logger.disabled, logger.propagate, logger.level, logger.handlers = disabled, propagate, level, handlers
+    for logger in logging.root.manager.loggerDict.values():
+        if isinstance(logger, logging.Logger) and logger not in kept:
+            logger.disabled = False

@@ -2,95 +2,18 @@
 while the engine is down, everything else keeps serving, and sandboxes come back: a rollout whose
 container died with the engine gets sandbox_gone, then a fresh sandbox with its history replayed.
 
-The engine restarted is a second dockerd that this test starts on a socket and data root of its
-own (no bridge, no iptables rules); the machine's engine is never touched."""
+The engine restarted is a second dockerd that this test starts (tests/sandboxes/dockerd.py); the
+machine's engine is never touched."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
-import time
-from pathlib import Path
-
-import docker
 import httpx
 import pytest
 from django.conf import settings
 
 from lab.server import service_running
-from sandboxes.images import build_busybox_image
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.docker]
-
-
-class SecondEngine:
-    """A dockerd of the test's own; stop() and start() restart it on the same data root."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.url = f"unix://{root}/docker.sock"
-        self.process: subprocess.Popen | None = None
-        # A bridge of its own: with --bridge=none, dockerd deletes the host's docker0 at start,
-        # and the main engine's containers that have network lose it.
-        self.bridge = f"tvx{os.getpid() % 100000}"
-
-    def bridge_up(self) -> None:
-        if subprocess.run(["ip", "link", "show", self.bridge], capture_output=True).returncode != 0:
-            subprocess.run(["ip", "link", "add", "name", self.bridge, "type", "bridge"], check=True)
-            subprocess.run(["ip", "addr", "add", "10.231.0.1/24", "dev", self.bridge], check=True)
-            subprocess.run(["ip", "link", "set", self.bridge, "up"], check=True)
-
-    def bridge_down(self) -> None:
-        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
-
-    def start(self) -> None:
-        self.bridge_up()
-        log = open(self.root / "dockerd.log", "ab")
-        self.process = subprocess.Popen(
-            ["dockerd", "--host", self.url, "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "exec"),
-             "--pidfile", str(self.root / "docker.pid"), f"--bridge={self.bridge}", "--iptables=false", "--ip-masq=false",
-             "--ip-forward=false", "--shutdown-timeout", "1",
-             "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                docker.DockerClient(base_url=self.url, timeout=5).ping()
-                return
-            except Exception:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the second dockerd did not start: " + (self.root / "dockerd.log").read_text()[-2000:])
-                time.sleep(0.3)
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)  # its containers stop with it (no live restore)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def client(self) -> docker.DockerClient:
-        return docker.DockerClient(base_url=self.url, timeout=30)
-
-
-@pytest.fixture
-def second_engine():
-    root = Path(tempfile.mkdtemp(prefix="tvx-", dir="/tmp"))  # short: a unix socket path has 107 bytes
-    engine = SecondEngine(root)
-    try:
-        engine.start()
-        build_busybox_image(engine.client())
-        yield engine
-    finally:
-        engine.stop()
-        engine.bridge_down()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_an_engine_restart_answers_503_meanwhile_and_rollouts_get_fresh_sandboxes(second_engine, token, monkeypatch):

@@ -9,19 +9,22 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from sandboxes.images import BuiltImage, build_busybox_image, build_debian_image
+from sandboxes.services.runtime import backend_named
 
 
 class Command(BaseCommand):
-    help = "Build the tvcache base images (tvcache/busybox, tvcache/debian) from Debian packages."
+    help = ("Build the tvcache base images (tvcache/busybox, tvcache/debian) from Debian packages, on the first "
+            "docker engine (the others take its images on first use).")
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--only", choices=["busybox", "debian"], help="build just this image")
         parser.add_argument("--force", action="store_true", help="rebuild even if the image exists")
 
     def handle(self, *args: object, only: str | None, force: bool, **options: object) -> None:
+        client = backend_named("docker").engine.client
         builders = {
-            "busybox": lambda: build_busybox_image(force=force),
-            "debian": lambda: build_debian_image(var_dir=settings.VAR_DIR, force=force),
+            "busybox": lambda: build_busybox_image(client, force=force),
+            "debian": lambda: build_debian_image(client, var_dir=settings.VAR_DIR, force=force),
         }
         for name, build in builders.items():
             if only in (None, name):

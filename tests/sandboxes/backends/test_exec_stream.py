@@ -6,7 +6,7 @@ import struct
 import time
 from types import SimpleNamespace
 
-from sandboxes.backends.docker import _ExecStream, _Output, _Stop
+from sandboxes.backends.docker.execstream import ExecStream, Output, Stop
 
 
 def frame(stream: int, data: bytes) -> bytes:
@@ -23,9 +23,9 @@ def test_output_buffered_with_the_response_headers_is_not_lost():
     while buffered.readline() not in (b"\r\n", b""):  # what http.client does with the headers
         pass
     raw._response = SimpleNamespace(raw=SimpleNamespace(_fp=SimpleNamespace(fp=buffered)))
-    output = _Output(cap=1024)
-    stream = _ExecStream(raw)
-    assert stream.pump(output, time.monotonic() + 5, flood_bytes=1 << 20) is _Stop.EOF
+    output = Output(cap=1024)
+    stream = ExecStream(raw)
+    assert stream.pump(output, time.monotonic() + 5, flood_bytes=1 << 20) is Stop.EOF
     assert output.text(1) == "wrote test_stats.py\n"
     engine.close()
     ours.close()
