@@ -40,7 +40,7 @@ PROJECTS = ("alpha", "beta")
 ROLES = ("trainer", "maintainer")
 
 
-def project_clients(projects=PROJECTS, roles=ROLES) -> dict[tuple[str, str], "APIClient"]:
+def project_clients(projects=PROJECTS, roles=ROLES) -> dict[tuple[str, str], object]:
     """An API client per (project, role), each with a token of its own ("<project>-<role>")."""
     from rest_framework.test import APIClient
 

@@ -14,7 +14,7 @@ from django.conf import settings
 from cache.api.auth import TOKEN_CACHE_TTL_S, token_create, token_revoke
 from lab.server import _cpu_s, process_tree, service_running
 
-from .helpers import call, record
+from .helpers import call
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
