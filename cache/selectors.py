@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import connection
 from django.db.models import Count, Max, Q, Sum
 
+from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
 from cache.projects import unknown_node, unknown_task
 from cache.services.ledger import ledger_flush
+from cache.services.lookup import task_chain
+from cache.services.tasks import task_handle
+from cache.tcg import ToolCall, call_digest
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
@@ -159,3 +164,17 @@ def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None
     with connection.cursor() as cursor:
         cursor.execute(SUBTREE_SQL, [task_id, node_id, max_depth, max_depth])
         return [row[0] for row in cursor.fetchall()]
+
+
+def replay_file_times(*, task_id: str, context: CallContext, calls: Sequence[ToolCall]) -> list[Mapping[str, int]]:
+    """For a replay of `calls`, the last state-changing calls of the context's history: the file
+    times each left when it first ran (Node.file_times), in order; {} where none were kept."""
+    if not calls:
+        return []
+    writes = [step for step in task_chain(task_handle(task_id=task_id), context).steps[:-1] if step.mutates]
+    tail = writes[len(writes) - len(calls):] if len(calls) <= len(writes) else []
+    if len(tail) != len(calls) or any(step.digest != call_digest(call) for step, call in zip(tail, calls)):
+        return [{} for _ in calls]  # not the history's last writes: nothing to restore
+    times = dict(Node.objects.filter(task_id=task_id, mutates=True, state_key__in=[s.state_key for s in tail])
+                 .exclude(file_times=None).values_list("state_key", "file_times"))
+    return [times.get(step.state_key) or {} for step in tail]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -31,11 +33,11 @@ WITH parent AS (
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
-                            first_epoch, pinned, created_at, state_fingerprint, state_shape)
+                            first_epoch, pinned, created_at, state_fingerprint, state_shape, file_times)
     VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
             %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
             coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
-            %(fingerprint)s, %(shape)s)
+            %(fingerprint)s, %(shape)s, %(file_times)s::jsonb)
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms
 ), stat AS (
@@ -72,9 +74,11 @@ class RecordOutcome:
     evicted: list[str]
 
 
-def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = ("", "")) -> RecordOutcome:
+def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = ("", ""),
+                file_times: Mapping[str, int] | None = None) -> RecordOutcome:
     """`state`: the sandbox's state fingerprint after the call, (full, shape), where the service
-    ran it: what a sandbox materialized for this node is checked against."""
+    ran it: what a sandbox materialized for this node is checked against. `file_times`: the
+    modification times of what the call changed there, written back after each replay of it."""
     task = task_handle(task_id=task_id)
     context = record.context
     task.check_fingerprint(context.env_fingerprint)
@@ -103,6 +107,7 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = (
         "epoch": context.epoch,
         "fingerprint": state[0],
         "shape": state[1],
+        "file_times": json.dumps(dict(file_times)) if file_times else None,
     }
     with connection.cursor() as cursor:
         cursor.execute(INSERT_SQL, params)

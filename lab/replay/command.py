@@ -52,6 +52,8 @@ class ReplayCommand(BaseCommand):
                             help="the fault arm: seeded timeouts, environment errors, sandbox deaths and a service "
                                  "restart per arm (the restart needs a service started here: not with --url); the "
                                  "report adds wrong answers, divergences and the hit-rate cost (lab/replay/faults.py)")
+        parser.add_argument("--audit-rate", type=float, default=None,
+                            help="the tasks' determinism-audit rate (0 to 1); default: the service's (0.02)")
         parser.add_argument("--fault-rate", type=float, default=0.25, help="with --faults: share of rollouts that "
                                                                                "meet a fault, per task and epoch")
 
@@ -71,7 +73,7 @@ class ReplayCommand(BaseCommand):
         out_dir = Path(options["out"])
         workload = self.make_workload(options)
         config = {key: options[key] for key in ("tasks", "rollouts", "epochs", "seed", "concurrency", "think_ms",
-                                                  "warm_wait_s", "faults")}
+                                                  "warm_wait_s", "faults", "audit_rate")}
         config.update(arms=[a.name for a in arms], **self.workload_config(options))
         faults = FaultPlan(seed=options["seed"], rate=options["fault_rate"]) if options["faults"] else None
         if faults is not None:
@@ -84,7 +86,7 @@ class ReplayCommand(BaseCommand):
                     replay = Replay(workload, client, ReplayConfig(
                         epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
                         run_tag=stamp.replace("t", ""), think_ms=options["think_ms"], warm_wait_s=options["warm_wait_s"],
-                        faults=faults,
+                        faults=faults, audit_rate=options["audit_rate"],
                         restart_service=service.restart if service is not None else None,
                         keep_examples=10 if faults is not None else 5))
                     began = time.perf_counter()

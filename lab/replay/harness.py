@@ -47,7 +47,13 @@ STATS_SETTLE_S = 0.6  # over twice the service's default counter flush interval 
 # Under faults: how long a rollout keeps sending a request the service did not answer (a restart).
 RETRY_WINDOW_S = 120.0
 ENV_FAULTS = ("error_after", "timeout_after")
+# A mismatch is checked against up to this many more fresh executions of the same history (think
+# times drawn anew): an answer one of them gives is a live outcome of the history, the call
+# nondeterministic (timing: a rewrite within the same second as a bytecode cache's source), and is
+# counted apart from the mismatches, which no fresh execution reproduced.
+REPRODUCE_TRIES = 8
 EXACT_KEYS = ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches", "not_compared",
+              "hits_nondeterministic", "misses_nondeterministic",
               "after_event_hits_checked", "after_event_hits_mismatches", "after_event_misses_checked",
               "after_event_misses_mismatches")
 
@@ -312,6 +318,7 @@ class ReplayConfig:
     warm_wait_s: float = 5.0
     keep_examples: int = 5
     faults: FaultPlan | None = None
+    audit_rate: float | None = None  # the tasks' determinism-audit rate; None: the service's default
     # Kills the service and starts it again (the fault arm's restart); None: no restart.
     restart_service: Callable[[], None] | None = None
 
@@ -353,7 +360,7 @@ class Replay:
                 epoch_runs = {}
                 for arm in self.config.arms:
                     epoch_runs[arm.name] = self._run_epoch(arm, epoch, plans, progress)
-                self._check_exactness(epoch_runs)
+                self._check_exactness(epoch_runs, plans, epoch)
                 self.runs.extend(epoch_runs.values())
             self._collect_per_tool()
         finally:
@@ -399,7 +406,8 @@ class Replay:
                 env = task.client_env if arm.mode == "client" else task.server_env
                 if env is None:
                     raise ValueError(f"task {task.name} cannot run in tool-server mode")
-                self.client.put_task(self.task_id(task, arm), env=env, tools=task.tools, sandbox_budget=budget)
+                self.client.put_task(self.task_id(task, arm), env=env, tools=task.tools, sandbox_budget=budget,
+                                     audit_rate=self.config.audit_rate)
 
     # -- one epoch of one arm ---------------------------------------------------------------------
 
@@ -680,8 +688,9 @@ class Replay:
 
     # -- exactness --------------------------------------------------------------------------------
 
-    def _check_exactness(self, epoch_runs: dict[str, EpochRun]) -> None:
-        """Every cached answer against the nocache arm's fresh execution of the same history."""
+    def _check_exactness(self, epoch_runs: dict[str, EpochRun], plans, epoch: int) -> None:
+        """Every cached answer against the nocache arm's fresh execution of the same history; a
+        mismatch against more fresh executions (REPRODUCE_TRIES)."""
         fresh_run = next((run for name, run in epoch_runs.items() if Arm.parse(name).mode == "nocache"), None)
         if fresh_run is None:
             raise ValueError("the exactness check needs the nocache arm")
@@ -703,6 +712,12 @@ class Replay:
                 for prefix in prefixes:
                     tally[f"{prefix}{kind}_checked"] += 1
                 if reference.result_digest != sample.result_digest:
+                    calls = plans[(sample.task, epoch)][sample.rollout][: sample.position + 1]
+                    tries = self._reproduced(sample, calls)
+                    if tries is not None:
+                        tally[f"{kind}_nondeterministic"] += 1
+                        self._keep_example(run, sample, reference, reproduced_after=tries)
+                        continue
                     for prefix in prefixes:
                         tally[f"{prefix}{kind}_mismatches"] += 1
                     mismatched_tools[sample.tool] += 1
@@ -713,7 +728,27 @@ class Replay:
             for sample in run.calls:
                 sample.result = None
 
-    def _keep_example(self, run: EpochRun, sample: CallSample, reference: CallSample) -> None:
+    def _reproduced(self, sample: CallSample, calls: list[Call]) -> int | None:
+        """After how many fresh executions of `calls` (the history and the call) the last one
+        answered as `sample` did; None if none of REPRODUCE_TRIES did."""
+        task = next(t for t in self.tasks if t.name == sample.task)
+        rng = random.Random(f"{self.config.seed}-reproduce-{sample.task}-{sample.rollout}-{sample.position}")
+        mean_s = self.config.think_ms / 1000
+        for attempt in range(1, REPRODUCE_TRIES + 1):
+            env = task.make_env()
+            env.start()
+            try:
+                for call in calls:
+                    time.sleep(mean_s * rng.uniform(0.5, 1.5))
+                    result = env.execute(call)
+            finally:
+                env.stop()
+            if digest(result) == sample.result_digest:
+                return attempt
+        return None
+
+    def _keep_example(self, run: EpochRun, sample: CallSample, reference: CallSample,
+                      reproduced_after: int | None = None) -> None:
         if len(self.mismatch_examples) >= self.config.keep_examples:
             return
         fault = self._faults.get((sample.task, run.epoch, sample.rollout))
@@ -721,6 +756,7 @@ class Replay:
             "arm": run.arm, "epoch": run.epoch, "task": sample.task, "rollout": sample.rollout,
             "position": sample.position, "cached": sample.cached, "call": sample.tool,
             "result": json.loads(json.dumps(sample.result)), "fresh": json.loads(json.dumps(reference.result)),
+            **({"reproduced_after_fresh_executions": reproduced_after} if reproduced_after else {}),
             **({"after_unknown_state": sample.unshared, "retries": sample.retries,
                 "rollout_fault": None if fault is None or not fault.applies(Arm.parse(run.arm).mode)
                 else {"kind": fault.kind, "position": fault.position}}

@@ -164,6 +164,11 @@ class Sandbox(ABC):
         cannot tell: nothing is then verified against it."""
         return None
 
+    def restore_file_times(self, times: Mapping[str, int]) -> None:
+        """Give the paths the modification times (ns) a live run of a call left them
+        (StateDigest.times), after a replay of that call. Backends whose tools never see file
+        times have nothing to do."""
+
     @abstractmethod
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         """Freeze the current state into an immutable snapshot; the sandbox keeps running."""

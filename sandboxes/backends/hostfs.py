@@ -12,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+# At most this many changed entries' times are kept for a node (a call that wrote more, an
+# install, keeps none: its replays carry their own times, as before).
+MAX_CHANGED_TIMES = 5_000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _CHUNK = 1 << 20
@@ -150,6 +153,10 @@ class StateDigest:
 
     full: str
     shape: str
+    # The modification times (ns) of the entries the last call changed, by path: what a replay
+    # of that call writes back after it runs (overlay.set_file_times), so that the replayed
+    # state carries the times the live one did. Empty when not asked for or too many.
+    times: Mapping[str, int] = field(default_factory=dict, compare=False)
 
 
 class StateFingerprint:
@@ -159,9 +166,10 @@ class StateFingerprint:
     (equal times share a rank), so a fork whose times kept their order matches, and one where a
     source became as old as its object does not."""
 
-    def __init__(self, *, max_bytes: int, times: bool = True):
-        self.max_bytes, self.times = max_bytes, times
+    def __init__(self, *, max_bytes: int, times: bool = True, changed_since_ns: int | None = None):
+        self.max_bytes, self.times, self.changed_since_ns = max_bytes, times, changed_since_ns
         self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
+        self._changed: dict[str, int] = {}  # mtimes of the entries changed since `changed_since_ns` (ctime)
         self._session: list[bytes] = []
         self._read = 0
 
@@ -195,7 +203,8 @@ class StateFingerprint:
         for session in self._session:
             full.update(session)
             shape.update(session)
-        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest())
+        times = self._changed if len(self._changed) <= MAX_CHANGED_TIMES else {}
+        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest(), times=times)
 
     def _add(self, fd: int, path: str, name: str) -> None:
         try:
@@ -213,6 +222,9 @@ class StateFingerprint:
             detail, mtime = os.readlink(name, dir_fd=fd), st.st_mtime_ns if self.times else -1
         elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
             detail = str(st.st_rdev)
+        if self.changed_since_ns is not None and st.st_ctime_ns >= self.changed_since_ns and (
+                stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            self._changed[path] = st.st_mtime_ns
         size = st.st_size if not stat.S_ISDIR(st.st_mode) else 0
         line = f"{path}\0{kind}\0{stat.S_IMODE(st.st_mode)}\0{st.st_uid}\0{st.st_gid}\0{size}\0{detail}"
         self._entries.append((path, line, content, mtime))

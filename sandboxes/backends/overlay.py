@@ -60,7 +60,7 @@ def _coarse_tick_ns() -> int:
     return 10_000_000
 
 
-_TICK_NS = _coarse_tick_ns()
+TICK_NS = _coarse_tick_ns()
 
 
 _SESSION_MAX_BYTES = 1 << 20
@@ -146,26 +146,49 @@ class LayerWatch:
         """Wait until a write would carry a later file time than any in `state`."""
         settle_after(state.newest_ns)
 
-    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int) -> hostfs.StateDigest:
+    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int,
+                    changed_since_ns: int | None = None) -> hostfs.StateDigest:
         """The StateFingerprint of the sandbox: every path that a layer above the base image holds
-        (its snapshots' layers and its own), read in the merged view."""
+        (its snapshots' layers and its own), read in the merged view; with `changed_since_ns`, also
+        the times of the entries changed since (a call's start: StateDigest.times)."""
         paths: set[str] = set()
         for layer in self.lowers:
             if layer not in base_layers:
                 paths |= _layer_paths(layer, self.max_entries)
         paths |= _listed_paths(self.upper, self.max_entries)
         paths = {p for p in paths if p != self.session_dir and not p.startswith(self.session_dir + "/")}
-        fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes)
+        fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes, changed_since_ns=changed_since_ns)
         fingerprint.add_tree(self.merged, paths)
         for name, content in self.session():
             fingerprint.add_session(name, content)
         return fingerprint.digests()
 
 
+    def set_file_times(self, times: Mapping[str, int]) -> int:
+        """Give the listed entries (regular files, folders, links) the modification times a live
+        call left them (StateDigest.times), in the merged view, without following the sandbox's
+        links; an entry that is not there is skipped. Returns how many were set."""
+        done = 0
+        for path, mtime_ns in times.items():
+            parent, _, name = path.rpartition("/")
+            try:
+                with hostfs.open_dir(self.merged, parent) as fd:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                        os.utime(name, ns=(st.st_atime_ns, int(mtime_ns)), dir_fd=fd, follow_symlinks=False)
+                        done += 1
+            except (FileNotFoundError, NotADirectoryError, hostfs.UnsafeEntry):
+                continue
+            except OSError as exc:
+                if exc.errno != 40:  # ELOOP: a link where a folder was
+                    raise
+        return done
+
+
 def settle_after(newest_ns: int) -> None:
     """Sleep until the file-time clock has moved a tick past `newest_ns`, so that the next write
     carries a later time than any before it, as it would have in a live rollout."""
-    wait_ns = newest_ns + _TICK_NS - time.time_ns()
+    wait_ns = newest_ns + TICK_NS - time.time_ns()
     if wait_ns > 0:
         time.sleep(wait_ns / 1e9)
 

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Task
+from cache.selectors import replay_file_times
 from cache.services import divergence_record, task_handle
 from cache.services.background import job_offer
 from cache.services.lookup import task_chain
@@ -57,15 +58,17 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engi
     history, rollout_id = tuple(ToolCall.from_json(item) for item in rollout[0][:applied]), rollout[1]
     call = ToolCall.from_json(node.call)
     handle = task_handle(task_id=task_id)
-    last = task_chain(handle, CallContext(history, call, rollout_id, 0, None)).steps[-1]
+    context = CallContext(history, call, rollout_id, 0, None)
+    last = task_chain(handle, context).steps[-1]
     if (last.anchor, last.digest) != (node.anchor_key, node.call_digest):  # the task changed since the hit
         return SKIPPED
     backend = backend_named(handle.backend)
     writes = [item for item in history if handle.policy.for_tool(item.tool).mutates_state]
     parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
               .values("pk", "tool", "state_shape").first() if writes else None)
+    times = replay_file_times(task_id=task_id, context=context, calls=writes)
     try:
-        run = _reexecute(task, backend, engine, writes, call, parent, rollout_id,
+        run = _reexecute(task, backend, engine, list(zip(writes, times)), call, parent, rollout_id,
                          shape=node.mutates and bool(node.state_shape))
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
@@ -94,9 +97,10 @@ def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], sha
     return EQUAL
 
 
-def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[ToolCall], call: ToolCall,
+def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[tuple[ToolCall, dict]], call: ToolCall,
                parent: dict | None, rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
-    """The call's result in a fresh sandbox of the task after `writes`, and with `shape` the shape
+    """The call's result in a fresh sandbox of the task after `writes` (each call with the file
+    times its live run left, written back after it), and with `shape` the shape
     of the state it left; None if the replay did not reach the parent node's state: a replayed
     call timed out, or the sandbox's state differs from the one the parent recorded (a divergence
     of kind "state", recorded on the parent: the audited node is not judged). A sandbox row
@@ -112,9 +116,10 @@ def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[To
     set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
               start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
     try:
-        for write in writes:
+        for write, left in writes:
             if backend.audit_view(write.tool, sandbox.execute(write.tool, write.args)) is None:
                 return None
+            sandbox.restore_file_times(left)
         if not _reached(sandbox, parent, task, rollout_id):
             return None
         result = sandbox.execute(call.tool, call.args)

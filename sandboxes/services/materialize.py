@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
+from cache.selectors import replay_file_times
 from cache.services import divergence_record
 from cache.tcg import TaskPolicy, ToolCall
 from observability import metrics
@@ -193,10 +194,12 @@ def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
     a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
-        for call in calls:
+        times = replay_file_times(task_id=run.task.pk, context=context, calls=calls)
+        for call, left in zip(calls, times):
             if run.sandbox.execute(call.tool, call.args).get("timed_out"):
                 run.diverged = f"the replay of {call.tool} timed out"
                 break
+            run.sandbox.restore_file_times(left)  # the times its live run left, not this replay's
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
         run.row.applied = len(history)

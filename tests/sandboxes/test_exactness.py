@@ -3,6 +3,8 @@ that do not reach their recorded state never produce a wrong hit. Real Docker, r
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cache.models import Divergence, Node, Rollout
@@ -65,6 +67,32 @@ def test_a_replay_that_does_not_reach_the_recorded_state_is_a_divergence_and_nev
     assert run(api, task, "r3", size)["result"]["stdout"] == recorded
     stats = api.get(f"/api/v1/tasks/{task}/stats").json()
     assert [t["state"] for t in stats["divergences"]["per_tool"] if t["tool"] == "bash"][0] >= 1
+
+
+# A build cache keyed on whole-second modification times, as Python's .pyc check is: the cached
+# copy is reused while the source's time, in seconds, is the one it was made from.
+WRITE_V1, WRITE_V2 = bash("echo v1 > /src"), bash("echo v2 > /src")  # the same size
+BUILD = bash("[ \"$(cat /built.at 2>/dev/null)\" = \"$(stat -c %Y /src)\" ] "
+             "|| { cp /src /built; stat -c %Y /src > /built.at; }; cat /built")
+
+
+def test_a_replay_carries_the_file_times_of_the_live_run(api, docker_task):
+    # Live, the two writes land seconds apart and the second build sees v2. A replay runs the
+    # same calls back to back, within one second: with the replay's own times the build cache
+    # served v1. The replay writes back the times each call left when it ran live.
+    for attempt in range(3):  # a replay that happens to cross a second boundary hides the defect
+        task = docker_task(f"file-times-{attempt}", sandbox_budget=0)  # no snapshots: catch-up replays
+        run(api, task, "r1", WRITE_V1)
+        assert run(api, task, "r1", BUILD)["result"]["stdout"] == "v1\n"
+        time.sleep(1.1)
+        run(api, task, "r1", WRITE_V2)
+        assert run(api, task, "r1", BUILD)["result"]["stdout"] == "v2\n"
+        for call in (WRITE_V1, BUILD, WRITE_V2):
+            assert run(api, task, "r2", call)["cached"] is True  # r2 has no sandbox yet
+        answer = run(api, task, "r2", bash(BUILD["args"]["command"] + "; echo built"))
+        assert answer["cached"] is False
+        assert answer["result"]["stdout"] == "v2\nbuilt\n"
+        assert not Divergence.objects.filter(task_id=task).exists()
 
 
 def test_a_sandbox_cut_off_mid_call_is_retired_not_trusted(api, docker_task, busybox):

@@ -34,6 +34,7 @@ from ..base import (
 )
 from ..hostfs import StateDigest
 from ..overlay import (
+    TICK_NS,
     LayerState,
     LayerTooLarge,
     LayerWatch,
@@ -69,6 +70,7 @@ class DockerSandbox(Sandbox):
         self._watch: LayerWatch | None | object = _UNSET
         self._layer: LayerState | None = None  # the layer as the last observed call left it
         self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
+        self._last_start_ns: int | None = None  # when the last call started (its changes' times are kept)
         self._stopped = False
         self._quota = DiskQuota(backend.config)
         if self._quota.limit_bytes:
@@ -100,13 +102,27 @@ class DockerSandbox(Sandbox):
             watch = self._layer_watch()
             if watch is None:
                 return None
+            since = None if self._last_start_ns is None else self._last_start_ns - TICK_NS
             try:
                 return watch.fingerprint(self._backend.base_layers(self.sandbox_id),
-                                         max_bytes=self._backend.config.fingerprint_max_bytes)
+                                         max_bytes=self._backend.config.fingerprint_max_bytes, changed_since_ns=since)
             except SessionTampered as exc:
                 raise SandboxTampered(str(exc)) from None
             except (LayerTooLarge, OSError):  # too large to fingerprint, or the container is going
                 return None
+
+    def restore_file_times(self, times: Mapping[str, int]) -> None:
+        """After a replayed call: the times its live run left (overlay.LayerWatch.set_file_times)."""
+        with self._lock:
+            watch = self._layer_watch()
+            if watch is None or not times:
+                return
+            self._layer = None
+            try:
+                watch.set_file_times(times)
+            except OSError as exc:
+                self._raise_if_gone()
+                raise EngineUnavailable(f"could not restore file times: {exc}") from exc
 
     def _layer_state(self) -> LayerState | None:
         """The layer as it is now; None when it is not observed: out of reach, gone (the container
@@ -157,6 +173,7 @@ class DockerSandbox(Sandbox):
         api = self._backend.api
         self._raise_if_over_quota()
         settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
+        self._last_start_ns = time.time_ns()  # the settle put the previous writes a tick before it
         deadline = time.monotonic() + timeout_s
         argv = call_argv(self._shell, command)
         try:
