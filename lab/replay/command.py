@@ -14,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from .faults import FaultPlan
 from .harness import Arm, Replay, ReplayConfig, TimedClient, Workload
-from .report import build_report, fault_headline, headline, write_report
+from .report import breakdown, build_report, fault_headline, headline, write_report
 
 DEFAULT_OUT = Path(settings.BASE_DIR) / "artifacts" / "replay"
 
@@ -107,6 +107,9 @@ class ReplayCommand(BaseCommand):
             report["plots"] = write_plots(report, out_dir, stamp)
             path.write_text(json.dumps(report, indent=1, default=str))
         self.stdout.write(headline(report))
+        lines = breakdown(report)
+        if lines:
+            self.stdout.write(lines)
         if "faults" in report:
             self.stdout.write(fault_headline(report))
         self.stdout.write(json.dumps(report["targets"], indent=1))

@@ -52,6 +52,7 @@ ENV_FAULTS = ("error_after", "timeout_after")
 # nondeterministic (timing: a rewrite within the same second as a bytecode cache's source), and is
 # counted apart from the mismatches, which no fresh execution reproduced.
 REPRODUCE_TRIES = 8
+VERIFY_STEP = "verify"  # the step label of a call that runs the task's verifier (Workload.steps)
 EXACT_KEYS = ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches", "not_compared",
               "hits_nondeterministic", "misses_nondeterministic",
               "after_event_hits_checked", "after_event_hits_mismatches", "after_event_misses_checked",
@@ -88,6 +89,13 @@ class Workload(ABC):
     @abstractmethod
     def rollouts(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
         """The epoch's rollouts of `task`, a pure function of the seed, the task and the epoch."""
+
+    def steps(self, task: ReplayTask, epoch: int) -> list[list[str | None]] | None:
+        """A label per call of each of `rollouts(task, epoch)`: the step of the rollout the call
+        belongs to (VERIFY_STEP: a run of the task's verifier, which computes the reward), None
+        for a call of no named step; None when the workload names no steps. Labels are the
+        harness's: they are not sent, and the calls are the same with or without them."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         return {}
@@ -265,6 +273,9 @@ class CallSample:
     answer_timed_out: bool = False  # its answer says timed out (a hit too: the cache kept a timed-out answer)
     event: bool = False  # it left its rollout's state unknown (mark_unknown_state): its answer is not to share
     unshared: bool = False  # it comes after such an event of its rollout: off the shared graph
+    step: str | None = None  # the workload's label of the call (Workload.steps), e.g. VERIFY_STEP
+    # tool-server mode, a miss: where the service spent its time, by phase (CallResult.phases_ms)
+    phases_ms: dict[str, float] | None = None
 
 
 def mark_unknown_state(samples: list[CallSample]) -> None:
@@ -339,6 +350,7 @@ class Replay:
         self._snapshots = {arm.name: SnapshotStore() for arm in config.arms if arm.mode == "client"}
         self._progress_stream = progress_stream
         self._faults: dict[tuple[str, int, int], Fault | None] = {}
+        self._steps: dict[tuple[str, int], list[list[str | None]]] = {}
         self._calls_done = 0
         self._calls_lock = threading.Lock()
 
@@ -377,6 +389,9 @@ class Replay:
         """The epoch's rollouts of the task as every arm issues them; under faults, each
         rollout's fault is chosen here and the faults that are part of the world applied."""
         rollouts = self.workload.rollouts(task, epoch)
+        steps = self.workload.steps(task, epoch)
+        if steps is not None:  # a fault changes a call in place: the labels keep their positions
+            self._steps[(task.name, epoch)] = steps
         plan = self.config.faults
         if plan is None:
             return rollouts
@@ -424,8 +439,10 @@ class Replay:
             started = time.perf_counter()
             samples = self._rollout(arm, task, epoch, index, calls)
             mark_unknown_state(samples)
+            steps = self._steps.get((task.name, epoch))
             for sample, key in zip(samples, call_keys(task, samples, calls)):
                 sample.key = key
+                sample.step = steps[index][sample.position] if steps else None
             seconds = time.perf_counter() - started
             with lock:
                 run.calls.extend(samples)
@@ -656,6 +673,8 @@ class Replay:
                 sample = self._sample(task, epoch, index, position, call, latency,
                                       answer.cached if answer is not None else False, None, result)
                 sample.mutates = answer.mutates if answer is not None else None
+                if answer is not None and not answer.cached:
+                    sample.phases_ms = dict(answer.phases_ms)
                 sample.failed, sample.retries, sample.started = answer is None, retries, sent
                 sample.fault = "sandbox_death" if killed else ("timeout" if timed_out(result) and not sample.cached
                                                                else None)

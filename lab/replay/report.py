@@ -11,11 +11,15 @@ from typing import Any
 
 from lab.figures import percentile
 
-from .harness import EXACT_KEYS, Arm, CallSample, EpochRun, Replay, mean
+from .harness import EXACT_KEYS, VERIFY_STEP, Arm, CallSample, EpochRun, Replay, mean
 
 HIT_VS_ORACLE_POINTS = 0.5  # target: |hit rate - oracle hit rate| below this many points (no budget)
 MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at least this much
 MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to the tool's own time
+VERIFICATION_COST_PCT = 10.0  # target (terminal, tool-server mode): verification's cost on the median miss
+# A tool-server miss's phases as the service names them (Phases, sandboxes/services/materialize.py).
+PHASES = ("lookup", "wait", "materialize", "replay", "verify", "exec", "fingerprint", "record", "snapshot")
+VERIFICATION_PHASES = ("verify", "fingerprint")
 
 
 def _latency(values: list[float]) -> dict[str, float]:
@@ -44,6 +48,74 @@ def _miss_lookups(run: EpochRun, field: str = "lookup_ms") -> list[float]:
     service's own share of it (Server-Timing: the rest is the network and the client), or
     `background_wait_ms` its wait for the previous miss's record and snapshot."""
     return [getattr(s, field) for s in run.calls if s.cached is False and getattr(s, field) is not None]
+
+
+def tool_time_s(samples: list[CallSample]) -> float:
+    """Tool time: the calls' latencies as the rollouts saw them, summed, in seconds."""
+    return round(sum(s.latency_ms for s in samples) / 1000, 3)
+
+
+def _phase_fields(runs: list[EpochRun]) -> dict[str, Any]:
+    """Tool-server mode, over the misses the service answered (`CallSample.phases_ms`).
+
+    `miss_phases_ms`: per phase of PHASES (then any other the service reports), the P50, P95 and
+    mean in ms over all these misses, a miss that did not go through the phase counting 0 ms in
+    it; `total_s`, the phase's time summed over them; `misses`, those whose phases name it (the
+    service times some phases also when they have nothing to do: `fingerprint` of a call that
+    changed nothing, about 0 ms). `other` is each miss's latency as the rollout saw it less the
+    sum of its phases: the HTTP round trip, the rollout's claim and release, the history append,
+    the task row (its `misses`: all).
+
+    `verification`: what the state checks cost a miss. Per miss, its verification is `verify`
+    (the fingerprint of a materialized or caught-up sandbox, compared with its node's) plus
+    `fingerprint` (the fingerprint of the state the call left, recorded for later checks).
+    `median_miss_ms` is the median latency of the misses, `median_verification_ms` the median of
+    their verifications, `median_miss_unverified_ms` the median of (latency - verification) over
+    the same misses; `share_pct` = 100 x median verification / median miss, and `cost_pct` =
+    100 x (median miss / median unverified miss - 1): how much verification adds to the median
+    miss (issue 15's target: at most VERIFICATION_COST_PCT). Medians are nearest-rank, as P50."""
+    misses = [s for run in runs for s in run.calls if s.cached is False and s.phases_ms is not None]
+    if not misses:
+        return {}
+    names = [*PHASES, *sorted({p for s in misses for p in s.phases_ms} - set(PHASES))]
+    phases: dict[str, Any] = {}
+    for name in names:
+        values = [s.phases_ms.get(name, 0.0) for s in misses]
+        phases[name] = {**{f"p{q}": percentile(values, q, 3) for q in (50, 95)}, "mean": round(mean(values), 3),
+                        "total_s": round(sum(values) / 1000, 3),
+                        "misses": sum(1 for s in misses if name in s.phases_ms)}
+    other = [s.latency_ms - sum(s.phases_ms.values()) for s in misses]
+    phases["other"] = {**{f"p{q}": percentile(other, q, 3) for q in (50, 95)}, "mean": round(mean(other), 3),
+                       "total_s": round(sum(other) / 1000, 3), "misses": len(misses)}
+    verification = [sum(s.phases_ms.get(p, 0.0) for p in VERIFICATION_PHASES) for s in misses]
+    median_miss = percentile([s.latency_ms for s in misses], 50, 3)
+    median_unverified = percentile([s.latency_ms - v for s, v in zip(misses, verification)], 50, 3)
+    median_verification = percentile(verification, 50, 3)
+    return {"miss_phases_ms": phases, "verification": {
+        "misses": len(misses), "median_miss_ms": median_miss, "median_verification_ms": median_verification,
+        "median_miss_unverified_ms": median_unverified,
+        "share_pct": round(100 * median_verification / median_miss, 2) if median_miss else None,
+        "cost_pct": round(100 * (median_miss / median_unverified - 1), 2) if median_unverified else None}}
+
+
+def _step_fields(runs: list[EpochRun], step: str = VERIFY_STEP) -> dict[str, Any]:
+    """The calls the workload labelled `step` (Workload.steps; terminal: the runs of the task's
+    verifier): `verify_step`, all of them; `final_verify`, the last of each rollout, the final
+    verification that computes the reward. Each: calls, hits, and their tool time (tool_time_s).
+    Empty when the workload labels no call so."""
+    calls = [s for run in runs for s in run.calls if s.step == step]
+    if not calls:
+        return {}
+    last: dict[tuple, CallSample] = {}
+    for sample in calls:
+        rollout = (sample.epoch, sample.task, sample.rollout)
+        if rollout not in last or sample.position > last[rollout].position:
+            last[rollout] = sample
+
+    def figures(samples: list[CallSample]) -> dict[str, Any]:
+        return {"calls": len(samples), "hits": sum(1 for s in samples if s.cached), "tool_time_s": tool_time_s(samples)}
+
+    return {f"{step}_step": figures(calls), f"final_{step}": figures(list(last.values()))}
 
 
 def _miss_fields(runs: list[EpochRun]) -> dict[str, dict[str, float]]:
@@ -134,7 +206,7 @@ def epoch_metrics(run: EpochRun, oracle: IssuedOracle, faults: bool = False) -> 
         "latency_ms": _latency(latencies),
         "hit_latency_ms": _latency([s.latency_ms for s in run.calls if s.cached]),
         "miss_latency_ms": _latency([s.latency_ms for s in run.calls if s.cached is False]),
-        "tool_time_s": round(sum(latencies) / 1000, 3),
+        "tool_time_s": tool_time_s(run.calls),
         "rollout_s": {"mean": round(mean(rollout_s), 3), "max": round(max(rollout_s, default=0.0), 3)},
         "step_s": round(run.step_s, 3),
         "slowest_rollout_s": round(max(rollout_s, default=0.0), 3),
@@ -148,6 +220,8 @@ def epoch_metrics(run: EpochRun, oracle: IssuedOracle, faults: bool = False) -> 
         out["forbidden_hits"] = oracle.forbidden[run.epoch]
         out["faults"] = _fault_counts(run.calls)
     out.update(_miss_fields([run]))
+    out.update(_phase_fields([run]))
+    out.update(_step_fields([run]))
     if run.service:
         out["service"] = run.service
         out["oracle_hit_rate"] = run.service["oracle_hit_rate"]
@@ -166,7 +240,7 @@ def arm_summary(runs: list[EpochRun], oracle: IssuedOracle, faults: bool = False
         "hit_rate": sum(1 for s in calls if s.cached) / len(calls) if calls else 0.0,
         "latency_ms": _latency(latencies),
         "latency_quantiles_ms": _quantiles(latencies),
-        "tool_time_s": round(sum(latencies) / 1000, 3),
+        "tool_time_s": tool_time_s(calls),
         "step_s_total": round(sum(run.step_s for run in runs), 3),
         "issued_oracle_hit_rate": sum(oracle.hits.values()) / len(calls) if calls else 0.0,
         "exact": {key: sum(run.exact.get(key, 0) for run in runs) for key in EXACT_KEYS},
@@ -176,6 +250,8 @@ def arm_summary(runs: list[EpochRun], oracle: IssuedOracle, faults: bool = False
         out["forbidden_hits"] = sum(oracle.forbidden.values())
         out["faults"] = _fault_counts(calls)
     out.update(_miss_fields(runs))
+    out.update(_phase_fields(runs))
+    out.update(_step_fields(runs))
     if service:
         out["service_calls"] = service_calls
         out["service_hit_rate"] = sum(s.get("hits", 0) for s in service) / service_calls if service_calls else 0.0
@@ -242,6 +318,12 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "met": all(v < MISS_OVERHEAD_P95_MS for v in lookups.values()), "lookup_p95_ms": lookups,
             "service_share_p95_ms": p95("miss_lookup_server_ms"), "whole_overhead_p95_ms": p95("miss_overhead_ms"),
             "background_wait_p95_ms": p95("miss_background_wait_ms"), "target_ms": MISS_OVERHEAD_P95_MS}
+    costs = {name: a["verification"]["cost_pct"] for name, a in cached.items() if "verification" in a}
+    if costs:
+        entry = {"cost_pct": costs, "target_pct": VERIFICATION_COST_PCT}
+        if workload == "terminal":
+            entry["met"] = all(c is not None and c <= VERIFICATION_COST_PCT for c in costs.values())
+        out["verification_cost"] = entry
     return out
 
 
@@ -338,6 +420,31 @@ def headline(report: dict[str, Any]) -> str:
             lines.append(f"| {epoch['epoch']} | {name} | {hit} | {oracle} | {m['latency_ms']['p50']:.1f} | "
                          f"{m['latency_ms']['p95']:.1f} | {m['step_s']:.1f} | {m['slowest_rollout_s']:.1f} | "
                          f"{started} | {snaps} | {exact} |")
+    return "\n".join(lines)
+
+
+def breakdown(report: dict[str, Any]) -> str:
+    """A few lines over all epochs: where a tool-server miss's time goes and what verification
+    costs it, per server arm; the verify step's and the final verification's calls, hits and tool
+    time, per arm (workloads that label them)."""
+    lines = []
+    for name, a in report["summary"].items():
+        if "miss_phases_ms" in a:
+            phases = a["miss_phases_ms"]
+            went = ", ".join(f"{p} {f['mean']:.1f} ({f['total_s']:.1f})" for p, f in phases.items()
+                             if f["misses"] and f["total_s"])
+            v = a["verification"]
+            lines.append(f"{name}: {v['misses']} misses, phase mean ms (total s): {went}")
+            cost = "-" if v["cost_pct"] is None else f"+{v['cost_pct']:.1f} %"
+            lines.append(f"{name}: verification (verify + fingerprint) {cost} on the median miss "
+                         f"({v['median_miss_ms']:.1f} ms against {v['median_miss_unverified_ms']:.1f} ms without; "
+                         f"its median {v['median_verification_ms']:.1f} ms)")
+    steps = {name: a for name, a in report["summary"].items() if f"{VERIFY_STEP}_step" in a}
+    for field, label in ((f"{VERIFY_STEP}_step", "verify step"), (f"final_{VERIFY_STEP}", "final verify")):
+        if steps:
+            lines.append(f"{label} (calls, hits, tool time): " + " | ".join(
+                f"{name} {a[field]['calls']}, {a[field]['hits']}, {a[field]['tool_time_s']:.1f} s"
+                for name, a in steps.items()))
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ from tvclient import ToolExecutionEnvironment
 from sandboxes.backends import backend_for
 from sandboxes.services.runtime import sandbox_config
 
-from .harness import Call, ReplayTask, Workload
+from .harness import VERIFY_STEP, Call, ReplayTask, Workload
 
 IMAGE = "tvcache/debian:bookworm"
 LABELS = {"tvcache.replay": "terminal"}
@@ -316,22 +316,32 @@ class TerminalWorkload(Workload):
         return {"tool": "bash", "args": {"command": command, "timeout_s": timeout_s}}
 
     def rollouts(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
+        return [[bash(command) for command, _ in rollout] for rollout in self._rollouts(task, epoch)]
+
+    def steps(self, task: ReplayTask, epoch: int) -> list[list[str | None]]:
+        """VERIFY_STEP for the commands of the task's `verify` after each fix (the last run of
+        them in a rollout is the final verification, which computes the reward)."""
+        return [[step for _, step in rollout] for rollout in self._rollouts(task, epoch)]
+
+    def _rollouts(self, task: ReplayTask, epoch: int) -> list[list[tuple[str, str | None]]]:
         spec = next(s for s in self.specs if s.name == task.name)
         return [self._rollout(spec, random.Random(f"{self.seed}-{spec.name}-{epoch}-{index}"))
                 for index in range(self.n_rollouts)]
 
-    def _rollout(self, spec: TerminalTask, rng: random.Random) -> list[Call]:
+    def _rollout(self, spec: TerminalTask, rng: random.Random) -> list[tuple[str, str | None]]:
+        """(command, step label) pairs."""
         commands = list(spec.setup)
         for step, variant in spec.alternatives.items():
             if rng.random() < self.P_ALTERNATIVE:
                 commands[step] = variant
+        labelled: list[tuple[str, str | None]] = [(c, None) for c in commands]
         for _ in range(self.MAX_ATTEMPTS):
             if rng.random() < self.P_INSPECT:
-                commands.extend(rng.sample(spec.inspections, rng.randint(1, 2)))
+                labelled.extend((c, None) for c in rng.sample(spec.inspections, rng.randint(1, 2)))
             fix = rng.choice(spec.fixes)
-            commands.append(fix.command)
-            commands.extend(spec.verify)
+            labelled.append((fix.command, None))
+            labelled.extend((c, VERIFY_STEP) for c in spec.verify)
             if fix.good and rng.random() < 0.8:
                 break
-        commands.extend(spec.finish[: rng.randint(0, len(spec.finish))])
-        return [bash(c) for c in commands]
+        labelled.extend((c, None) for c in spec.finish[: rng.randint(0, len(spec.finish))])
+        return labelled

@@ -13,6 +13,7 @@ from django.core.management import call_command
 
 from cache.api.auth import token_create
 from cache.models import Task
+from lab.replay.report import PHASES
 from lab.server import service_running
 from sandboxes.services import tasks_release
 
@@ -75,6 +76,12 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
         # and the part of its overhead spent waiting for the previous miss's record and snapshot
         waits, overheads = report["summary"]["client"]["miss_background_wait_ms"], report["summary"]["client"]["miss_overhead_ms"]
         assert waits["n"] == overheads["n"] and 0 <= waits["mean"] <= overheads["mean"]
+    for name in cached_arms:
+        summary = report["summary"][name]
+        if name.startswith("server"):  # where each miss's time went, as the service answered it
+            check_miss_phases(summary)
+        else:  # client mode: the service runs none of the calls
+            assert "miss_phases_ms" not in summary and "verification" not in summary
     if plots:
         assert len(report["plots"]) == 4
         for path in report["plots"]:
@@ -82,9 +89,23 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
                 assert png.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def check_miss_phases(summary: dict) -> None:
+    phases, verification = summary["miss_phases_ms"], summary["verification"]
+    misses = summary["calls"] - summary["hits"]  # no faults: the service answered every call
+    assert list(phases) == [*PHASES, "other"] and verification["misses"] == misses > 0
+    # Every miss is looked up and executed, and its new state fingerprinted or not.
+    assert phases["lookup"]["misses"] == phases["exec"]["misses"] == phases["other"]["misses"] == misses
+    assert all(0 <= f["p50"] <= f["p95"] and f["total_s"] >= 0 and f["misses"] <= misses for f in phases.values())
+    assert phases["exec"]["p50"] > 0 and phases["exec"]["total_s"] > 0
+    assert 0 < verification["median_miss_unverified_ms"] <= verification["median_miss_ms"]
+    assert verification["cost_pct"] >= 0 and 0 <= verification["share_pct"] < 100
+
+
 def test_replay_sql(service, tmp_path, django_db_blocker):
     report = replay("replay_sql", service, tmp_path, django_db_blocker, tasks=1, latency_ms=5, rows=300)
     check(report, "sql", ["client", "server"], plots=True)
+    # The sql workload names no steps.
+    assert not any("verify_step" in a or "final_verify" in a for a in report["summary"].values())
 
 
 def test_replay_bfcl(service, tmp_path, django_db_blocker):
@@ -99,6 +120,17 @@ def test_replay_terminal(service, tmp_path, django_db_blocker):
                     no_plots=True)
     check(report, "terminal", ["server", "client"])
     assert report["epochs"][0]["arms"]["server"]["sandboxes"]["starts"] > 0
+    # Docker misses that change the state fingerprint it.
+    assert report["summary"]["server"]["miss_phases_ms"]["fingerprint"]["misses"] > 0
+    assert "verification_cost" in report["targets"]
+    # The runs of the task's verifier, the same calls in every arm: every rollout ends its repair
+    # loop with one, the final verification (2 rollouts x 2 epochs).
+    steps = {name: (a["verify_step"], a["final_verify"]) for name, a in report["summary"].items()}
+    assert {(step["calls"], final["calls"]) for step, final in steps.values()} == {(steps["nocache"][0]["calls"], 4)}
+    assert steps["nocache"][0]["hits"] == steps["nocache"][1]["hits"] == 0
+    for step, final in steps.values():
+        assert step["calls"] >= final["calls"] and step["hits"] >= final["hits"]
+        assert step["tool_time_s"] >= final["tool_time_s"] > 0
 
 
 # The fault arm (--faults): the command starts its own service, so that it can restart it.

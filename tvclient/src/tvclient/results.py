@@ -122,6 +122,9 @@ class CallResult:
     node_id: int
     latency_ms: float
     mutates: bool = True  # the call changed the rollout's state (False: read-only, declared or observed)
+    # Where the service spent the call's time, by phase (lookup, wait, materialize, replay,
+    # verify, exec, fingerprint, record, snapshot); a phase the call did not go through is absent.
+    phases_ms: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CallResult:
@@ -131,4 +134,5 @@ class CallResult:
             node_id=data["node_id"],
             latency_ms=data["latency_ms"],
             mutates=bool(data.get("mutates", True)),
+            phases_ms=dict(data.get("phases_ms") or {}),
         )
