@@ -18,8 +18,9 @@ from django.test import Client
 from cache.services import ledger
 from tvcache_site.asgi import application
 
+# A prefix of the run's own: another tvcache on the same Redis (a replay, a demo) sends its events too.
 REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                           "CONFIG": {"hosts": ["redis://127.0.0.1:6379/0"]}}}
+                           "CONFIG": {"hosts": ["redis://127.0.0.1:6379/0"], "prefix": f"test-{uuid.uuid4().hex}"}}}
 
 
 @pytest.fixture
