@@ -47,13 +47,12 @@ STATS_SETTLE_S = 0.6  # over twice the service's default counter flush interval 
 # Under faults: how long a rollout keeps sending a request the service did not answer (a restart).
 RETRY_WINDOW_S = 120.0
 ENV_FAULTS = ("error_after", "timeout_after")
-# A mismatch is checked against more fresh executions: the no-cache arm's of the other rollouts
-# whose history reached the same state (by the arm's keys: they differ in read-only calls, which
-# take time), then up to this many new ones of those histories and the rollout's own, think times
-# drawn anew. An answer one of them gives is a live outcome of the state's history: the call is
-# nondeterministic (timing: whether a same-size rewrite lands in the second a bytecode cache
-# recorded depends on how long the calls between took), counted apart from the mismatches, which
-# no fresh execution reproduced.
+# A mismatch is checked against up to this many more fresh executions of the rollout's own
+# history, paced differently (a rollout's pacing is not part of its history: back to back, at the
+# replay's thinking time, and with up to 1.5 s between calls, in turn). An answer one of them gives
+# is a live outcome of the history: the call is nondeterministic (timing: whether a same-size
+# rewrite lands in the second a bytecode cache recorded depends on how long the calls between
+# took), counted apart from the mismatches, which no fresh execution reproduced.
 REPRODUCE_TRIES = 8
 VERIFY_STEP = "verify"  # the step label of a call that runs the task's verifier (Workload.steps)
 EXACT_KEYS = ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches", "not_compared",
@@ -734,7 +733,8 @@ class Replay:
                 for prefix in prefixes:
                     tally[f"{prefix}{kind}_checked"] += 1
                 if reference.result_digest != sample.result_digest:
-                    tries = self._reproduced(sample, run, plans, fresh)
+                    calls = plans[(sample.task, epoch)][sample.rollout][: sample.position + 1]
+                    tries = self._reproduced(sample, calls)
                     if tries is not None:
                         tally[f"{kind}_nondeterministic"] += 1
                         self._keep_example(run, sample, reference, reproduced_after=tries)
@@ -749,30 +749,19 @@ class Replay:
             for sample in run.calls:
                 sample.result = None
 
-    def _reproduced(self, sample: CallSample, run: EpochRun, plans, fresh: dict) -> int | None:
-        """How many new fresh executions it took until one answered as `sample` did: 0 when the
-        no-cache arm's execution of another history reaching the same state (REPRODUCE_TRIES)
-        already did; None if none did."""
-        same_state = [(s.epoch, s.rollout, s.position) for r in (*self.runs, run) if r.arm == run.arm
-                      for s in r.calls if s.task == sample.task and s.key == sample.key and s.key is not None]
-        fresh_runs = [r for r in self.runs if Arm.parse(r.arm).mode == "nocache"]
-        seen = {(s.task, s.epoch, s.rollout, s.position): s.result_digest for r in fresh_runs for s in r.calls}
-        seen.update({(s.task, s.epoch, s.rollout, s.position): s.result_digest for s in fresh.values()})
-        if any(seen.get((sample.task, *where)) == sample.result_digest for where in same_state):
-            return 0
-        histories = {json.dumps(plans[(sample.task, e)][r][: p + 1], sort_keys=True): plans[(sample.task, e)][r][: p + 1]
-                     for e, r, p in [(sample.epoch, sample.rollout, sample.position), *same_state]}
-        histories = list(histories.values())
+    def _reproduced(self, sample: CallSample, calls: list[Call]) -> int | None:
+        """After how many fresh executions of `calls` (the rollout's history and the call) one
+        answered as `sample` did; None if none of REPRODUCE_TRIES did."""
         task = next(t for t in self.tasks if t.name == sample.task)
         rng = random.Random(f"{self.config.seed}-reproduce-{sample.task}-{sample.rollout}-{sample.position}")
-        mean_s = self.config.think_ms / 1000
+        paces = (lambda: 0.0, lambda: self.config.think_ms / 1000 * rng.uniform(0.5, 1.5), lambda: rng.uniform(0, 1.5))
         for attempt in range(1, REPRODUCE_TRIES + 1):
-            calls = histories[(attempt - 1) % len(histories)]
+            pace = paces[(attempt - 1) % len(paces)]
             env = task.make_env()
             env.start()
             try:
                 for call in calls:
-                    time.sleep(mean_s * rng.uniform(0.5, 1.5))
+                    time.sleep(pace())
                     result = env.execute(call)
             finally:
                 env.stop()
