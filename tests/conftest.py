@@ -74,6 +74,24 @@ def _token_verified_once_in_counted_tests(request, monkeypatch):
         auth._verified.clear()
 
 
+@pytest.fixture(autouse=True)
+def _hit_cache_off_in_counted_tests(request, monkeypatch):
+    """Statement counts are the database path's: a process's cache of hits (hitcache.py) would
+    answer a repeated hit with none, or with one when its lease lapsed meanwhile (50 ms). The
+    cached path is counted in tests/cache/test_hit_cache.py."""
+    if "django_assert_num_queries" in request.fixturenames:
+        from django.conf import settings
+
+        from cache.services.hitcache import hit_cache_reset
+
+        monkeypatch.setitem(settings.TVCACHE, "HIT_CACHE_ENTRIES", 0)
+        hit_cache_reset()
+        yield
+        hit_cache_reset()
+    else:
+        yield
+
+
 @pytest.fixture
 def token(db) -> str:
     return token_create(name="trainer")

@@ -246,6 +246,14 @@ TVCACHE = {
     # trainer or the leading process died) lapses after this long and the next rollout executes.
     # A call that runs longer may be executed alongside it (twice, never wrongly).
     "CLAIM_TTL_S": env.float("TVCACHE_CLAIM_TTL_S", default=60.0),
+    # Each process keeps the hits it served (cache/services/hitcache.py), at most this many (0: off)
+    # and this many MB of results, and serves one again without a statement while a read of the
+    # task's version sent less than the window ago says it has not moved. A change that moves a
+    # task's version (env, tools, flush, a divergent node, an evicted subtree) waits the window
+    # after its commit before it answers. Every process of a deployment must have the same values.
+    "HIT_CACHE_ENTRIES": env.int("TVCACHE_HIT_CACHE_ENTRIES", default=16_384),
+    "HIT_CACHE_MB": env.int("TVCACHE_HIT_CACHE_MB", default=64),
+    "HIT_CACHE_WINDOW_MS": env.float("TVCACHE_HIT_CACHE_WINDOW_MS", default=50.0),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),
     # Ready pre-forks kept per task (idle containers cost memory), and how long a ready sandbox

@@ -25,7 +25,7 @@ from cache.projects import key_project, role_check, task_public_id, unknown_node
 
 from . import ledger
 from .snapshots import snapshot_evict, task_enforce_budget
-from .tasks import task_flush
+from .tasks import task_flush, task_version_move
 
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
     """Run the action `run` in one transaction with its audit entry (its details are what `run`
@@ -90,9 +90,15 @@ def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
 
 
 def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
-    """Evict the live snapshots of a node and its descendants and delete those nodes."""
+    """Evict the live snapshots of a node and its descendants and delete those nodes. The task's
+    version moves: no process serves those nodes from its cache of hits once this has answered (a
+    deleted node's result would still be right for its history, but its id would be gone)."""
 
     def run() -> dict:
+        # The task's row first, as the audit's divergences lock it (no key update: records go on).
+        task = Task.objects.select_for_update(no_key=True).filter(pk=task_id).first()
+        if task is None:
+            raise unknown_task(task_id)
         node = _node_for_update(task_id, node_id)
         ids = selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
         live = list(Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE)
@@ -105,6 +111,8 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         # Deleting the nodes cascades to their snapshots (live and evicted) and released leases; the
         # live ones are announced here since they do not go through snapshot_evict.
         Node.objects.filter(pk__in=ids).delete()
+        task_version_move(task)
+        task.save(update_fields=["version", "updated_at"])
         ledger.nodes_removed(task_id, ids)
         for snapshot in evicted:
             ledger.snapshot_event(task_id, "evicted", node_id=snapshot["node_id"], ref=snapshot["ref"],

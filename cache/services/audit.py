@@ -23,6 +23,7 @@ from cache.tcg import canonical_json
 
 from . import ledger
 from .admin import system_entry
+from .tasks import task_version_move
 
 
 def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str, expected: Any, observed: Any,
@@ -42,37 +43,43 @@ def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str
         divergence = Divergence.objects.create(task=task, node_id=node_id, tool=tool, kind=kind, expected=expected,
                                                observed=observed, rollout_id=rollout_id[:200])
         if kind == Divergence.Kind.AUDIT and node_id is not None:
-            _mark(task, node_id)
-            _limit_tool(task, tool)
+            marked = _mark(task, node_id)
+            limited = _limit_tool(task, tool)
+            if marked or limited:
+                task_version_move(task)
+                task.save(update_fields=["version", "uncacheable_tools", "updated_at"])
+            if limited:
+                system_entry(action=AuditEntry.Action.TOOL_UNCACHEABLE, task_id=task.pk,
+                             target=f"task {task.pk} / tool {tool}", details=limited)
+                ledger.task_changed(task.pk, "uncacheable")
     return divergence
 
 
-def _mark(task: Task, node_id: int) -> None:
-    """The node is no longer served. Below a state-changing one nothing is (lookup.py): the task's
-    version moves so that every process's handle learns that lookups must check for it."""
+def _mark(task: Task, node_id: int) -> bool:
+    """The node is no longer served, and below a state-changing one nothing is (lookup.py): the
+    task's version moves (the caller moves it) so that every process's handle learns that lookups
+    must check for it, and no process serves the node from its cache of hits. False: divergent
+    already."""
     mutates = Node.objects.filter(pk=node_id, divergent=False).values_list("mutates", flat=True).first()
-    if mutates is None:  # divergent already
-        return
+    if mutates is None:
+        return False
     Node.objects.filter(pk=node_id).update(divergent=True)
-    if mutates:
-        task.version += 1
-        task.save(update_fields=["version", "updated_at"])
     ledger.node_changed(task.pk, node_id, divergent=True)
+    return True
 
 
-def _limit_tool(task: Task, tool: str) -> None:
+def _limit_tool(task: Task, tool: str) -> dict | None:
+    """Past the limit of divergent nodes, the tool becomes uncacheable for the task (every process
+    re-reads the task's policy before its next lookup: the caller moves the version). What the
+    audit log says of it, or None."""
     limit = settings.TVCACHE["AUDIT_MAX_DIVERGENT"]
     if tool in task.uncacheable_tools:
-        return
+        return None
     divergent = Node.objects.filter(task_id=task.pk, tool=tool, divergent=True).count()
     if divergent <= limit:
-        return
+        return None
     task.uncacheable_tools = [*task.uncacheable_tools, tool]
-    task.version += 1  # every process re-reads the task's policy before its next lookup
-    task.save(update_fields=["uncacheable_tools", "version", "updated_at"])
-    system_entry(action=AuditEntry.Action.TOOL_UNCACHEABLE, task_id=task.pk, target=f"task {task.pk} / tool {tool}",
-                 details={"tool": tool, "divergent_nodes": divergent, "limit": limit})
-    ledger.task_changed(task.pk, "uncacheable")
+    return {"tool": tool, "divergent_nodes": divergent, "limit": limit}
 
 
 def node_audit(*, task_id: str, node_id: int, result: Any, rollout_id: str = "") -> bool:

@@ -1,11 +1,13 @@
 """Lookup: one statement, whatever the history length: the indexed read of the node for a hit,
 and on a miss, in the same round trip, the longest-prefix match over the history's state keys.
-Counters are batched (ledger.py).
+A hit this process served lately, under the task's current version, is served again with none
+(hitcache.py). Counters are batched (ledger.py).
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,6 +21,7 @@ from cache.projects import unknown_task
 from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
 
 from . import ledger
+from .hitcache import CachedHit, TaskStamp, hit_cache
 from .prepared import prepared_cursor
 from .tasks import TaskHandle, task_handle
 
@@ -76,7 +79,7 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
 _READ_SQL = """
 WITH claimed AS (""" + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s") + """
 )
-SELECT t.version, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
+SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
        CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN (
            SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
@@ -93,6 +96,9 @@ READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(tainted="x.tainted", below="""CROSS 
     SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
         SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
                                    AND d.state_key = ANY(string_to_array(%(keys)s, ','))) END AS tainted) x""")
+
+# The task's stamp alone, to renew this process's lease on it when a cached hit waits (hitcache.py).
+STAMP_SQL = "SELECT version, created_at FROM cache_task WHERE id = %s"
 
 # A lease is only granted on a snapshot that is still live (FOR SHARE orders it against eviction).
 # Its commit does not wait for the WAL to reach the disk (synchronous_commit off for this one
@@ -144,30 +150,38 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
     history) a miss offers no snapshot to fork, and so leases none: one statement, not two."""
     # The task handle comes from this process's cache; the statement checks its version, and a
     # stale handle (the task changed) is re-read and the statement run again with the new keys.
+    # A hit this process served lately under the task's current version needs no statement at all.
     task = task_handle(task_id=task_id, cached=True)
-    chain, row = _exact_read(task, context, claim)
-    if row is not None and row[0] != task.version:
+    chain = _chain(task, context)
+    last = chain.steps[-1]
+    cached = _hit_cached(task, last.anchor, last.digest)
+    if cached is not None:
+        return _hit(task, context, cached, count)
+    row = _exact_read(task, chain, context, claim)
+    if row is not None and (row[0], row[1]) != task.stamp:
         task = task_handle(task_id=task_id)
-        chain, row = _exact_read(task, context, claim)
+        chain = _chain(task, context)
+        last = chain.steps[-1]
+        row = _exact_read(task, chain, context, claim)
     if row is None:
         raise unknown_task(task_id)
-    _, node_id, result_json, exec_ms, mutates, divergent, writes, granted = row
+    version, created_at, node_id, result_json, exec_ms, mutates, divergent, writes, granted = row
     cacheable = task.policy.for_tool(context.call.tool).cacheable
     hit = node_id is not None and cacheable and not divergent
-    last = chain.steps[-1]
     claimed = None
     if claim and node_id is None and cacheable:
         claimed = GRANTED if granted else IN_FLIGHT
         if claimed == IN_FLIGHT:
             return LookupMiss(match=Match(0, None, None, ()), lease_id=None, full_replay=(), anchor_key=last.anchor,
                               call_digest=last.digest, seen=False, claim=IN_FLIGHT)
-    if count:
-        lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=hit, seen=node_id is not None,
-                     saved_ms=exec_ms or 0.0)
     if hit:
-        # Sampled here, in process: the audit costs the hit path no statement.
-        audit = task.audit_rate > 0.0 and random.random() < task.audit_rate
-        return LookupHit(node_id=node_id, result_json=result_json, exec_ms=exec_ms, mutates=mutates, audit=audit)
+        answer = CachedHit(node_id, result_json, exec_ms, mutates)
+        if (version, created_at) == task.stamp:
+            _hit_keep(task, last.anchor, last.digest, answer)
+        return _hit(task, context, answer, count)
+    if count:
+        lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=False, seen=node_id is not None,
+                     saved_ms=exec_ms or 0.0)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, _node_refs(writes or ()))
     full_replay = tuple(step.call for step in history.writes)
@@ -201,18 +215,74 @@ def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit
     metrics.lookup_counted(tool=call.tool, hit=hit)
 
 
-def _exact_read(task: TaskHandle, context: CallContext, claim: bool) -> tuple[StateChain, tuple | None]:
+def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool) -> LookupHit:
+    """A hit's answer, counted (unless the caller counts it) and sampled for the audit, whether
+    the database or this process's cache served it."""
+    if count:
+        lookup_count(task_id=task.task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
+                     saved_ms=answer.exec_ms)
+    # Sampled here, in process: the audit costs the hit path no statement.
+    audit = task.audit_rate > 0.0 and random.random() < task.audit_rate
+    return LookupHit(node_id=answer.node_id, result_json=answer.result_json, exec_ms=answer.exec_ms,
+                     mutates=answer.mutates, audit=audit)
+
+
+def _hit_cached(task: TaskHandle, anchor: str, digest: str) -> CachedHit | None:
+    """The hit this process keeps under (task, anchor, digest), if it holds a lease on the task's
+    current stamp and the entry and the handle (whose keys found it) carry that stamp. A lapsed
+    lease is renewed by reading the task's stamp, only when an entry waits (hitcache.py)."""
+    cache = hit_cache()
+    if not cache.enabled:
+        return None
+    key = (task.task_id, anchor, digest)
+    stamp = cache.leased(task.task_id)
+    if stamp is None:
+        if not cache.waiting(key):
+            return None
+        stamp = _stamp_read(task.task_id)
+    if stamp is None or stamp != task.stamp:
+        return None  # the handle is outdated (or the task gone): the statement says what to do
+    return cache.get(key, stamp)
+
+
+def _hit_keep(task: TaskHandle, anchor: str, digest: str, answer: CachedHit) -> None:
+    cache = hit_cache()
+    if cache.enabled:
+        cache.put((task.task_id, anchor, digest), task.stamp, answer)
+
+
+def _stamp_read(task_id: str) -> TaskStamp | None:
+    sent_at = time.monotonic()  # before the statement is sent: its snapshot is taken after
+    with prepared_cursor() as cursor:
+        cursor.execute(STAMP_SQL, [task_id])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    hit_cache().lease_renew(task_id, (row[0], row[1]), sent_at)
+    return row[0], row[1]
+
+
+def _chain(task: TaskHandle, context: CallContext) -> StateChain:
     task.check_fingerprint(context.env_fingerprint)
-    chain = task_chain(task, context)
+    return task_chain(task, context)
+
+
+def _exact_read(task: TaskHandle, chain: StateChain, context: CallContext, claim: bool) -> tuple | None:
+    """The lookup statement's row; it renews this process's lease on the task's stamp."""
     last = chain.steps[-1]
     params = {"task": task.task_id, "version": task.version, "anchor": last.anchor, "digest": last.digest,
               "cacheable": task.policy.for_tool(context.call.tool).cacheable,
               "claim": claim, "holder": context.rollout_id or "", "ttl": settings.TVCACHE["CLAIM_TTL_S"],
               # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
               "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)}
+    sent_at = time.monotonic()
     with prepared_cursor() as cursor:
         cursor.execute(READ_SQL_BELOW_DIVERGENT if task.divergent_writes else READ_SQL, params)
-        return chain, cursor.fetchone()
+        row = cursor.fetchone()
+    cache = hit_cache()
+    if row is not None and cache.enabled:
+        cache.lease_renew(task.task_id, (row[0], row[1]), sent_at)
+    return row
 
 
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:

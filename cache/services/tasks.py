@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -15,6 +17,7 @@ from cache.projects import key_project, role_check, task_public_id, unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 
 from . import ledger
+from .hitcache import TaskStamp, hit_cache, version_move_wait_s
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
 
@@ -31,6 +34,13 @@ class TaskHandle:
     sandbox_budget: int
     audit_rate: float = 0.0  # the fraction of hits sampled for the determinism audit
     divergent_writes: bool = False  # some state-changing node is divergent: lookups check their history
+    created_at: datetime | None = None
+
+    @property
+    def stamp(self) -> TaskStamp:
+        """What the handle is valid under: the version, and the creation time (a task created again
+        under the same key starts at version 1 again)."""
+        return self.version, self.created_at
 
     def check_fingerprint(self, expected: str | None) -> None:
         if expected is not None and expected != self.fingerprint:
@@ -54,20 +64,40 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         cursor.execute(
             "SELECT version, env_fingerprint, tools::text, env->>'backend', sandbox_budget, audit_rate,"
             " uncacheable_tools::text, EXISTS (SELECT FROM cache_node n WHERE n.task_id = t.id AND n.mutates"
-            " AND n.divergent) FROM cache_task t WHERE id = %s",
+            " AND n.divergent), created_at FROM cache_task t WHERE id = %s",
             [task_id],
         )
         row = cursor.fetchone()
     if row is None:
         _handles.pop(task_id, None)
         raise unknown_task(task_id)
-    version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes = row
+    version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes, created_at = row
     handle = TaskHandle(task_id, version, fingerprint, _policy(tools, uncacheable), backend or "external", budget,
-                        audit_rate, divergent_writes)
+                        audit_rate, divergent_writes, created_at)
     if len(_handles) >= MAX_CACHED_HANDLES:
         _handles.clear()
     _handles[task_id] = handle
     return handle
+
+
+def task_version_move(task: Task) -> None:
+    """Move the task's version, in the caller's transaction (the caller saves the row): every
+    process re-reads its handle before its next lookup, and stops serving its cached hits of the
+    task (hitcache.py). Every change that can make a hit unservable goes through here. Once the
+    transaction commits, this waits the hit cache's window before the caller goes on, so that
+    whoever gets the change's answer is never served a hit it made unservable, by any process."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("a task's version moves inside the transaction that saves it")
+    task.version += 1
+    hit_cache().lease_drop(task.pk)  # this process's next lookup reads the task again
+    transaction.on_commit(functools.partial(_version_moved, task.pk))
+
+
+def _version_moved(task_id: str) -> None:
+    hit_cache().lease_drop(task_id)  # (a lookup of this process may have read the old version meanwhile)
+    wait_s = version_move_wait_s()
+    if wait_s:
+        time.sleep(wait_s)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -148,7 +178,7 @@ def task_put(*, task_id: str, env: dict, tools: dict | None = None, sandbox_budg
     old = {"env_fingerprint": task.env_fingerprint, "tools": task.tools, "sandbox_budget": task.sandbox_budget}
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
     task.audit_rate = audit_rate
-    task.version += 1  # every process re-reads its handle (keys, policy, audit rate)
+    task_version_move(task)  # every process re-reads its handle (keys, policy, audit rate)
     task.save()
     if changed and actor is not None:
         from .admin import audit_entry
@@ -177,7 +207,7 @@ def task_flush(*, task_id: str) -> int:
         raise unknown_task(task_id)
     count = task.nodes.count()
     _drop_nodes(task)
-    task.version += 1  # lookups holding the old handle re-read the task
+    task_version_move(task)  # lookups holding the old handle re-read the task
     task.save(update_fields=["version", "uncacheable_tools", "updated_at"])
     task.rollouts.all().delete()
     task.tool_stats.all().delete()

@@ -20,24 +20,28 @@ from .helpers import call, record, wait_for, waiting_on_locks
 pytestmark = pytest.mark.django_db(transaction=True)
 
 W = call("write", path="f", content="1")
+W2 = call("write", path="g", content="2")
 
 
 def test_a_full_lane_answers_503_overloaded_at_once_and_the_queued_requests_are_served(
         api, toy_task, token, monkeypatch):
     record(api, "toy", [], W, {"ok": True})
+    record(api, "toy", [], W2, {"ok": 2})
     monkeypatch.setenv("TVCACHE_HOT_PATH_THREADS", "1")
     monkeypatch.setenv("TVCACHE_LANE_QUEUE", "2")
     db = settings.DATABASES["default"]
     with service_running(db=db, workers=1) as service, \
             httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
 
-        def lookup() -> httpx.Response:
-            return client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W})
+        def lookup(c: dict = W) -> httpx.Response:
+            return client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": c})
 
         assert lookup().json()["hit"] is True  # the token is verified, the task handle cached
         with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(3) as pool:
             blocker.execute("LOCK TABLE cache_node IN ACCESS EXCLUSIVE MODE")
-            stalled = [pool.submit(lookup)]  # the lane's thread waits for the lock ...
+            # The lane's thread waits for the lock (a hit this process has not served yet: the one
+            # above may be served again from its cache, without the database) ...
+            stalled = [pool.submit(lookup, W2)]
             wait_for(lambda: waiting_on_locks(db["NAME"]) == 1, what="a lookup waiting for the lock")
             stalled += [pool.submit(lookup), pool.submit(lookup)]  # ... and two wait for the thread
             time.sleep(0.5)  # (they are in the lane's queue by then: nothing else to wait for)
