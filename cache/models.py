@@ -119,8 +119,10 @@ class Node(models.Model):
     # calls): a sandbox materialized for this node must match it before a call runs in it.
     state_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.full
     state_shape = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.shape (replays)
+    state_order = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.order (replays with times)
     # The modification times (ns, by path) of what the call changed when it first ran: a replay
     # of the call writes them back, so file times (make, bytecode caches) are as the live run's.
+    # NULL: not kept (too many, or not observed); a replay restores times only up to such a call.
     file_times = models.JSONField(null=True, blank=True)
     hit_count = models.PositiveIntegerField(default=0)
     last_hit_at = models.DateTimeField(null=True, blank=True)

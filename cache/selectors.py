@@ -166,15 +166,17 @@ def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None
         return [row[0] for row in cursor.fetchall()]
 
 
-def replay_file_times(*, task_id: str, context: CallContext, calls: Sequence[ToolCall]) -> list[Mapping[str, int]]:
+def replay_file_times(*, task_id: str, context: CallContext,
+                      calls: Sequence[ToolCall]) -> list[Mapping[str, int] | None]:
     """For a replay of `calls`, the last state-changing calls of the context's history: the file
-    times each left when it first ran (Node.file_times), in order; {} where none were kept."""
+    times each left when it first ran (Node.file_times), in order; None where they were not kept
+    (or the call was recorded as read-only: a replay of it that writes is not the live run)."""
     if not calls:
         return []
     writes = [step for step in task_chain(task_handle(task_id=task_id), context).steps[:-1] if step.mutates]
     tail = writes[len(writes) - len(calls):] if len(calls) <= len(writes) else []
     if len(tail) != len(calls) or any(step.digest != call_digest(call) for step, call in zip(tail, calls)):
-        return [{} for _ in calls]  # not the history's last writes: nothing to restore
+        return [None for _ in calls]  # not the history's last writes: nothing known to restore
     times = dict(Node.objects.filter(task_id=task_id, mutates=True, state_key__in=[s.state_key for s in tail])
-                 .exclude(file_times=None).values_list("state_key", "file_times"))
-    return [times.get(step.state_key) or {} for step in tail]
+                 .values_list("state_key", "file_times"))
+    return [times.get(step.state_key) for step in tail]

@@ -125,7 +125,7 @@ def _target(task_id: str | None, node_id: int | None) -> dict:
         raise Http404(f"Unknown task '{task_id}'.")
     out = {"task": task}
     if node_id is not None:
-        node = Node.objects.filter(task_id=task_id, pk=node_id).first()
+        node = Node.objects.defer("file_times").filter(task_id=task_id, pk=node_id).first()
         if node is None:
             raise Http404(f"Task '{task_id}' has no node {node_id}.")
         out["node"] = node

@@ -247,7 +247,7 @@ def result_parts(result_json: str) -> list[dict[str, Any]]:
 
 
 def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
-    node = Node.objects.filter(task_id=task_id, pk=node_id).select_related("task").first()
+    node = Node.objects.defer("file_times").filter(task_id=task_id, pk=node_id).select_related("task").first()
     if node is None:
         raise unknown_node(task_id, node_id)
     path_ids = node_path(task_id=task_id, node_id=node_id)

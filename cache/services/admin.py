@@ -71,7 +71,7 @@ def system_entry(*, action: str, task_id: str, target: str, details: dict) -> Au
 
 
 def _node_for_update(task_id: str, node_id: int) -> Node:
-    node = Node.objects.select_for_update().filter(task_id=task_id, pk=node_id).first()
+    node = Node.objects.select_for_update().defer("file_times").filter(task_id=task_id, pk=node_id).first()
     if node is None:
         raise unknown_node(task_id, node_id)
     return node

@@ -33,11 +33,11 @@ WITH parent AS (
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
-                            first_epoch, pinned, created_at, state_fingerprint, state_shape, file_times)
+                            first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times)
     VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
             %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
             coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
-            %(fingerprint)s, %(shape)s, %(file_times)s::jsonb)
+            %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb)
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms
 ), stat AS (
@@ -74,9 +74,9 @@ class RecordOutcome:
     evicted: list[str]
 
 
-def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = ("", ""),
+def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str] = ("", "", ""),
                 file_times: Mapping[str, int] | None = None) -> RecordOutcome:
-    """`state`: the sandbox's state fingerprint after the call, (full, shape), where the service
+    """`state`: the sandbox's state fingerprint after the call, (full, shape, order), where the service
     ran it: what a sandbox materialized for this node is checked against. `file_times`: the
     modification times of what the call changed there, written back after each replay of it."""
     task = task_handle(task_id=task_id)
@@ -107,7 +107,8 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str] = (
         "epoch": context.epoch,
         "fingerprint": state[0],
         "shape": state[1],
-        "file_times": json.dumps(dict(file_times)) if file_times else None,
+        "order": state[2],
+        "file_times": json.dumps(dict(file_times)) if file_times is not None else None,
     }
     with connection.cursor() as cursor:
         cursor.execute(INSERT_SQL, params)

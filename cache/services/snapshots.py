@@ -66,7 +66,7 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, eng
                       size_bytes: int | None = None, create_ms: float | None = None,
                       owner: str = Snapshot.Owner.CLIENT) -> tuple[Snapshot, list[str]]:
     with transaction.atomic():
-        node = Node.objects.select_for_update().filter(pk=node_id, task_id=task_id).first()
+        node = Node.objects.select_for_update().defer("file_times").filter(pk=node_id, task_id=task_id).first()
         if node is None:
             raise unknown_node(task_id, node_id)
         if not node.mutates:

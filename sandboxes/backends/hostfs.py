@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-# At most this many changed entries' times are kept for a node (a call that wrote more, an
-# install, keeps none: its replays carry their own times, as before).
-MAX_CHANGED_TIMES = 5_000
+# At most this many changed entries' times, and paths of this many bytes, are kept for a node
+# (a call that wrote more, an install, keeps none: replays restore times only up to such a call).
+MAX_CHANGED_TIMES = 20_000  # as many as a layer listing observes (DockerConfig.observe_max_entries)
+MAX_CHANGED_PATH_BYTES = 4 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _CHUNK = 1 << 20
@@ -26,6 +27,11 @@ _CHUNK = 1 << 20
 
 class UnsafeEntry(OSError):
     """The entry is not what the host may read: a link, a FIFO, a device, or too large."""
+
+
+def time_path(kept: str) -> str:
+    """A path of StateDigest.times as the file system names it."""
+    return os.fsdecode(kept.encode("latin-1"))
 
 
 @contextmanager
@@ -153,10 +159,15 @@ class StateDigest:
 
     full: str
     shape: str
+    # `shape` and the ranks of the modification times: what a replay that wrote back every
+    # replayed call's live times (`times`) must match; contents that embed the time of a write
+    # inside a call (an archive, the git index) differ between any two runs, so they are left out.
+    order: str = ""
     # The modification times (ns) of the entries the last call changed, by path: what a replay
     # of that call writes back after it runs (overlay.set_file_times), so that the replayed
-    # state carries the times the live one did. Empty when not asked for or too many.
-    times: Mapping[str, int] = field(default_factory=dict, compare=False)
+    # state carries the times the live one did. None when not asked for or not kept (more than
+    # MAX_CHANGED_TIMES entries or MAX_CHANGED_PATH_BYTES of paths, a name that is not UTF-8).
+    times: Mapping[str, int] | None = field(default=None, compare=False)
 
 
 class StateFingerprint:
@@ -166,8 +177,10 @@ class StateFingerprint:
     (equal times share a rank), so a fork whose times kept their order matches, and one where a
     source became as old as its object does not."""
 
-    def __init__(self, *, max_bytes: int, times: bool = True, changed_since_ns: int | None = None):
+    def __init__(self, *, max_bytes: int, times: bool = True, changed_since_ns: int | None = None,
+                 unordered: frozenset[str] = frozenset()):
         self.max_bytes, self.times, self.changed_since_ns = max_bytes, times, changed_since_ns
+        self.unordered = unordered  # paths whose time `order` leaves out: the engine's, set at start
         self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
         self._changed: dict[str, int] = {}  # mtimes of the entries changed since `changed_since_ns` (ctime)
         self._session: list[bytes] = []
@@ -195,16 +208,32 @@ class StateFingerprint:
     def digests(self) -> StateDigest:
         times = sorted({mtime for _, _, _, mtime in self._entries if mtime >= 0})
         rank = {mtime: index for index, mtime in enumerate(times)}
-        full, shape = hashlib.sha256(), hashlib.sha256()
+        # ranks by nanosecond and by whole second: tools read either (make; a .pyc, `test -nt`, tar)
+        timed = {mtime for path, _, _, mtime in self._entries if mtime >= 0 and path not in self.unordered}
+        ordered = {mtime: index for index, mtime in enumerate(sorted(timed))}
+        seconds = {second: index for index, second in enumerate(sorted({mtime // 1_000_000_000 for mtime in timed}))}
+        full, shape, order = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
         for path, line, content, mtime in sorted(self._entries):
             encoded = line.encode("utf-8", "surrogateescape")
             full.update(encoded + f"\0{content}\0{rank.get(mtime, -1)}\n".encode())
             shape.update(encoded + b"\n")
+            known = mtime >= 0 and path not in self.unordered
+            ranks = f"{ordered[mtime]}\0{seconds[mtime // 1_000_000_000]}" if known else "-1"
+            order.update(encoded + f"\0{ranks}\n".encode())
         for session in self._session:
             full.update(session)
             shape.update(session)
-        times = self._changed if len(self._changed) <= MAX_CHANGED_TIMES else {}
-        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest(), times=times)
+            order.update(session)
+        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest(), order=order.hexdigest(),
+                           times=self._kept_times())
+
+    def _kept_times(self) -> dict[str, int] | None:
+        """The changed entries' times by path, each path's bytes as Latin-1 text (any name, also one
+        that is not UTF-8, is JSON text so: `time_path` reads it back)."""
+        if self.changed_since_ns is None or len(self._changed) > MAX_CHANGED_TIMES:
+            return None
+        kept = {os.fsencode(path).decode("latin-1"): mtime for path, mtime in self._changed.items()}
+        return kept if sum(map(len, kept)) <= MAX_CHANGED_PATH_BYTES else None
 
     def _add(self, fd: int, path: str, name: str) -> None:
         try:

@@ -64,6 +64,9 @@ TICK_NS = _coarse_tick_ns()
 
 
 _SESSION_MAX_BYTES = 1 << 20
+# The engine's own entry in a container's layer (`--init`), made when the container starts: its
+# time is the container's, not a call's, so a replay's order of times leaves it out.
+ENGINE_PATHS = frozenset({"sbin/docker-init"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,8 @@ class LayerWatch:
                 paths |= _layer_paths(layer, self.max_entries)
         paths |= _listed_paths(self.upper, self.max_entries)
         paths = {p for p in paths if p != self.session_dir and not p.startswith(self.session_dir + "/")}
-        fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes, changed_since_ns=changed_since_ns)
+        fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes, changed_since_ns=changed_since_ns,
+                                              unordered=ENGINE_PATHS)
         fingerprint.add_tree(self.merged, paths)
         for name, content in self.session():
             fingerprint.add_session(name, content)
@@ -169,8 +173,10 @@ class LayerWatch:
         call left them (StateDigest.times), in the merged view, without following the sandbox's
         links; an entry that is not there is skipped. Returns how many were set."""
         done = 0
-        for path, mtime_ns in times.items():
-            parent, _, name = path.rpartition("/")
+        for kept, mtime_ns in times.items():
+            parent, _, name = hostfs.time_path(kept).rpartition("/")
+            if name in ("", ".", ".."):  # never a listed name: nothing outside the sandbox's own entries
+                continue
             try:
                 with hostfs.open_dir(self.merged, parent) as fd:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)

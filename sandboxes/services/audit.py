@@ -28,6 +28,7 @@ from sandboxes.backends.base import SandboxBackend, SandboxError
 from sandboxes.models import Sandbox
 
 from .engines import engine_queue, engines_for
+from .materialize import replay_restoring_times
 from .pools import idle_deadline, sandbox_launch, sandbox_stop, set_state
 from .runtime import backend_named
 
@@ -50,7 +51,7 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engi
     (recorded), "inconclusive" (the sandbox failed, a call timed out, the replay missed the parent's
     state) or "skipped" (the node, the rollout or the task's keys are gone, or the node is divergent
     already). The audit's sandbox goes to `engine` (a docker engine's name)."""
-    node = Node.objects.filter(task_id=task_id, pk=node_id, divergent=False).first()
+    node = Node.objects.defer("file_times").filter(task_id=task_id, pk=node_id, divergent=False).first()
     rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history", "rollout_id").first()
     task = Task.objects.filter(pk=task_id).first()
     if node is None or rollout is None or task is None or len(rollout[0]) < applied:
@@ -68,7 +69,7 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engi
               .values("pk", "tool", "state_shape").first() if writes else None)
     times = replay_file_times(task_id=task_id, context=context, calls=writes)
     try:
-        run = _reexecute(task, backend, engine, list(zip(writes, times)), call, parent, rollout_id,
+        run = _reexecute(task, backend, engine, writes, times, call, parent, rollout_id,
                          shape=node.mutates and bool(node.state_shape))
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
@@ -97,7 +98,7 @@ def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], sha
     return EQUAL
 
 
-def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[tuple[ToolCall, dict]], call: ToolCall,
+def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[ToolCall], times: list, call: ToolCall,
                parent: dict | None, rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
     """The call's result in a fresh sandbox of the task after `writes` (each call with the file
     times its live run left, written back after it), and with `shape` the shape
@@ -116,10 +117,9 @@ def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[tu
     set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
               start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
     try:
-        for write, left in writes:
-            if backend.audit_view(write.tool, sandbox.execute(write.tool, write.args)) is None:
-                return None
-            sandbox.restore_file_times(left)
+        if replay_restoring_times(sandbox, writes, times,
+                                  ran=lambda call, result: backend.audit_view(call.tool, result) is not None) is None:
+            return None
         if not _reached(sandbox, parent, task, rollout_id):
             return None
         result = sandbox.execute(call.tool, call.args)

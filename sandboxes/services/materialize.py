@@ -194,24 +194,24 @@ def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
     a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
-        times = replay_file_times(task_id=run.task.pk, context=context, calls=calls)
-        for call, left in zip(calls, times):
-            if run.sandbox.execute(call.tool, call.args).get("timed_out"):
-                run.diverged = f"the replay of {call.tool} timed out"
-                break
-            run.sandbox.restore_file_times(left)  # the times its live run left, not this replay's
+        if replay_restoring_times(run.sandbox, calls, replay_file_times(
+                task_id=run.task.pk, context=context, calls=calls)) is None:
+            run.diverged = "a replayed call timed out"
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
         run.row.applied = len(history)
     node = answer.match.node
     if node is None or answer.match.matched != len(history):
         return not run.diverged  # no node holds the whole history's state: nothing to compare with
-    # A bare fork must be an exact copy; a replay ran at another time (StateDigest).
-    column = "state_shape" if calls else "state_fingerprint"
+    # A bare fork must be an exact copy; a replay, which wrote back each call's live times, must
+    # have their order (StateDigest.order; the shape for a node recorded without it).
     with run.phases.timed("verify"):
-        expected, tool = Node.objects.filter(pk=node.node_id).values_list(column, "tool").first() or ("", "")
+        full, order, shape, tool = Node.objects.filter(pk=node.node_id).values_list(
+            "state_fingerprint", "state_order", "state_shape", "tool").first() or ("", "", "", "")
+        column, expected = (("state_fingerprint", full) if not calls else ("state_order", order) if order
+                            else ("state_shape", shape))
         state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
-    actual = (state.shape if calls else state.full) if state else None
+    actual = getattr(state, _DIGESTS[column]) if state else None
     if actual is not None and actual != expected:
         run.diverged = f"its state ({column}) {actual[:12]} is not node {node.node_id}'s {expected[:12]}"
     if run.diverged:
@@ -220,6 +220,26 @@ def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
                           observed={"fingerprint": actual, "sandbox": run.row.pool, "why": run.diverged},
                           rollout_id=run.rollout.rollout_id)
     return not run.diverged
+
+
+_DIGESTS = {"state_fingerprint": "full", "state_order": "order", "state_shape": "shape"}
+
+
+def replay_restoring_times(sandbox: SandboxHandle, calls, times,
+                           ran=lambda call, result: not result.get("timed_out")) -> bool | None:
+    """Execute `calls` again, each followed by the file times its live run left (`times`, from
+    cache.selectors.replay_file_times), up to the first call whose times were not kept: from there
+    on the replay's own times stand (later than every restored one, so the order between calls
+    stays the live one). True if every call's times were written back, False if not, None if a
+    call did not run as recorded (`ran`: it timed out; the replay stops there)."""
+    restoring = True
+    for call, left in zip(calls, times):
+        if not ran(call, sandbox.execute(call.tool, call.args)):
+            return None
+        restoring = restoring and left is not None
+        if restoring:
+            sandbox.restore_file_times(left)
+    return restoring
 
 
 def retire(row: Sandbox, reason: str) -> None:

@@ -75,7 +75,7 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
             state = run.sandbox.state_fingerprint() if mutates else None
         with phases.timed("record"):
             outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
-                                  state=(state.full, state.shape) if state else ("", ""),
+                                  state=(state.full, state.shape, state.order) if state else ("", "", ""),
                                   file_times=state.times if state else None)
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
         if outcome.snapshot_wanted:

@@ -3,11 +3,13 @@ that do not reach their recorded state never produce a wrong hit. Real Docker, r
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 from cache.models import Divergence, Node, Rollout
+from sandboxes.backends import hostfs
 from sandboxes.models import Sandbox
 
 from .helpers import bash, run
@@ -93,6 +95,45 @@ def test_a_replay_carries_the_file_times_of_the_live_run(api, docker_task):
         assert answer["cached"] is False
         assert answer["result"]["stdout"] == "v2\nbuilt\n"
         assert not Divergence.objects.filter(task_id=task).exists()
+
+
+BIG = bash("mkdir -p /w/m && : > /w/obj && cd /w/m && i=0; while [ $i -le 50 ]; do : > f$i; i=$((i+1)); done")
+EDIT = bash("echo new > /w/src")
+CHECK = "[ /w/src -nt /w/obj ] && echo rebuild || echo up-to-date"  # busybox: whole seconds
+
+
+def test_a_replay_that_cannot_restore_every_time_is_verified_and_never_recorded(api, docker_task, monkeypatch):
+    # BIG changes more entries than a node keeps times of (the limit lowered here). The replay
+    # restores no time from there on (restoring EDIT's live time after BIG's replayed one put the
+    # source behind the object: an order no live run has); BIG and EDIT then land in one second,
+    # and the check of the times' order (by whole second too) finds the state is not the live one.
+    monkeypatch.setattr(hostfs, "MAX_CHANGED_TIMES", 20)
+    task = docker_task("holes", sandbox_budget=0)  # no snapshots: r2 catches up by replay
+    run(api, task, "r1", BIG)
+    time.sleep(1.1)
+    run(api, task, "r1", EDIT)
+    assert run(api, task, "r1", bash(CHECK))["result"]["stdout"] == "rebuild\n"
+    kept = dict(Node.objects.filter(task_id=task, mutates=True).values_list("call__args__command", "file_times"))
+    assert kept[BIG["args"]["command"]] is None and kept[EDIT["args"]["command"]]
+    assert run(api, task, "r2", BIG)["cached"] and run(api, task, "r2", EDIT)["cached"]
+    nodes = Node.objects.filter(task_id=task).count()
+    answer = run(api, task, "r2", bash(CHECK + "; echo again"))
+    assert answer["cached"] is False and answer["node_id"] is None  # answered uncached, never recorded
+    assert Node.objects.filter(task_id=task).count() == nodes
+    assert Divergence.objects.filter(task_id=task, kind=Divergence.Kind.STATE).exists()
+    assert run(api, task, "r3", BIG)["cached"] and run(api, task, "r3", EDIT)["cached"]
+    served = run(api, task, "r3", bash(CHECK))  # r1's recorded answer, never r2's
+    assert served["cached"] is True and served["result"]["stdout"] == "rebuild\n"
+
+
+def test_a_call_that_leaves_a_name_that_is_not_utf8_is_recorded_and_served(api, docker_task):
+    task = docker_task("names")
+    write = bash("touch \"/w-$(printf '\\377')\" && echo made")
+    first = run(api, task, "r1", write)
+    assert first["result"]["stdout"] == "made\n" and first["node_id"] is not None
+    kept = Node.objects.get(pk=first["node_id"]).file_times
+    assert [hostfs.time_path(path) for path in kept] == [os.fsdecode(b"w-\xff")]  # its bytes, as Latin-1 text
+    assert run(api, task, "r2", write)["cached"] is True
 
 
 def test_a_sandbox_cut_off_mid_call_is_retired_not_trusted(api, docker_task, busybox):

@@ -123,6 +123,8 @@ class DockerSandbox(Sandbox):
             except OSError as exc:
                 self._raise_if_gone()
                 raise EngineUnavailable(f"could not restore file times: {exc}") from exc
+            finally:  # the next call starts a tick after these changes (their ctimes are not its own)
+                self._last_end_ns = time.time_ns()
 
     def _layer_state(self) -> LayerState | None:
         """The layer as it is now; None when it is not observed: out of reach, gone (the container
