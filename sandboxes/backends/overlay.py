@@ -66,7 +66,7 @@ TICK_NS = _coarse_tick_ns()
 _SESSION_MAX_BYTES = 1 << 20
 # The engine's own entry in a container's layer (`--init`), made when the container starts: its
 # time is the container's, not a call's, so a replay's order of times leaves it out.
-ENGINE_PATHS = frozenset({"sbin/docker-init"})
+ENGINE_PATHS = frozenset({"sbin/docker-init", "usr/sbin/docker-init"})  # /sbin may be a link to /usr/sbin
 
 
 @dataclass(frozen=True, slots=True)

@@ -396,6 +396,26 @@ def test_the_state_fingerprint_matches_across_forks_and_replays_and_differs_with
         assert (other.state_fingerprint().shape != expected.shape) is shape_too, change
 
 
+@pytest.mark.parametrize("image", [None, "tvcache/debian:bookworm"])  # busybox's /sbin; debian's /usr/sbin
+def test_a_replay_that_writes_back_the_live_times_has_their_order(docker_backend, test_labels, image):
+    env = {**ENV, "image": image} if image else ENV
+    steps = ["mkdir -p /w && echo one > /w/a", "sleep 1; echo two > /w/b; echo three > /w/a", "cp /w/a /w/c"]
+    live = docker_backend.start(env, labels=test_labels)
+    times = []
+    for step in steps:
+        live.execute_observed("bash", {"command": step})
+        times.append(live.state_fingerprint().times)
+    assert all(times) and "w/b" in times[1]
+    replayed = docker_backend.start(env, labels=test_labels)
+    for step, kept in zip(steps, times):
+        replayed.execute("bash", {"command": step})
+        replayed.restore_file_times(kept)
+    # The engine's own docker-init, made when each container started, is left out of the order.
+    assert replayed.state_fingerprint().order == live.state_fingerprint().order
+    replayed.execute("bash", {"command": "touch /w/a"})
+    assert replayed.state_fingerprint().order != live.state_fingerprint().order
+
+
 def test_a_sandbox_that_replaces_its_session_files_is_refused_without_hanging(docker_backend, test_labels):
     from sandboxes.backends.base import SandboxTampered
 
