@@ -33,6 +33,12 @@ MAX_ID_LENGTH = 200  # Task.id, Rollout.rollout_id, Node.tool
 # overflow: each is capped far above what a tool call or snapshot takes (116 days, 1 TiB).
 MAX_MS = 1e10
 MAX_SNAPSHOT_BYTES = 2**40
+# A record's file times (client mode): as many entries and path bytes as the service keeps of a
+# call of its own (sandboxes.backends.hostfs.MAX_CHANGED_TIMES, MAX_CHANGED_PATH_BYTES), each path
+# at most PATH_MAX characters.
+MAX_FILE_TIMES = 20_000
+MAX_FILE_TIMES_PATHS = 4 << 20
+MAX_PATH_LENGTH = 4096
 # A number that jsonb would give back as an integer beyond 64 bits (it prints 1e300 in full), which
 # no JSON encoder here writes: args and envs hold numbers below it in magnitude.
 _FLOAT_LIMIT = 2.0**63
@@ -193,15 +199,15 @@ def parse_call(value: Any, field: str, limit: int | None = None) -> ToolCall:
     return ToolCall(tool, args)
 
 
-def parse_history(value: Any) -> tuple[ToolCall, ...]:
+def parse_history(value: Any, field: str = "history") -> tuple[ToolCall, ...]:
     if not isinstance(value, list):
-        raise InvalidInput("'history' must be a list of calls.", code="invalid_payload", details={"field": "history"})
+        raise InvalidInput(f"'{field}' must be a list of calls.", code="invalid_payload", details={"field": field})
     limit = settings.TVCACHE["MAX_HISTORY"]
     if len(value) > limit:
-        raise PayloadTooLarge(f"History has {len(value)} calls; the limit is {limit}.", code="history_too_long",
+        raise PayloadTooLarge(f"'{field}' has {len(value)} calls; the limit is {limit}.", code="history_too_long",
                               details={"limit": limit, "length": len(value)})
     depth = depth_limit()
-    return tuple(parse_call(item, f"history[{index}]", depth) for index, item in enumerate(value))
+    return tuple(parse_call(item, f"{field}[{index}]", depth) for index, item in enumerate(value))
 
 
 def _optional(data: dict, field: str, kind: type, default: Any) -> Any:
@@ -328,6 +334,10 @@ class RecordInput:
     # Whether the call changed the sandbox, as the executor observed it; None: not observed. Only
     # False matters: the call then counts as read-only, whatever its tool declares.
     mutated: bool | None = None
+    # The modification times (ns, by path) of what the call changed in the client's sandbox: what
+    # a replay of the call there writes back (Node.file_times). None: not kept (a replay then
+    # restores no time from this call on); {}: the call changed no entry's time.
+    file_times: dict[str, int] | None = None
 
 
 def parse_record(data: Any) -> RecordInput:
@@ -339,4 +349,45 @@ def parse_record(data: Any) -> RecordInput:
         raise InvalidInput(f"'exec_ms' must be a number from 0 to {MAX_MS:.0f}.", code="invalid_payload",
                            details={"field": "exec_ms", "min": 0, "max": MAX_MS})
     mutated = _optional(data, "mutated", bool, None)
-    return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated)
+    return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated,
+                       file_times=parse_file_times(data.get("file_times")))
+
+
+def parse_file_times(value: Any) -> dict[str, int] | None:
+    """A record's `file_times`: {path: modification time in ns}, at most MAX_FILE_TIMES entries and
+    MAX_FILE_TIMES_PATHS characters of paths; `invalid_payload` (or `invalid_string` for a NUL in a
+    path) otherwise."""
+    if value is None:
+        return None
+    if type(value) is not dict:
+        raise InvalidInput("'file_times' must be an object {path: nanoseconds}.", code="invalid_payload",
+                           details={"field": "file_times"})
+    if len(value) > MAX_FILE_TIMES:
+        raise InvalidInput(f"'file_times' has {len(value)} entries; at most {MAX_FILE_TIMES}.", code="invalid_payload",
+                           details={"field": "file_times", "max_entries": MAX_FILE_TIMES})
+    for path, mtime_ns in value.items():
+        if not path or len(path) > MAX_PATH_LENGTH:
+            raise InvalidInput(f"'file_times' paths must be 1 to {MAX_PATH_LENGTH} characters long.",
+                               code="invalid_payload", details={"field": "file_times", "max_length": MAX_PATH_LENGTH})
+        if "\x00" in path:
+            raise InvalidInput("A 'file_times' path holds a NUL character.", code=_NUL, details={"field": "file_times"})
+        parse_int(mtime_ns, f"file_times[{path[:100]!r}]", low=0, high=INT64[1])
+    if sum(map(len, value)) > MAX_FILE_TIMES_PATHS:
+        raise InvalidInput(f"'file_times' paths add up to more than {MAX_FILE_TIMES_PATHS} characters.",
+                           code="invalid_payload", details={"field": "file_times", "max_total": MAX_FILE_TIMES_PATHS})
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class FileTimesQuery:
+    context: CallContext  # the history and the call the replay leads up to
+    replay: tuple[ToolCall, ...]  # the last state-changing calls of the history, replayed
+
+
+def parse_file_times_query(data: Any) -> FileTimesQuery:
+    """A client's replay: the file times to write back after each of its calls."""
+    data = _object(data)
+    history = parse_history(_required(data, "history"))
+    call = parse_call(_required(data, "call"), "call")
+    replay = parse_history(_required(data, "replay"), "replay")
+    return FileTimesQuery(context=CallContext(history, call, "", 0, None), replay=replay)

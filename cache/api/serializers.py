@@ -5,7 +5,16 @@ say the same."""
 
 from rest_framework import serializers
 
-from cache.inputs import INT32, MAX_ID_LENGTH, MAX_MS, MAX_SNAPSHOT_BYTES
+from cache.inputs import (
+    INT32,
+    INT64,
+    MAX_FILE_TIMES,
+    MAX_FILE_TIMES_PATHS,
+    MAX_ID_LENGTH,
+    MAX_MS,
+    MAX_PATH_LENGTH,
+    MAX_SNAPSHOT_BYTES,
+)
 
 
 class ToolCallSerializer(serializers.Serializer):
@@ -108,6 +117,30 @@ class RecordSerializer(CallContextSerializer):
     mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(
         "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
         "whatever its tool declares; omit it when unsure."))
+    file_times = serializers.DictField(child=serializers.IntegerField(min_value=0, max_value=INT64[1]), required=False,
+                                       allow_null=True, help_text=(
+        f"The modification times (ns since the epoch) of what the call changed in the client's sandbox, by path "
+        f"(at most {MAX_FILE_TIMES} entries; paths of 1 to {MAX_PATH_LENGTH} characters without NUL, "
+        f"{MAX_FILE_TIMES_PATHS} in all). A replay of the call writes them back after it (POST .../file-times), so "
+        "that tools reading file times (make, bytecode caches) see the live run's. {}: the call changed no entry's "
+        "time. Omit it when unknown: a replay then restores no time from this call on."))
+
+
+class FileTimesQuerySerializer(serializers.Serializer):
+    history = ToolCallSerializer(many=True)
+    call = ToolCallSerializer(help_text="The call the replay leads up to (the miss's).")
+    replay = ToolCallSerializer(many=True, help_text=(
+        "The calls the client replays: the last state-changing calls of the history, in order (the miss's replay, "
+        "or its tail after a fork)."))
+
+
+class FileTimesSerializer(serializers.Serializer):
+    file_times = serializers.ListField(child=serializers.DictField(child=serializers.IntegerField(), allow_null=True),
+                                       help_text=(
+        "One entry per replayed call, in order: the modification times (ns, by path) its call left when it was "
+        "recorded; the client writes them back after replaying it. null where they were not kept, or where "
+        "'replay' is not the history's last state-changing calls: from the first null on, the client restores "
+        "no times (later calls' past times after a replayed call's own would reverse their order)."))
 
 
 class RecordResponseSerializer(serializers.Serializer):

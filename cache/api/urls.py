@@ -8,6 +8,7 @@ urlpatterns = [
     path("tasks/<slug:task_id>/lookup", views.LookupView.as_view()),
     path("tasks/<slug:task_id>/record", views.RecordView.as_view()),
     path("tasks/<slug:task_id>/claims/release", views.ClaimReleaseView.as_view()),
+    path("tasks/<slug:task_id>/file-times", views.FileTimesView.as_view()),
     path("tasks/<slug:task_id>/stats", views.TaskStatsView.as_view()),
     path("tasks/<slug:task_id>/graph", views.GraphView.as_view()),
     path("tasks/<slug:task_id>/nodes/<int:node_id>/snapshots", views.SnapshotRegisterView.as_view()),

@@ -12,8 +12,8 @@ from rest_framework.views import APIView
 from cache import selectors, services
 from cache.errors import InvalidInput
 from cache.projects import task_public_id
-from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_claim_release, parse_id, parse_lookup, parse_node_id,
-                          parse_query_int, parse_record, parse_task)
+from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_claim_release, parse_file_times_query, parse_id,
+                          parse_lookup, parse_node_id, parse_query_int, parse_record, parse_task)
 from observability import metrics
 
 from . import serializers as s
@@ -136,7 +136,8 @@ class RecordView(LeanPostView):
 
     @staticmethod
     def answer(*, principal, task_id: str, payload) -> bytes:
-        outcome = services.node_record(task_id=principal.task_key(task_id), record=parse_record(payload))
+        record = parse_record(payload)
+        outcome = services.node_record(task_id=principal.task_key(task_id), record=record, file_times=record.file_times)
         return orjson.dumps({"node_id": outcome.node_id, "created": outcome.created, "mutates": outcome.mutates,
                              "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
                              "evicted": outcome.evicted})
@@ -148,6 +149,17 @@ class ClaimReleaseView(APIView):
     def post(self, request, task_id: str):
         context = parse_claim_release(request.data)
         return Response({"released": services.claim_release(task_id=task_key(request, task_id), context=context)})
+
+
+class FileTimesView(APIView):
+    @extend_schema(request=s.FileTimesQuerySerializer, responses={200: s.FileTimesSerializer, **ERRORS},
+                   summary="The file times a client writes back after each call of a replay (the live run's)")
+    def post(self, request, task_id: str):
+        query = parse_file_times_query(request.data)
+        key = task_key(request, task_id)
+        selectors.task_get(task_id=key)
+        times = selectors.replay_file_times(task_id=key, context=query.context, calls=query.replay)
+        return Response({"file_times": times})
 
 
 class SnapshotRegisterView(APIView):

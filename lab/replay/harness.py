@@ -26,6 +26,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -210,6 +211,12 @@ class MeteredEnvironment(ToolExecutionEnvironment):
             return result
         _meter.armed, _meter.fired = None, True
         return faulty_answer(armed[0], result)
+
+    def file_times(self) -> Mapping[str, int] | None:
+        return self._timed(self.inner.file_times)
+
+    def restore_file_times(self, times: Mapping[str, int]) -> None:
+        self._timed(self.inner.restore_file_times, times)
 
     def fork(self) -> MeteredEnvironment:
         twin = self._timed(self.inner.fork)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,16 @@ class DockerEnvironment(ToolExecutionEnvironment):
 
     def execute_observed(self, call: Call) -> tuple[dict[str, Any], bool | None]:
         return self._running().execute_observed(call["tool"], call["args"])
+
+    def file_times(self) -> Mapping[str, int] | None:
+        """The times of what the last call changed: the entries whose ctime moved during it, as
+        the service keeps them of its own sandboxes (StateDigest.times: paths as their bytes in
+        Latin-1, None when not kept)."""
+        state = self._sandbox.state_fingerprint() if self._sandbox is not None else None
+        return None if state is None else state.times
+
+    def restore_file_times(self, times: Mapping[str, int]) -> None:
+        self._running().restore_file_times(times)
 
     def fork(self) -> DockerEnvironment:
         if self._sandbox is None and self._image is not None:

@@ -7,7 +7,9 @@ from django.core.management import call_command
 from django.test import override_settings
 from rest_framework.test import APIClient
 
+from cache.inputs import MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS
 from cache.models import Lease, Node, ToolStat
+from sandboxes.backends.hostfs import MAX_CHANGED_PATH_BYTES, MAX_CHANGED_TIMES
 
 from .helpers import call
 
@@ -327,3 +329,53 @@ def test_snapshot_sizes_and_times_beyond_their_caps_are_refused(api, toy_task):
 def test_a_lease_release_with_an_impossible_restore_time_is_refused(api, toy_task, restore_ms):
     path = f"/api/v1/leases/6f1c1d3e-0000-4000-8000-000000000000?restore_ms={restore_ms}"
     assert error(api.delete(path), 400) == "invalid_payload"
+
+
+@pytest.mark.parametrize("file_times, code", [
+    ([1], "invalid_payload"),  # not an object
+    ("f", "invalid_payload"),
+    ({"f": -1}, "invalid_payload"),  # before the epoch
+    ({"f": 2**63}, "invalid_payload"),  # beyond a 64-bit integer
+    ({"f": 1.5}, "invalid_payload"),  # not an integer
+    ({"f": True}, "invalid_payload"),
+    ({"f": "1"}, "invalid_payload"),
+    ({"f": None}, "invalid_payload"),
+    ({"": 1}, "invalid_payload"),  # no path
+    ({"x" * 4097: 1}, "invalid_payload"),  # longer than PATH_MAX
+    ({"f\x00": 1}, "invalid_string"),
+    ({f"f{i}": 1 for i in range(20_001)}, "invalid_payload"),  # more entries than a node keeps
+])
+def test_a_record_with_impossible_file_times_is_refused(api, toy_task, file_times, code):
+    body = {"history": [], "call": W, "result": {}, "exec_ms": 1, "file_times": file_times}
+    response = api.post("/api/v1/tasks/toy/record", body, format="json")
+    assert error(response, 400) == code
+    assert response.json()["error"]["details"]["field"].startswith("file_times")
+    assert Node.objects.count() == 0
+
+
+def test_a_record_with_more_than_4_mib_of_file_times_paths_is_refused(api, toy_task, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 8 << 20  # above the default body limit (2.5 MB)
+    body = {"history": [], "call": W, "result": {}, "exec_ms": 1,
+            "file_times": {f"{i}".rjust(4096, "x"): 1 for i in range(1_025)}}
+    response = api.post("/api/v1/tasks/toy/record", body, format="json")
+    assert error(response, 400) == "invalid_payload"
+    assert response.json()["error"]["details"]["max_total"] == 4 << 20
+
+
+def test_a_record_with_file_times_at_their_limits_is_stored(api, toy_task):
+    # what the service keeps of its own sandboxes' calls
+    assert (MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS) == (MAX_CHANGED_TIMES, MAX_CHANGED_PATH_BYTES) == (20_000, 4 << 20)
+    times = {f"p{i}": 2**63 - 1 for i in range(19_999)} | {"x" * 4096: 0}
+    body = {"history": [], "call": W, "result": {}, "exec_ms": 1, "file_times": times}
+    assert api.post("/api/v1/tasks/toy/record", body, format="json").status_code == 200
+    assert Node.objects.get().file_times == times
+
+
+def test_file_times_refuses_bad_input(api, toy_task):
+    path = "/api/v1/tasks/toy/file-times"
+    assert error(post(api, path, "{not json"), 400) == "malformed_json"
+    assert error(api.post(path, {"history": [W], "call": W}, format="json"), 400) == "missing_field"
+    assert error(api.post(path, {"history": [W], "call": W, "replay": W}, format="json"), 400) == "invalid_payload"
+    assert error(api.post(path, {"history": [W], "call": W, "replay": [{"args": {}}]}, format="json"), 400) == "invalid_call"
+    assert error(api.post("/api/v1/tasks/nope/file-times", {"history": [], "call": W, "replay": []}, format="json"),
+                 404) == "unknown_task"

@@ -61,6 +61,36 @@ def test_mutated_must_be_a_boolean(api, toy_task):
                                         "details": {"field": "mutated"}}
 
 
+def file_times(api, task, history, c, replay):
+    response = api.post(f"/api/v1/tasks/{task}/file-times", {"history": history, "call": c, "replay": replay},
+                        format="json")
+    assert response.status_code == 200, response.content
+    return response.json()["file_times"]
+
+
+def test_a_replay_gets_the_file_times_its_calls_left_when_recorded(api, toy_task):
+    # Client mode: a record carries the times of what the call changed; a client that replays the
+    # calls asks for them, to write them back after each (the live run's times, not the replay's).
+    record(api, toy_task, [], W1, {"ok": True}, file_times={"f": 1_700_000_000_123_456_789, "d": 0})
+    record(api, toy_task, [W1], R, {"output": "1"})
+    record(api, toy_task, [W1, R], W2, {"ok": True}, file_times={"f": 2**63 - 1})
+    left_w1, left_w2 = {"f": 1_700_000_000_123_456_789, "d": 0}, {"f": 2**63 - 1}
+    assert file_times(api, toy_task, [W1, R, W2], R, [W1, W2]) == [left_w1, left_w2]
+    assert file_times(api, toy_task, [W1, R, W2], R, [W2]) == [left_w2]  # after a fork at W1's snapshot
+    assert file_times(api, toy_task, [W1, R, W2], R, []) == []
+    # Not the history's last state-changing calls: nothing known to write back.
+    assert file_times(api, toy_task, [W1, R, W2], R, [W1]) == [None]
+    assert file_times(api, toy_task, [W1, R, W2], R, [W2, W1]) == [None, None]
+    # A call recorded without times (an environment that cannot tell) has none; one that changed
+    # no entry's time has {}.
+    record(api, toy_task, [W1, R, W2], W1, {"ok": True})
+    record(api, toy_task, [W1, R, W2, W1], W2, {"ok": True}, file_times={})
+    assert file_times(api, toy_task, [W1, R, W2, W1, W2], R, [W2, W1, W2]) == [left_w2, None, {}]
+    # The first record of a path keeps its times: a later record of the same path changes nothing.
+    record(api, toy_task, [], W1, {"ok": True}, file_times={"f": 5})
+    assert file_times(api, toy_task, [W1], R, [W1]) == [left_w1]
+
+
 def test_record_is_idempotent(api, toy_task):
     first = record(api, toy_task, [], W1, {"ok": True})
     second = record(api, toy_task, [], W1, {"ok": "ignored"})

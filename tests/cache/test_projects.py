@@ -74,6 +74,7 @@ def routes(task: str, node: int, lease: str) -> list[tuple[str, str, dict | None
         ("post", f"/api/v1/tasks/{task}/lookup", history),
         ("post", f"/api/v1/tasks/{task}/record", {**history, "result": {"output": "1"}, "exec_ms": 1.0}),
         ("post", f"/api/v1/tasks/{task}/claims/release", history),
+        ("post", f"/api/v1/tasks/{task}/file-times", {"history": [W], "call": R, "replay": [W]}),
         ("post", f"/api/v1/tasks/{task}/nodes/{node}/snapshots", {"ref": "other-snap", "backend": "external"}),
         ("post", f"/api/v1/tasks/{task}/nodes/{node}/audit", {"result": {"ok": True}}),
         ("post", f"/api/v1/tasks/{task}/flush", None),

@@ -25,6 +25,7 @@ PARSERS = {
     "ClaimRelease": inputs.parse_claim_release,
     "Call": inputs.parse_rollout_call,
     "TaskPut": inputs.parse_task,
+    "FileTimesQuery": inputs.parse_file_times_query,
 }
 OPERATIONS = {
     ("post", "/api/v1/tasks/{task_id}/lookup"): "Lookup",
@@ -32,6 +33,7 @@ OPERATIONS = {
     ("post", "/api/v1/tasks/{task_id}/claims/release"): "ClaimRelease",
     ("post", "/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls"): "Call",
     ("put", "/api/v1/tasks/{task_id}"): "TaskPut",
+    ("post", "/api/v1/tasks/{task_id}/file-times"): "FileTimesQuery",
 }
 # A value of each JSON type, and the schema types it is one of.
 SAMPLES = [("x", {"string"}), (1, {"integer", "number"}), (1.5, {"number"}), (True, {"boolean"}),

@@ -120,9 +120,14 @@ class TVCacheClient:
         rollout_id: str | None = None,
         epoch: int | None = None,
         mutated: bool | None = None,
+        file_times: Mapping[str, int] | None = None,
     ) -> RecordResult:
+        """`file_times`: the modification times (ns, by path) of what the call changed, written
+        back after each later replay of it (ToolExecutionEnvironment.file_times)."""
         return self._send(
-            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated)
+            operations.record(
+                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times
+            )
         )
 
     def register_snapshot(
@@ -154,6 +159,14 @@ class TVCacheClient:
     ) -> bool:
         """Give up the claim a lookup took on the call (its execution failed)."""
         return self._send(operations.release_claim(task_id, history, call, rollout_id))
+
+    def replay_file_times(
+        self, task_id: str, history: list[Call], call: Call, replay: list[Call]
+    ) -> list[dict[str, int] | None]:
+        """For a replay of `replay` (the last state-changing calls of `history`) before `call`:
+        the file times each left when it was recorded, to write back after replaying it (None
+        where they were not kept: restore none from there on)."""
+        return self._send(operations.replay_file_times(task_id, history, call, replay))
 
     def call(
         self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None
@@ -264,9 +277,12 @@ class AsyncTVCacheClient:
         rollout_id: str | None = None,
         epoch: int | None = None,
         mutated: bool | None = None,
+        file_times: Mapping[str, int] | None = None,
     ) -> RecordResult:
         return await self._send(
-            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated)
+            operations.record(
+                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times
+            )
         )
 
     async def register_snapshot(
@@ -295,6 +311,11 @@ class AsyncTVCacheClient:
         self, task_id: str, history: list[Call], call: Call, *, rollout_id: str
     ) -> bool:
         return await self._send(operations.release_claim(task_id, history, call, rollout_id))
+
+    async def replay_file_times(
+        self, task_id: str, history: list[Call], call: Call, replay: list[Call]
+    ) -> list[dict[str, int] | None]:
+        return await self._send(operations.replay_file_times(task_id, history, call, replay))
 
     async def call(
         self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None

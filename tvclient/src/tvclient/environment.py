@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 from .results import Call, ToolResult
 
@@ -35,6 +36,26 @@ class ToolExecutionEnvironment(ABC):
         only when nothing at all changed.
         """
         return self.execute(call), None
+
+    def file_times(self) -> Mapping[str, int] | None:
+        """The modification times (ns since the epoch, by path) of what the last executed call
+        changed, where the environment can tell; None (the default) where it cannot.
+
+        Override it, with `restore_file_times`, when tools in the sandbox read file times (make,
+        Python's bytecode cache): the executor records them with the call, and a rollout that
+        later rebuilds this state by replaying the call writes them back, so that its sandbox
+        carries the times of the live run rather than those of a replay a moment long. {}: the
+        call changed no entry's time. Paths are strings of at most 4,096 characters without NUL,
+        4 MiB in all; at most 20,000 entries are sent (more: none, and a replay restores no times
+        from that call on). The executor asks only after a call that changed, or may have
+        changed, the state.
+        """
+        return None
+
+    def restore_file_times(self, times: Mapping[str, int]) -> None:
+        """After a replayed call: give the paths the modification times (ns) that the call's live
+        run left them (what `file_times` answered there). A path that is not there is skipped.
+        The default does nothing (and the executor then does not ask the service for them)."""
 
     @abstractmethod
     def fork(self) -> ToolExecutionEnvironment:

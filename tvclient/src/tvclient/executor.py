@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar, cast
@@ -26,6 +27,10 @@ EnvFactory = Callable[[], ToolExecutionEnvironment]
 # up to the cap (a call that runs for seconds costs a few lookups a second, a quick one ~10 ms).
 FLIGHT_POLL_FIRST_S = 0.01
 FLIGHT_POLL_MAX_S = 0.25
+# A record carries the file times of at most this many changed paths and path characters (the
+# service's limits); a call that changed more records none, and replays restore no times from it on.
+MAX_FILE_TIMES = 20_000
+MAX_FILE_TIMES_PATHS = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,7 @@ class _Executed:
     result: ToolResult
     mutated: bool | None  # whether the env saw it change anything (None: unknown)
     exec_ms: float
+    file_times: Mapping[str, int] | None = None  # what it changed (ToolExecutionEnvironment.file_times)
 
 
 def _elapsed_ms(started: float) -> float:
@@ -105,6 +111,10 @@ def _timed_out(result: object) -> bool:
     return isinstance(result, dict) and result.get("timed_out") is True
 
 
+def _restores_file_times(env: ToolExecutionEnvironment) -> bool:
+    return type(env).restore_file_times is not ToolExecutionEnvironment.restore_file_times
+
+
 class ToolCallExecutor:
     """Runs one rollout's tool calls through the cache, in environments the trainer owns.
 
@@ -151,6 +161,14 @@ class ToolCallExecutor:
     with no lookup and no record, so nothing it sees is filed under a state it may not have
     reached, and no snapshot is taken of it. A failure to open the environment (a fork or a
     start) runs no call, so the rollout stays on the graph and the next miss tries again.
+
+    File times (environments that implement `file_times` and `restore_file_times`): a call
+    that ran live is recorded with the modification times of what it changed, read from the
+    environment in the background before the record. Before a replay the executor asks the
+    service for the times each replayed call left when it was recorded (POST .../file-times)
+    and writes them back after it, so that a replayed sandbox carries the live run's times
+    (make and Python's whole-second bytecode check read them). A failure to get them fails the
+    miss like a failed fork: the replay does not run with its own times.
 
     `snapshots` should be one store shared by all executors of the trainer process; without
     it the executor keeps a private store and stops its snapshots on close().
@@ -335,13 +353,16 @@ class ToolCallExecutor:
                 restore_ms, replay = self._open_env(lookup)
             else:
                 replay, self._pending = self._pending, []
+            times = self._replay_file_times(call, replay)
         except BaseException:  # no call ran: the next miss opens an environment again
             self._drop_env()
             give_up()
             raise
         try:
-            for position in replay:
-                self._run(position, self._history[position])
+            restoring = True  # up to the first call whose times were not kept: later ones' are
+            for position, left in zip(replay, times):  # older than this replay's own writes
+                restoring = restoring and left is not None
+                self._run(position, self._history[position], left if restoring else None)
                 self.replayed += 1
             executed = self._execute(list(self._history), call)
             self.executed += 1
@@ -377,7 +398,7 @@ class ToolCallExecutor:
     ) -> None:
         try:
             try:
-                recorded = self._record(executed)
+                recorded = self._record(replace(executed, file_times=self._changed_file_times(executed)))
             except BaseException as exc:
                 if claimed:  # rollouts waiting on this call execute it now
                     self._release_claim(executed.history, executed.call)
@@ -416,12 +437,37 @@ class ToolCallExecutor:
         self._env = snapshot.fork()
         return _elapsed_ms(started), positions[len(positions) - len(resume.replay) :]
 
-    def _run(self, position: int, call: Call) -> None:
-        """Execute `call` (which follows history[:position]) in the rollout's env and record it."""
+    def _replay_file_times(self, call: Call, positions: list[int]) -> list[Mapping[str, int] | None]:
+        """The file times each replayed call (history positions) left when it was recorded, as
+        the service kept them (None: not kept); none to ask for when the environment cannot
+        write them back."""
+        assert self._env is not None
+        if not positions or not _restores_file_times(self._env):
+            return [None for _ in positions]
+        replay = [self._history[position] for position in positions]
+        return self._client.replay_file_times(self.task_id, self._history, call, replay)
+
+    def _changed_file_times(self, executed: _Executed) -> Mapping[str, int] | None:
+        """What a call that ran live changed, as the environment saw it, if it can be sent."""
+        if executed.mutated is False:
+            return None
+        assert self._env is not None
+        times = self._env.file_times()
+        if times is None or len(times) > MAX_FILE_TIMES or sum(map(len, times)) > MAX_FILE_TIMES_PATHS:
+            return None
+        return dict(times)
+
+    def _run(self, position: int, call: Call, file_times: Mapping[str, int] | None) -> None:
+        """Execute `call` (which follows history[:position]) in the rollout's env, give what it
+        changed the times of its live run (`file_times`; None: leave the replay's own), and
+        record it."""
+        assert self._env is not None
         executed = self._execute(self._history[:position], call)
         if _timed_out(executed.result):
             raise ReplayFailed(f"the replay of {call.get('tool')!r} timed out")
-        self._keep_snapshot(self._record(executed))
+        if file_times:
+            self._env.restore_file_times(file_times)
+        self._keep_snapshot(self._record(replace(executed, file_times=file_times)))
 
     def _detach(self, reason: str) -> None:
         """Take the rollout off the shared graph (the known-state rule, class docstring)."""
@@ -451,6 +497,7 @@ class ToolCallExecutor:
             rollout_id=self.rollout_id,
             epoch=self.epoch,
             mutated=executed.mutated,
+            file_times=executed.file_times,
         )
 
     def _keep_snapshot(self, recorded: RecordResult) -> None:

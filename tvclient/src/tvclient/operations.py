@@ -123,6 +123,7 @@ def record(
     rollout_id: str | None,
     epoch: int | None,
     mutated: bool | None = None,
+    file_times: Mapping[str, int] | None = None,
 ) -> Operation[RecordResult]:
     body = _without_none(
         history=history,
@@ -132,6 +133,7 @@ def record(
         rollout_id=rollout_id,
         epoch=epoch,
         mutated=mutated,
+        file_times=dict(file_times) if file_times is not None else None,
     )
     return Operation("POST", f"{_task_path(task_id)}/record", _parse_with(RecordResult), body=body)
 
@@ -176,6 +178,20 @@ def release_claim(
         lambda payload: bool(_object(payload)["released"]),
         body=body,
     )
+
+
+def replay_file_times(
+    task_id: str, history: list[Call], call: Call, replay: list[Call]
+) -> Operation[list[dict[str, int] | None]]:
+    body = {"history": history, "call": call, "replay": replay}
+
+    def parse(payload: Any) -> list[dict[str, int] | None]:
+        times = [None if item is None else dict(_object(item)) for item in _object(payload)["file_times"]]
+        if len(times) != len(replay):
+            raise ValueError(f"{len(times)} file times for {len(replay)} replayed calls")
+        return times
+
+    return Operation("POST", f"{_task_path(task_id)}/file-times", parse, body=body)
 
 
 def rollout_call(
