@@ -117,8 +117,8 @@ def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[To
     set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
               start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
     try:
-        if replay_restoring_times(sandbox, writes, times,
-                                  ran=lambda call, result: backend.audit_view(call.tool, result) is not None) is None:
+        if not replay_restoring_times(sandbox, writes, times,
+                                  ran=lambda call, result: backend.audit_view(call.tool, result) is not None):
             return None
         if not _reached(sandbox, parent, task, rollout_id):
             return None

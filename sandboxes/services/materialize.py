@@ -194,8 +194,8 @@ def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
     a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
-        if replay_restoring_times(run.sandbox, calls, replay_file_times(
-                task_id=run.task.pk, context=context, calls=calls)) is None:
+        if not replay_restoring_times(run.sandbox, calls, replay_file_times(
+                task_id=run.task.pk, context=context, calls=calls)):
             run.diverged = "a replayed call timed out"
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
@@ -226,20 +226,20 @@ _DIGESTS = {"state_fingerprint": "full", "state_order": "order", "state_shape": 
 
 
 def replay_restoring_times(sandbox: SandboxHandle, calls, times,
-                           ran=lambda call, result: not result.get("timed_out")) -> bool | None:
+                           ran=lambda call, result: not result.get("timed_out")) -> bool:
     """Execute `calls` again, each followed by the file times its live run left (`times`, from
     cache.selectors.replay_file_times), up to the first call whose times were not kept: from there
     on the replay's own times stand (later than every restored one, so the order between calls
-    stays the live one). True if every call's times were written back, False if not, None if a
-    call did not run as recorded (`ran`: it timed out; the replay stops there)."""
+    stays the live one). False if a call did not run as recorded (`ran`: it timed out; the
+    replay stops there)."""
     restoring = True
     for call, left in zip(calls, times):
         if not ran(call, sandbox.execute(call.tool, call.args)):
-            return None
+            return False
         restoring = restoring and left is not None
         if restoring:
             sandbox.restore_file_times(left)
-    return restoring
+    return True
 
 
 def retire(row: Sandbox, reason: str) -> None:
