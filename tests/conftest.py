@@ -33,6 +33,16 @@ def _celery_queue_of_this_session():
 
 
 @pytest.fixture(autouse=True)
+def _background_snapshots_settled():
+    """Snapshots that tool-server misses handed off (sandboxes/services/reserved.py) end within
+    their test, before its database is flushed."""
+    yield
+    from sandboxes.services.reserved import settle
+
+    assert settle(), "background snapshots still running"
+
+
+@pytest.fixture(autouse=True)
 def _counters_flushed_on_read():
     """The ledger's thread writes no counters in tests: they are written when stats are read,
     and none leak from one test into the next."""

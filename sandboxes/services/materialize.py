@@ -32,12 +32,19 @@ from sandboxes.models import Sandbox
 
 from .engines import engines_for
 from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, set_state
+from .reserved import run_reserved, wait_unreserved
 from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 
 
+# How long a miss waits for its rollout's previous snapshot (reserved.py); past it the snapshot is
+# stuck and the sandbox is retired rather than touched while a commit may still read it.
+RESERVED_WAIT_S = 300.0
+
+
 class Phases:
-    """Where a call's time goes: lookup, wait (single flight), materialize (start or fork),
-    replay, verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot."""
+    """Where a call's time goes: lookup, wait (single flight), snapshot_wait (for the rollout's
+    previous snapshot), materialize (start or fork), replay, verify (state fingerprints), exec,
+    fingerprint (of the new state), record, snapshot (its hand-off: it is taken after the answer)."""
 
     def __init__(self):
         self.ms: dict[str, float] = {}
@@ -72,7 +79,13 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
     one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
     root. A sandbox whose replay failed midway is retired: its state is unknown."""
     policy = TaskPolicy.from_json(task.tools)
+    waited_ms = wait_unreserved(rollout.pk, timeout_s=RESERVED_WAIT_S)  # the previous miss's snapshot
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
+    if waited_ms:
+        phases.ms["snapshot_wait"] = waited_ms
+    if row is not None and waited_ms is None:
+        retire(row, f"its snapshot was still being taken after {RESERVED_WAIT_S:.0f} s")
+        row = None
     if row is not None and row.executing:
         retire(row, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")
         row = None
@@ -80,24 +93,61 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
         run = _own(task, policy, rollout, row, phases) if row is not None else None
         if run is not None:
             pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
-            if not pending or _caught_up(run, pending, context, answer):
+            if not pending or _caught_up(run, pending, context, _reached(answer, context)):
                 return run
         else:
             with phases.timed("materialize"):
                 run = _materialize(task, backend, policy, rollout, answer, phases)
             replay = _replay_calls(answer, run)
-            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context, answer):
+            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context,
+                                                                                _reached(answer, context)):
                 return run
         return _from_root(task, backend, policy, rollout, context, answer, phases)
     except SandboxError as exc:
         raise as_application_error(exc) from None
 
 
-def _caught_up(run: Run, calls, context: CallContext, answer) -> bool:
+def catch_up_after_answer(task_id: str, rollout: Rollout, history: tuple[ToolCall, ...], node_id: int) -> None:
+    """After a state-changing hit of a rollout that has a sandbox: the sandbox replays what it
+    lacks while the policy thinks, so that the rollout's next miss finds it up to date. It runs in
+    a thread of this process with the sandbox reserved (reserved.py), from before the answer
+    leaves; if the reservation is held already (a snapshot still being taken), the next miss
+    catches up itself, as it would anyway."""
+    run_reserved(rollout.pk, lambda: _catch_up(task_id, rollout, history, node_id), name="catch-up")
+
+
+def _catch_up(task_id: str, rollout: Rollout, history: tuple[ToolCall, ...], node_id: int) -> None:
+    """Replays and verifies as a miss would (`history` ends with the hit's call, `node_id` its
+    node). The sandbox is marked `executing` meanwhile: a server that dies mid-replay leaves it
+    ahead of `applied`, and the next miss retires it."""
+    row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED, executing=False).first()
+    task = Task.objects.filter(pk=task_id).first()
+    if row is None or task is None:
+        return
+    policy = TaskPolicy.from_json(task.tools)
+    pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+    if not pending:
+        return
+    if not Sandbox.objects.filter(pk=row.pk, state=Sandbox.State.LEASED, executing=False).update(executing=True):
+        return
+    run = _own(task, policy, rollout, row, Phases())
+    # The context's call is not part of the state: replay_file_times reads the history's writes.
+    if run is not None and _caught_up(run, pending, CallContext(history, history[-1], rollout.rollout_id, 0, None),
+                                      node_id):
+        Sandbox.objects.filter(pk=row.pk).update(executing=False)
+
+
+def _reached(answer, context: CallContext) -> int | None:
+    """The node whose state the whole history reaches (its last call's), if the graph has it."""
+    node = answer.match.node
+    return node.node_id if node is not None and answer.match.matched == len(context.history) else None
+
+
+def _caught_up(run: Run, calls, context: CallContext, reached: int | None) -> bool:
     """Replay `calls` and verify; False when the sandbox diverged or died (it is retired then).
     Another failure midway retires it and raises."""
     try:
-        if _replay_verified(run, calls, context, answer):
+        if _replay_verified(run, calls, context, reached):
             return True
         retire(run.row, f"diverged from its history: {run.diverged}")
     except SandboxGone as exc:
@@ -133,7 +183,7 @@ def _from_root(task, backend, policy, rollout, context: CallContext, answer, pha
     run = _run(task, policy, rollout, row, phases)
     if answer.full_replay:
         try:
-            _replay_verified(run, answer.full_replay, context, answer)
+            _replay_verified(run, answer.full_replay, context, _reached(answer, context))
         except SandboxError:
             retire(row, "its replay from the root failed midway")
             raise
@@ -188,10 +238,10 @@ def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
     return row
 
 
-def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
+def _replay_verified(run: Run, calls, context: CallContext, reached: int | None) -> bool:
     """Re-execute state-changing calls whose results are known, to rebuild the state, and compare
-    the sandbox with the fingerprint the history's last node recorded. False (and `diverged` set,
-    a divergence recorded) when a replayed call timed out or the state differs."""
+    the sandbox with the fingerprint the history's last node (`reached`) recorded. False (and
+    `diverged` set, a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
         if not replay_restoring_times(run.sandbox, calls, replay_file_times(
@@ -200,22 +250,21 @@ def _replay_verified(run: Run, calls, context: CallContext, answer) -> bool:
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
         run.row.applied = len(history)
-    node = answer.match.node
-    if node is None or answer.match.matched != len(history):
+    if reached is None:
         return not run.diverged  # no node holds the whole history's state: nothing to compare with
     # A bare fork must be an exact copy; a replay, which wrote back each call's live times, must
     # have their order (StateDigest.order; the shape for a node recorded without it).
     with run.phases.timed("verify"):
-        full, order, shape, tool = Node.objects.filter(pk=node.node_id).values_list(
+        full, order, shape, tool = Node.objects.filter(pk=reached).values_list(
             "state_fingerprint", "state_order", "state_shape", "tool").first() or ("", "", "", "")
         column, expected = (("state_fingerprint", full) if not calls else ("state_order", order) if order
                             else ("state_shape", shape))
         state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
     actual = getattr(state, _DIGESTS[column]) if state else None
     if actual is not None and actual != expected:
-        run.diverged = f"its state ({column}) {actual[:12]} is not node {node.node_id}'s {expected[:12]}"
+        run.diverged = f"its state ({column}) {actual[:12]} is not node {reached}'s {expected[:12]}"
     if run.diverged:
-        divergence_record(task_id=run.task.pk, node_id=node.node_id, tool=tool, kind=Divergence.Kind.STATE,
+        divergence_record(task_id=run.task.pk, node_id=reached, tool=tool, kind=Divergence.Kind.STATE,
                           expected={"fingerprint": expected},
                           observed={"fingerprint": actual, "sandbox": run.row.pool, "why": run.diverged},
                           rollout_id=run.rollout.rollout_id)

@@ -9,7 +9,10 @@ marked `executing` (committed) before a call runs in it; a rollout that finds it
 marked (the server was killed mid-call) retires it, since it may be ahead of the history.
 
 The result is recorded (with the state fingerprint the call left), the rollouts waiting for the
-same call are let go, and a snapshot is taken where the graph wants one.
+same call are let go, and where the graph wants a snapshot it is taken after the answer: a thread
+of this process commits the state the call left while the sandbox stays reserved to it
+(reserved.py); the rollout's next miss, in whichever process, waits for it before it touches the
+sandbox, while its hits never wait. A snapshot that fails costs only the reuse it would have given.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from sandboxes.models import Sandbox
 from .materialize import Phases, Run, retire, rollout_sandbox
 from .engines import engine_queue
 from .pools import idle_deadline, prefork_if_room
+from .reserved import run_reserved
 from .runtime import as_application_error, labels
 
 log = logging.getLogger("tvcache.toolserver")
@@ -78,10 +82,10 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
                                   state=(state.full, state.shape, state.order) if state else ("", "", ""),
                                   file_times=state.times if state else None)
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
-        if outcome.snapshot_wanted:
-            with phases.timed("snapshot"):
-                _snapshot(run, outcome.node_id)
         _executed(run, applied=len(context.history) + int(mutates))
+        if outcome.snapshot_wanted:
+            with phases.timed("snapshot"):  # the hand-off: the snapshot itself is taken after the answer
+                _snapshot_after_answer(run, outcome.node_id)
     except SandboxTampered as exc:
         _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
         raise as_application_error(exc) from None
@@ -119,9 +123,16 @@ def _execute(run: Run, call: ToolCall) -> tuple[dict, float, bool | None]:
     return result, (time.perf_counter() - started) * 1000, observed
 
 
+def _snapshot_after_answer(run: Run, node_id: int) -> None:
+    """The snapshot in a thread of this process, the sandbox reserved to it (reserved.py) so that
+    the rollout's next miss waits for it; on the critical path if the reservation cannot be taken."""
+    if not run_reserved(run.rollout.pk, lambda: _snapshot(run, node_id), name="snapshot"):
+        _snapshot(run, node_id)
+
+
 def _snapshot(run: Run, node_id: int) -> None:
-    """Snapshot on the critical path (the state is only here now); a worker makes it a ready fork.
-    A failed snapshot costs only the reuse it would have given: the call still succeeds."""
+    """Snapshot of the state the call left (it is only in this sandbox); a worker makes it a
+    ready fork. A failed snapshot costs only the reuse it would have given."""
     try:
         info = run.sandbox.snapshot(labels=labels(run.task.pk))
     except SandboxError as exc:

@@ -5,6 +5,9 @@ flight: the others wait for its result and are answered from the cache, their sa
 up on their next miss), executed in the rollout's sandbox brought to its history's state
 (materialize.py) under the known-state rule (misses.py), and recorded.
 
+A rollout that has a sandbox and hits a state-changing call has its sandbox catch up after the
+answer, while the policy thinks (materialize.catch_up_after_answer), so its next miss need not.
+
 The rollout's history holds the calls that changed its state: a hit on a read-only node, or a
 miss that the sandbox observed to change nothing (a `cat` in a docker sandbox), is left out, so
 the rollout's later calls match those of rollouts that did not make it. A detached rollout's
@@ -32,7 +35,7 @@ from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
-from .materialize import Phases, retire
+from .materialize import Phases, catch_up_after_answer, retire
 from .misses import serve_miss
 from .pools import idle_deadline, sandbox_stop
 from .runtime import as_application_error, backend_named, env_check_granted, sandbox_handle
@@ -100,6 +103,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
                 cached = False
         if mutates and on_graph:
             rollout_history_append(rollout_pk=rollout.pk, call=call, length=len(history))
+            if cached and has_sandbox:  # its sandbox is a call behind now: it catches up while the policy thinks
+                catch_up_after_answer(task_id, rollout, (*history, call), node_id)
     finally:
         rollout_unclaim(rollout_pk=rollout.pk)
     return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, phases.ms)
