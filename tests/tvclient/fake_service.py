@@ -70,12 +70,16 @@ class FakeService:
     def requests(self, route: str) -> list[Seen]:
         return [seen for seen in self.seen if seen.route == route]
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        route = next(
+    @staticmethod
+    def route(request: httpx.Request) -> str:
+        return next(
             name
             for name, method, pattern in ROUTES
             if request.method == method and pattern.match(request.url.path)
         )
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        route = self.route(request)
         body = json.loads(request.content) if request.content else None
         self.seen.append(Seen(route, request.url.path, body, dict(request.url.params)))
         status, answer = (

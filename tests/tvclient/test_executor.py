@@ -136,10 +136,135 @@ def test_a_miss_returns_while_its_snapshot_is_still_being_taken(service, client)
     threading.Timer(0.2, release_fork.set).start()
     service.script("lookup", miss(replay=[set_a], matched=1))
     executor.execute(call("append", key="a", value="2"))
+    executor.flush()  # the registration may still be on its way
     assert len(service.requests("snapshot")) == 1
     assert store.get(service.requests("snapshot")[0].body["ref"]).data == {"a": "1"}
     assert executor.background_wait_ms > 0.0  # counted: the policy's thinking did not cover it
     executor.close()
+
+
+def held_back(service, *routes):
+    """A handler that holds the requests of `routes` until its event is set."""
+    release = threading.Event()
+
+    def handle(request):
+        if service.route(request) in routes:
+            assert release.wait(10)
+        return service.handle(request)
+
+    return handle, release
+
+
+def routes(service):
+    return [seen.route for seen in service.seen]
+
+
+def second_record(service):
+    """Where the second record came, among the requests the service saw."""
+    return [index for index, route in enumerate(routes(service)) if route == "record"][1]
+
+
+def test_the_next_miss_waits_for_the_frozen_snapshot_not_its_registration_nor_the_lease(service):
+    handle, release = held_back(service, "snapshot", "release")
+    set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
+    store = SnapshotStore()
+    store.add("snap-1", frozen({}))
+    with served(handle) as url, TVCacheClient(url, "secret") as client:
+        executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+        service.script("lookup", miss(replay=[], resume=resume("snap-1", [], lease_id=9)))
+        service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+        executor.execute(set_a)
+        service.script("lookup", miss(replay=[set_a], matched=1))
+        # Runs while the registration and the lease release are held.
+        assert executor.execute(set_b) == {"value": "2"}
+        assert len(store) == 2  # snap-1 and the frozen snapshot, stored before its registration
+        # The second record waits for the first miss's registration: the service decides on a
+        # snapshot after set_b knowing the one after set_a.
+        assert sorted(routes(service)) == ["lookup", "lookup", "record"]
+        release.set()
+        executor.close()
+    assert sorted(routes(service)[3:]) == ["record", "release", "snapshot"]
+    assert routes(service).index("snapshot") < second_record(service)
+    (registration,) = service.requests("snapshot")
+    assert store.get(registration.body["ref"]).data == {"a": "1"}  # frozen before set_b ran
+    assert histories(service) == [([], set_a), ([set_a], set_b)]
+
+
+def test_the_next_miss_waits_for_the_record_that_decides_on_a_snapshot(service):
+    handle, release = held_back(service, "record")
+    set_a = call("set", key="a", value="1")
+    store = SnapshotStore()
+    with served(handle) as url, TVCacheClient(url, "secret") as client:
+        executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+        service.script("lookup", miss(replay=[]))
+        service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+        executor.execute(set_a)
+        threading.Timer(0.2, release.set).start()
+        service.script("lookup", miss(replay=[set_a], matched=1))
+        executor.execute(call("append", key="a", value="2"))
+        executor.close()
+    (registration,) = service.requests("snapshot")
+    assert store.get(registration.body["ref"]).data == {"a": "1"}  # not {"a": "12"}
+    assert executor.background_wait_ms > 0.0
+
+
+def test_replays_are_recorded_after_the_last_snapshot_is_registered(service):
+    handle, release = held_back(service, "snapshot")
+    set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
+    with served(handle) as url, TVCacheClient(url, "secret") as client:
+        executor = ToolCallExecutor(client, TASK, Factory())
+        service.script("lookup", miss(replay=[]))
+        service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+        executor.execute(set_a)
+        play_hits(service, executor, [set_b])  # another rollout's: pending replay here
+        threading.Timer(0.2, release.set).start()
+        service.script("lookup", miss(replay=[set_a, set_b], matched=2))
+        assert executor.execute(call("get", key="b")) == {"value": "2"}
+        executor.close()
+    assert routes(service).index("snapshot") < second_record(service)
+    assert histories(service) == [([], set_a), ([set_a], set_b), ([set_a, set_b], call("get", key="b"))]
+
+
+def test_an_error_after_the_freeze_is_raised_by_a_later_wait(service, client):
+    failing = threading.Event()
+
+    class FailingStore(SnapshotStore):
+        def add(self, ref, env):
+            assert failing.wait(10)
+            raise RuntimeError("store broke")
+
+    executor = ToolCallExecutor(client, TASK, Factory(), snapshots=FailingStore())
+    set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+    executor.execute(set_a)
+    service.script("lookup", miss(replay=[set_a], matched=1))
+    assert executor.execute(set_b) == {"value": "2"}  # the snapshot was frozen: it went on
+    failing.set()
+    with pytest.raises(RuntimeError, match="store broke"):
+        executor.flush()
+    executor.flush()  # raised once
+    assert histories(service) == [([], set_a), ([set_a], set_b)]
+    assert service.requests("snapshot") == []
+    assert len(service.requests("release")) == 0
+
+
+def test_close_waits_for_every_miss_s_background_work(service):
+    handle, release = held_back(service, "snapshot")
+    calls = [call("set", key=key, value="1") for key in "abc"]
+    with served(handle) as url, TVCacheClient(url, "secret") as client:
+        executor = ToolCallExecutor(client, TASK, Factory())
+        service.script("lookup", miss(replay=[]))
+        service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+        executor.execute(calls[0])
+        service.script("lookup", miss(replay=calls[:1], matched=1))
+        executor.execute(calls[1])
+        threading.Timer(0.2, release.set).start()
+        service.script("lookup", miss(replay=calls[:2], matched=2))
+        executor.execute(calls[2])  # waits for the second record, sent after the registration
+        executor.close()
+        assert routes(service).index("snapshot") < second_record(service)
+    assert histories(service) == [([], calls[0]), (calls[:1], calls[1]), (calls[:2], calls[2])]
 
 
 def test_close_alone_sends_the_last_record(service, client):

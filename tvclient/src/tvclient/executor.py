@@ -10,7 +10,8 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar, cast
 
 from .client import TVCacheClient
@@ -35,11 +36,37 @@ MAX_FILE_TIMES_PATHS = 4 << 20
 
 @dataclass(frozen=True, slots=True)
 class _Background:
-    """The last miss's record, snapshot and lease release, going on in a thread of its own."""
+    """A miss's record, snapshot and lease release, going on in a thread of its own.
+
+    Its events are set as it gets there, and all of them once it is over (a failure included,
+    which `done` then carries), so that nothing waits on them for ever.
+    """
 
     call: Call
-    recorded: threading.Event  # set once the record is done, or given up
-    done: Future[None]  # all of it; carries what it raised
+    recorded: threading.Event = field(default_factory=threading.Event)  # the record is done, or given up
+    # It no longer uses the environment: the snapshot is frozen (env.fork() returned), or none
+    # was wanted. Its registration and the lease release may still be on their way.
+    env_free: threading.Event = field(default_factory=threading.Event)
+    # The record and the snapshot's registration are done: the next miss's record may be sent.
+    registered: threading.Event = field(default_factory=threading.Event)
+    done: Future[None] = field(default_factory=Future)  # all of it; carries what it raised
+
+    def run(self, work: Callable[[], Any]) -> None:
+        """Run `work` in a thread of its own."""
+
+        def target() -> None:
+            try:
+                work()
+            except BaseException as exc:
+                self.done.set_exception(exc)
+            else:
+                self.done.set_result(None)
+            finally:  # after `done`: a waiter that wakes finds what it raised
+                for event in (self.recorded, self.env_free, self.registered):
+                    event.set()
+
+        # Not a daemon: an interpreter that exits without close() still sends the last record.
+        threading.Thread(target=target, name="tvclient-record").start()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,23 +92,6 @@ def _json_copy(value: _J) -> _J:
     # The caller may reuse its dict, and calls must compare equal to the service's JSON echo
     # of them (a tuple argument comes back as a list).
     return cast(_J, json.loads(json.dumps(value)))
-
-
-def _in_background(work: Callable[[], Any]) -> Future[None]:
-    """Run `work` in a thread of its own; the future carries what it raised."""
-    done: Future[None] = Future()
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
-
-    # Not a daemon: an interpreter that exits without close() still sends the last record.
-    threading.Thread(target=run, name="tvclient-record").start()
-    return done
 
 
 def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]:
@@ -124,19 +134,26 @@ class ToolCallExecutor:
     the state-changing calls it lacks; later misses reuse it. Every executed call, replays
     included, is sent to the service to be recorded.
 
-    A miss returns as soon as its call has run: its record, the snapshot the service may ask
-    for and the release of its lease go on in a thread of their own, while the policy
-    generates the next call. The executor waits for them before it next touches the
-    environment (a later miss, `env`) and in `flush()` and `close()`. If the service rejects
-    the record or the snapshot's registration, or cannot be reached, that is logged and
-    counted in `record_failures` and the call's result stands: the cache only lacks that node
-    or snapshot. Any other error there (the environment failing to fork, say) is raised by
-    the next of those waits.
+    A miss returns as soon as its call has run: reading what it changed (`file_times`), its
+    record, the snapshot the service may ask for, the snapshot's registration and the release
+    of its lease go on in a thread of their own, while the policy generates the next call. A
+    hit waits for none of it. The next call that uses the environment (a miss, an audit)
+    waits only until that work no longer uses it: the snapshot is frozen (`env.fork()`
+    returned, so it holds the state right after the call), or the record answered that none
+    is wanted. The registration and the lease release go on meanwhile, so the work of several
+    misses may overlap; each miss's record is sent after the previous miss's record and
+    snapshot registration (a node's parent is recorded first, and the service decides the
+    next snapshot knowing the last). `env`, `flush()` and `close()` wait for all of it. If
+    the service rejects a record or a snapshot's registration, or cannot be reached, that is
+    logged and counted in `record_failures` and the call's result stands: the cache only
+    lacks that node or snapshot. Any other error there (the environment failing to fork,
+    say) is raised by the next of those waits that finds it done.
 
     Counters: `hits`, `misses`, `executed` (looked-up calls run in an environment),
     `replayed` (calls run again only to rebuild state), `waited` (calls that waited for
     another rollout executing them) and `background_wait_ms` (time the rollout waited for a
-    miss's background work that the policy's thinking did not cover: mostly snapshots).
+    miss's background work that the policy's thinking did not cover: mostly snapshots being
+    frozen).
 
     Single flight (with a `rollout_id`, unless `single_flight=False`): a miss claims the call,
     and a rollout that misses on a call another rollout is executing in the same state waits
@@ -208,7 +225,9 @@ class ToolCallExecutor:
         self.divergent = 0
         self.audits_skipped = 0
         self.detached = False
-        self._background: _Background | None = None
+        # Misses' background work, oldest first: only the last one may still use the environment.
+        self._background: list[_Background] = []
+        self._failures = threading.Lock()  # background threads count record_failures too
 
     @property
     def history(self) -> tuple[Call, ...]:
@@ -220,7 +239,7 @@ class ToolCallExecutor:
     def env(self) -> ToolExecutionEnvironment | None:
         """The rollout's own environment, once a miss has materialised it.
 
-        Waits for the last miss's background work first, which may still be forking it.
+        Waits for the misses' background work first, which may still be forking it.
         """
         self.flush()
         return self._env
@@ -229,7 +248,7 @@ class ToolCallExecutor:
         call = _json_copy(call)
         if self.detached:
             return self._execute_detached(call)
-        background = self._background
+        background = self._background[-1] if self._background else None
         if background is not None and background.call == call:
             # The rollout repeats the call it has just missed: once that is recorded, the
             # lookup hits rather than claiming the call again and executing it a second time.
@@ -270,18 +289,42 @@ class ToolCallExecutor:
             delay = min(delay * 2, FLIGHT_POLL_MAX_S)
 
     def flush(self) -> None:
-        """Wait for the last miss's record, snapshot and lease release to be done.
+        """Wait for the misses' records, snapshots, registrations and lease releases to be done.
 
         Raises what that work raised, but for the service errors it logs and counts.
         """
-        background, self._background = self._background, None
-        if background is None:
+        if not self._background:
             return
         started = time.perf_counter()
         try:
-            background.done.result()
+            wait_all([background.done for background in self._background])
         finally:
             self.background_wait_ms += _elapsed_ms(started)
+        self._collect()
+
+    def _env_settled(self, *, registered: bool = False) -> None:
+        """Wait until the misses' background work no longer uses the environment (the last
+        one's snapshot is frozen), or also until the last snapshot is registered, and raise
+        what finished work raised, as flush() does."""
+        if not self._background:
+            return
+        started = time.perf_counter()
+        try:
+            last = self._background[-1]
+            (last.registered if registered else last.env_free).wait()
+        finally:
+            self.background_wait_ms += _elapsed_ms(started)
+        self._collect()
+
+    def _collect(self) -> None:
+        """Forget the background work that is over; raise the first error it raised."""
+        over = [background for background in self._background if background.done.done()]
+        self._background = [background for background in self._background if not background.done.done()]
+        errors = [error for error in (background.done.exception() for background in over) if error is not None]
+        for error in errors[1:]:
+            logger.error("background work of a miss failed too", exc_info=error)
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         try:
@@ -311,7 +354,7 @@ class ToolCallExecutor:
         if lookup.mutates or self._env is None or self._pending or lookup.node_id is None:
             self.audits_skipped += 1
             return
-        self.flush()  # the environment may still be forking for the last miss's snapshot
+        self._env_settled()  # the environment may still be forking for the last miss's snapshot
         env = self._env
         try:
             fresh, mutated = env.execute_observed(call)
@@ -331,7 +374,7 @@ class ToolCallExecutor:
                 self.task_id, lookup.node_id, _json_copy(fresh), rollout_id=self.rollout_id
             )
         except TVCacheError as exc:
-            self.record_failures += 1
+            self._count_failure()
             logger.warning("could not report the audit of %s: %s", call, exc)
             return
         self.audited += 1
@@ -348,12 +391,15 @@ class ToolCallExecutor:
                 self._release(lease_id, restore_ms)
 
         try:
-            self.flush()  # the previous miss's snapshot is taken before the environment moves on
             if self._env is None:
                 restore_ms, replay = self._open_env(lookup)
             else:
                 replay, self._pending = self._pending, []
+            # Asked over HTTP while the last miss's snapshot may still be freezing.
             times = self._replay_file_times(call, replay)
+            # The last miss's snapshot is frozen before the environment moves on, and registered
+            # before a replay is recorded (the service decides on a snapshot knowing it).
+            self._env_settled(registered=bool(replay))
         except BaseException:  # no call ran: the next miss opens an environment again
             self._drop_env()
             give_up()
@@ -376,45 +422,53 @@ class ToolCallExecutor:
             return executed.result, executed.mutated
         # The caller owns the result it gets back; the record sends a copy taken now.
         recorded = replace(executed, result=_json_copy(executed.result))
-        claimed, done_recording = lookup.claim == "granted", threading.Event()
-        self._background = _Background(
-            call,
-            done_recording,
-            _in_background(
-                lambda: self._record_in_background(
-                    recorded, claimed, lease_id, restore_ms, done_recording
-                )
-            ),
+        claimed, env = lookup.claim == "granted", self._env
+        previous = self._background[-1] if self._background else None
+        background = _Background(call)
+        background.run(
+            lambda: self._record_in_background(
+                env, recorded, claimed, lease_id, restore_ms, background, previous
+            )
         )
+        self._background.append(background)
         return executed.result, executed.mutated
 
     def _record_in_background(
         self,
+        env: ToolExecutionEnvironment,
         executed: _Executed,
         claimed: bool,
         lease_id: int | str | None,
         restore_ms: float | None,
-        done_recording: threading.Event,
+        background: _Background,
+        previous: _Background | None,
     ) -> None:
         try:
             try:
-                recorded = self._record(replace(executed, file_times=self._changed_file_times(executed)))
+                file_times = self._changed_file_times(env, executed)
+                if previous is not None:
+                    previous.registered.wait()
+                recorded = self._record(replace(executed, file_times=file_times))
             except BaseException as exc:
                 if claimed:  # rollouts waiting on this call execute it now
                     self._release_claim(executed.history, executed.call)
                 if not isinstance(exc, TVCacheError):
                     raise
-                self.record_failures += 1
+                self._count_failure()
                 logger.warning("could not record %s: %s", executed.call, exc)
+                background.env_free.set()
+                background.registered.set()
                 return
             finally:
-                done_recording.set()
+                background.recorded.set()
             # Recorded: the claim stays, so that rollouts waiting on it take the hit.
             try:
-                self._keep_snapshot(recorded)
+                self._keep_snapshot(env, recorded, background.env_free)
             except TVCacheError as exc:
-                self.record_failures += 1
+                self._count_failure()
                 logger.warning("could not register a snapshot after %s: %s", executed.call, exc)
+            background.env_free.set()
+            background.registered.set()
         finally:
             if lease_id is not None:
                 self._release(lease_id, restore_ms)
@@ -447,12 +501,12 @@ class ToolCallExecutor:
         replay = [self._history[position] for position in positions]
         return self._client.replay_file_times(self.task_id, self._history, call, replay)
 
-    def _changed_file_times(self, executed: _Executed) -> Mapping[str, int] | None:
+    @staticmethod
+    def _changed_file_times(env: ToolExecutionEnvironment, executed: _Executed) -> Mapping[str, int] | None:
         """What a call that ran live changed, as the environment saw it, if it can be sent."""
         if executed.mutated is False:
             return None
-        assert self._env is not None
-        times = self._env.file_times()
+        times = env.file_times()
         if times is None or len(times) > MAX_FILE_TIMES or sum(map(len, times)) > MAX_FILE_TIMES_PATHS:
             return None
         return dict(times)
@@ -467,7 +521,7 @@ class ToolCallExecutor:
             raise ReplayFailed(f"the replay of {call.get('tool')!r} timed out")
         if file_times:
             self._env.restore_file_times(file_times)
-        self._keep_snapshot(self._record(replace(executed, file_times=file_times)))
+        self._keep_snapshot(self._env, self._record(replace(executed, file_times=file_times)))
 
     def _detach(self, reason: str) -> None:
         """Take the rollout off the shared graph (the known-state rule, class docstring)."""
@@ -475,7 +529,7 @@ class ToolCallExecutor:
         self.detached, self._pending = True, []
 
     def _execute_detached(self, call: Call) -> ToolResult:
-        self.flush()
+        self._env_settled()
         if self._env is None:
             raise ReplayFailed("the rollout left the shared graph and its environment is gone: end the rollout")
         self.executed += 1
@@ -500,17 +554,23 @@ class ToolCallExecutor:
             file_times=executed.file_times,
         )
 
-    def _keep_snapshot(self, recorded: RecordResult) -> None:
-        """Take the snapshot the service asks for after a record, and drop what it evicted."""
+    def _keep_snapshot(
+        self, env: ToolExecutionEnvironment, recorded: RecordResult, env_free: threading.Event | None = None
+    ) -> None:
+        """Take the snapshot the service asks for after a record in `env`, and drop what it
+        evicted. `env_free` is set as soon as `env` may move on."""
         if recorded.snapshot_wanted:
-            self._snapshot(recorded.node_id)
+            self._snapshot(env, recorded.node_id, env_free)
+        elif env_free is not None:
+            env_free.set()
         self._discard(recorded.evicted)
 
-    def _snapshot(self, node_id: int) -> None:
-        assert self._env is not None
+    def _snapshot(self, env: ToolExecutionEnvironment, node_id: int, env_free: threading.Event | None) -> None:
         started = time.perf_counter()
-        frozen = self._env.fork()
+        frozen = env.fork()
         create_ms = _elapsed_ms(started)
+        if env_free is not None:  # frozen: the rollout's next miss may move the environment on
+            env_free.set()
         ref = uuid.uuid4().hex
         # Stored before the service can offer the ref, so that another executor of this
         # process that is offered it right away finds it.
@@ -528,6 +588,10 @@ class ToolCallExecutor:
             self.snapshots.discard(ref)
             raise
         self._discard(registration.evicted)
+
+    def _count_failure(self) -> None:
+        with self._failures:
+            self.record_failures += 1
 
     def _discard(self, refs: tuple[str, ...]) -> None:
         for ref in refs:
@@ -549,6 +613,8 @@ class ToolCallExecutor:
             logger.warning("could not release the claim on %s: %s", call, exc)
 
     def _drop_env(self) -> None:
+        if self._background:  # never stop an environment while a snapshot of it is being frozen
+            self._background[-1].env_free.wait()
         env, self._env, self._pending = self._env, None, []
         if env is not None:
             env.stop()
