@@ -36,14 +36,15 @@ from .reserved import run_reserved, wait_unreserved
 from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 
 
-# How long a miss waits for its rollout's previous snapshot (reserved.py); past it the snapshot is
-# stuck and the sandbox is retired rather than touched while a commit may still read it.
+# How long a miss waits for the work on its rollout's sandbox after the previous answer (a snapshot,
+# a catch-up: reserved.py); past it the work is stuck, and the sandbox is retired rather than
+# touched while a commit may still read it.
 RESERVED_WAIT_S = 300.0
 
 
 class Phases:
-    """Where a call's time goes: lookup, wait (single flight), snapshot_wait (for the rollout's
-    previous snapshot), materialize (start or fork), replay, verify (state fingerprints), exec,
+    """Where a call's time goes: lookup, wait (single flight), background_wait (for the work on the
+    rollout's sandbox after its previous answer: a snapshot, a catch-up), materialize (start or fork), replay, verify (state fingerprints), exec,
     fingerprint (of the new state), record, snapshot (its hand-off: it is taken after the answer)."""
 
     def __init__(self):
@@ -79,12 +80,12 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
     one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
     root. A sandbox whose replay failed midway is retired: its state is unknown."""
     policy = TaskPolicy.from_json(task.tools)
-    waited_ms = wait_unreserved(rollout.pk, timeout_s=RESERVED_WAIT_S)  # the previous miss's snapshot
+    waited_ms = wait_unreserved(rollout.pk, timeout_s=RESERVED_WAIT_S)  # work after the previous answer
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
     if waited_ms:
-        phases.ms["snapshot_wait"] = waited_ms
+        phases.ms["background_wait"] = waited_ms
     if row is not None and waited_ms is None:
-        retire(row, f"its snapshot was still being taken after {RESERVED_WAIT_S:.0f} s")
+        retire(row, f"work after an answer (a snapshot, a catch-up) still held it after {RESERVED_WAIT_S:.0f} s")
         row = None
     if row is not None and row.executing:
         retire(row, "cut off mid-call (the server stopped): it may be ahead of the rollout's history")

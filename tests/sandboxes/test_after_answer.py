@@ -69,7 +69,7 @@ def test_the_answer_comes_before_the_snapshot_and_the_next_miss_waits_for_it(api
     assert second.is_alive() and "answer" not in out
     release.set()
     second.join(120)
-    assert out["answer"]["result"]["stdout"] == "built\n" and out["answer"]["phases_ms"]["snapshot_wait"] > 0
+    assert out["answer"]["result"]["stdout"] == "built\n" and out["answer"]["phases_ms"]["background_wait"] > 0
     assert settle()
     snapshot = Snapshot.objects.get(task_id=task, status="live")
     # The snapshot holds the state before r1's second call: a fork of it does not see "more".
@@ -95,7 +95,7 @@ def test_a_failed_snapshot_never_breaks_the_rollout(api, docker_task, monkeypatc
     assert not Snapshot.objects.filter(task_id=task).exists()
     again = run(api, task, "r1", bash("cat /w/out; pwd"))  # the same sandbox, free again
     assert again["cached"] is False and again["result"]["stdout"] == "built\n/w\n"
-    assert "snapshot_wait" not in again["phases_ms"]
+    assert "background_wait" not in again["phases_ms"]
 
 
 def test_a_state_changing_hit_is_replayed_in_the_rollouts_sandbox_after_the_answer(api, docker_task):
