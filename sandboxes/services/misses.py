@@ -21,10 +21,12 @@ import logging
 import time
 from typing import Any
 
+from django.db import transaction
+
 from cache.errors import Conflict, Forbidden
 from cache.inputs import CallContext, RecordInput
 from cache.models import Snapshot
-from cache.services import lease_release, node_record, rollout_detach, snapshot_register
+from cache.services import lease_release, node_record, rollout_detach, rollout_history_append, snapshot_register
 from cache.services.background import job_enqueue
 from cache.tcg import ToolCall
 from observability import metrics
@@ -42,9 +44,10 @@ log = logging.getLogger("tvcache.toolserver")
 
 
 def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
-                phases: Phases) -> tuple[Any, int | None, bool, bool]:
-    """The call executed in the rollout's sandbox: its result, node, whether it changed the state,
-    and whether the rollout is still on the shared graph (False: it was detached)."""
+                phases: Phases) -> tuple[Any, int | None, bool]:
+    """The call executed in the rollout's sandbox: its result, node (None: the rollout was
+    detached) and whether it changed the state. A call that changed the state is appended to the
+    rollout's history here, with its record."""
     restore_ms = None
     try:
         run = rollout_sandbox(task, backend, rollout, context, answer, phases)
@@ -72,17 +75,21 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
         raise as_application_error(exc) from None
     if result.get("timed_out") or run.diverged:
         _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")
-        return result, None, True, False
+        return result, None, True
     try:
         mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
         with phases.timed("fingerprint"):
             state = run.sandbox.state_fingerprint() if mutates else None
-        with phases.timed("record"):
+        # One commit for the node, the sandbox's progress and the rollout's history (each commit
+        # waits for the disk).
+        with phases.timed("record"), transaction.atomic():
             outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
                                   state=(state.full, state.shape, state.order) if state else ("", "", ""),
                                   file_times=state.times if state else None)
+            _executed(run, applied=len(context.history) + int(mutates))
+            if mutates:
+                rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
-        _executed(run, applied=len(context.history) + int(mutates))
         if outcome.snapshot_wanted:
             with phases.timed("snapshot"):  # the hand-off: the snapshot itself is taken after the answer
                 _snapshot_after_answer(run, outcome.node_id)
@@ -92,7 +99,7 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except BaseException:
         retire(run.row, "failed after its call ran: its state is ahead of the rollout's history")
         raise
-    return result, outcome.node_id, mutates, True
+    return result, outcome.node_id, mutates
 
 
 def _mark_executing(run: Run) -> None:

@@ -86,7 +86,7 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
                 lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
                              saved_ms=answer.exec_ms)
                 result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
-                mutates, on_graph = answer.mutates, True
+                mutates = answer.mutates
                 if answer.audit:  # sampled: a worker re-executes it at this state and compares
                     hit_audit_enqueue(task_id=task_id, node_id=node_id, rollout_pk=rollout.pk, applied=len(history),
                                       backend=handle.backend)
@@ -98,12 +98,12 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
                     raise unknown_task(task_id)
                 backend = backend_named(task.env.get("backend", "external"))
                 _granted(task)
-                result, node_id, mutates, on_graph = serve_miss(task, backend, rollout, context, answer,
-                                                                 recorded=flight.release, phases=phases)
+                result, node_id, mutates = serve_miss(task, backend, rollout, context, answer,
+                                                      recorded=flight.release, phases=phases)
                 cached = False
-        if mutates and on_graph:
+        if mutates and cached:  # (a miss appended its call with its record: misses.py)
             rollout_history_append(rollout_pk=rollout.pk, call=call, length=len(history))
-            if cached and has_sandbox:  # its sandbox is a call behind now: it catches up while the policy thinks
+            if has_sandbox:  # its sandbox is a call behind now: it catches up while the policy thinks
                 catch_up_after_answer(task_id, rollout, (*history, call), node_id)
     finally:
         rollout_unclaim(rollout_pk=rollout.pk)
