@@ -222,6 +222,11 @@ class SessionAgent:
             self._pid = self.api.exec_inspect(self.exec_id).get("Pid") or 0
         return self._pid
 
+    def live_pid(self) -> int:
+        """The agent's host pid while it runs, else 0: a dead agent's pid may name another process now."""
+        state = self.api.exec_inspect(self.exec_id)
+        return (state.get("Pid") or 0) if state.get("Running") else 0
+
     def close(self) -> None:
         """Hangs up: the agent reads the end of its stdin and exits (the caller kills it if it must)."""
         self.closed = True

@@ -333,7 +333,7 @@ class DockerSandbox(Sandbox):
 
     def _agent_kill(self, agent: SessionAgent) -> None:
         try:
-            pid = agent.pid()
+            pid = agent.live_pid()
         except docker.errors.APIError:
             pid = 0
         if pid:

@@ -70,11 +70,13 @@ PARITY = [
     "printf 'no newline'; printf 'err no newline' >&2",
     "printf '%s|' 'a\\\\b' '\\n' \"$(printf 'x\\ny')\"\necho second line\n\n",
     "echo before; (sleep 0.3; echo late; echo late-err >&2) & echo after",  # the call ends with its writers
-    "(sleep 0.2; touch /w/g) >/dev/null 2>&1 & exit 3",
+    "(sleep 0.5; touch /w/g) >/dev/null 2>&1 & exit 3",  # a straggler that writes after the call's end
+    "while [ ! -e /w/g ]; do sleep 0.05; done; echo seen",  # its write is this call's change, in both
     "printf '\\0TVC%s 0\\n' 0123456789abcdef0123456789abcdef; printf '\\0TVC%s end\\n' x >&2; printf '\\0TVC'",
     "yes 0123456789 | head -c 300000",  # past the output cap
     "echo x; sleep 5; echo y",  # killed at its timeout
     "echo x >&2; kill -9 $$",
+    "exit 200",
     "echo last; cat /w/f; ls /w",
 ]
 
@@ -124,6 +126,17 @@ def test_a_timed_out_call_whose_output_a_daemon_holds_ends_at_its_timeout(docker
     assert result["timed_out"] is True and result["stdout"] == "started\n" and result["stderr"] == ""
     assert time.monotonic() - started < 30
     assert bash(sandbox, "echo next")["stdout"] == "next\n"
+    assert len(agents(docker_client, sandbox)) == 1
+
+
+def test_a_writer_left_by_a_timed_out_call_never_writes_into_the_next_call(docker_client, sandbox):
+    result = bash(sandbox, "(setsid sh -c 'while :; do echo tick; echo tock >&2; sleep 0.05; done' &); sleep 30",
+                  timeout_s=1)
+    assert result["timed_out"] is True and result["exit_code"] == 137
+    assert set(result["stdout"].split()) == {"tick"} and set(result["stderr"].split()) == {"tock"}
+    for _ in range(5):
+        assert bash(sandbox, "echo next; sleep 0.1") == {"stdout": "next\n", "stderr": "", "exit_code": 0,
+                                                         "timed_out": False, "truncated": False}
     assert len(agents(docker_client, sandbox)) == 1
 
 
