@@ -10,7 +10,7 @@ stderr; a relay ends when every process holding its pipe closed it, so the call 
 output writers have closed, as an exec's stream does.
 
 The protocol, per call; every marker carries a random nonce the call never sees:
-- the host writes a line of the nonce and the command's line count, then the command's lines;
+- the host writes the nonce on a line, then the command and a NUL (commands hold none);
 - stderr opens with `\\0TVC<nonce> start` before the call's processes exist (an agent that dies
   before it ran nothing: the call can run by exec), or `... unavailable` when a tool the agent
   needs is gone (the agent exits);
@@ -45,13 +45,8 @@ AGENT_NAME = "tvcache-session"
 # /dev/null, as the groups around it have (the agent's stdin is the protocol's alone).
 AGENT_SCRIPT = r"""exec 5>&1 6>&2 >/dev/null 2>&1
 __tvc_sh=$1 __tvc_call=$2
-while IFS=' ' read -r __tvc_n __tvc_k; do
-IFS= read -r __tvc_c || exit 96
-while [ "$__tvc_k" -gt 1 ]; do
-IFS= read -r __tvc_l || exit 96
-__tvc_c="$__tvc_c
-$__tvc_l" __tvc_k=$((__tvc_k - 1))
-done
+while IFS= read -r __tvc_n; do
+IFS= read -r -d '' __tvc_c || exit 96
 for __tvc_t in setsid env cat; do
 command -v "$__tvc_t" || { printf '\0TVC%s unavailable\n' "$__tvc_n" >&6; exit 98; }
 done
@@ -167,10 +162,8 @@ class CallFrames:
 
 
 def encode_request(nonce: str, command: str) -> bytes:
-    """The nonce and the command's line count, then its lines (read back by the agent's `read`)."""
-    body = command.encode("utf-8")
-    lines = body.count(b"\n") + 1
-    return f"{nonce} {lines}\n".encode() + body + b"\n"
+    """The nonce on a line, then the command up to a NUL (it has none: read back by `read -d ''`)."""
+    return f"{nonce}\n".encode() + command.encode("utf-8") + b"\0"
 
 
 class SessionAgent:

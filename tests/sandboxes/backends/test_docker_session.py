@@ -241,6 +241,14 @@ def test_a_failed_relay_is_seen():
     assert frames.finished and not frames.relays_ok
 
 
-def test_a_request_carries_the_command_line_by_line():
-    assert encode_request("ab", "echo 1\necho 2\n") == b"ab 3\necho 1\necho 2\n\n"
-    assert encode_request("ab", "") == b"ab 1\n\n"
+def test_a_request_carries_the_command_whole():
+    assert encode_request("ab", "echo 1\necho 2\n") == b"ab\necho 1\necho 2\n\0"
+    assert encode_request("ab", "") == b"ab\n\0"
+
+
+def test_a_long_command_of_many_lines_runs_in_the_agent(docker_client, sandbox):
+    bash(sandbox, "true")
+    before = agents(docker_client, sandbox)
+    command = "x=1\n" * 30_000 + "echo done"  # 120 KB: read at once, not line by line
+    assert bash(sandbox, command)["stdout"] == "done\n"
+    assert agents(docker_client, sandbox) == before  # not given up for exec
