@@ -1,9 +1,9 @@
 """A container's session agent: one shell process started by a single `docker exec` with stdin
-attached, that runs each bash call as a `docker exec` of session._CALL_SCRIPT would, so a call
+attached, that runs each bash call as a `docker exec` of session.CALL_SCRIPT would, so a call
 costs its own shell's time instead of an exec's 50 to 90 ms.
 
 The agent is a shell script (ash on busybox, bash on debian: nothing is added to the sandbox's
-files). Per call it starts `setsid env -i SHELL -c _CALL_SCRIPT SHELL COMMAND </dev/null`: a fresh
+files). Per call it starts `setsid env -i SHELL -c CALL_SCRIPT SHELL COMMAND </dev/null`: a fresh
 shell from an empty environment, in a session of its own, with only fds 0, 1 and 2. The call's
 stdout and stderr are pipes to two `cat` relays, which copy them to the agent's own stdout and
 stderr; a relay ends when every process holding its pipe closed it, so the call ends when all its
@@ -38,11 +38,12 @@ AGENT_NAME = "tvcache-session"
 # Run as `SHELL -c AGENT_SCRIPT tvcache-session SHELL CALL_SCRIPT`. Fds: 5 and 6 keep the exec's
 # stdout and stderr, and only markers and the relays write there: the agent's shells have their
 # own stdout and stderr on /dev/null, so none of their messages (a shell reports a child killed by
-# a signal: "Killed") can enter a call's output; the call's redirections are made by a subshell
-# that becomes the call (exec), never by the shell that waits for it (ash applies a command's
-# redirections in the waiting shell, and would print "Killed" into the call's stderr). 3 is the stdout relay's pipe, 4 the command
-# substitution that collects the relays' statuses; the call has none of them, and stdin from
-# /dev/null, as the groups around it have (the agent's stdin is the protocol's alone).
+# a signal: "Killed") can enter a call's output. The call's redirections are made by a subshell
+# that becomes the call (exec), never by the shell that waits for it: ash applies a command's
+# redirections in the waiting shell, which would print "Killed" into the call's stderr. 3 is the
+# stdout relay's pipe, 4 the command substitution that collects the relays' statuses; the call
+# has none of them, and stdin from /dev/null, as the groups around it have (the agent's stdin is
+# the protocol's alone).
 AGENT_SCRIPT = r"""exec 5>&1 6>&2 >/dev/null 2>&1
 __tvc_sh=$1 __tvc_call=$2
 while IFS= read -r __tvc_n; do

@@ -262,7 +262,7 @@ class DockerSandbox(Sandbox):
                     self._agent_end()
                     if frames.exit_code is None:
                         raise self._broken(frames, "the call left no exit status")
-            elif not frames.relays_ok:
+            if frames.finished and not frames.relays_ok:
                 raise self._broken(frames, "a relay of the call's output failed")
         except OSError as exc:  # the hijacked connection broke: engine or container went away
             self._agent_end()

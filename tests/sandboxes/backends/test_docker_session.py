@@ -153,6 +153,13 @@ def test_a_call_that_kills_its_agent_or_relays_is_refused(docker_client, sandbox
     assert bash(sandbox, "pwd; echo again")["stdout"] == "/tmp\nagain\n"
 
 
+def test_a_call_that_kills_its_relays_then_times_out_is_refused(sandbox):
+    with pytest.raises(SessionBroken):
+        bash(sandbox, f"echo before; for p in $({pids_of(chr(34) + 'cat ' + chr(34))}); do kill -9 $p; done; sleep 30",
+             timeout_s=1)
+    assert bash(sandbox, "echo again")["stdout"] == "again\n"
+
+
 def test_a_call_that_kills_everything_kills_the_container_as_under_exec(docker_client, test_labels, image):
     for session in (True, False):
         sandbox = make_docker_backend(session=session).start({**ENV, "image": image}, labels=test_labels)
