@@ -51,6 +51,40 @@ def bash(command: str) -> dict[str, Any]:
 # --- the docker backend alone ------------------------------------------------------------------
 
 
+CALL_COMMANDS = ("true", "echo hi > f")
+
+
+def call_latency(make_backend: Callable[[bool], Any], image: str, labels: dict[str, str], rounds: int) -> dict[str, Any]:
+    """A bash call's latency in one running sandbox, by a `docker exec` per call against the
+    session agent (one per container): plain (`execute`: a replay, the no-cache arm) and observed
+    (`execute_observed`: a tool-server miss, the layer listed before and after). Modes, commands
+    and observation alternate call by call (the mode that goes first alternates each round), so
+    load on the machine weighs on all alike; each sandbox's first call is reported apart."""
+    env = {"backend": "docker", "image": image}
+    sandboxes = {"exec": make_backend(False).start(env, labels=labels),
+                 "session": make_backend(True).start(env, labels=labels)}
+    figures: dict[str, dict[str, list[float]]] = {mode: {"first": []} for mode in sandboxes}
+    try:
+        for mode, sandbox in sandboxes.items():
+            figures[mode]["first"].append(timed_ms(lambda: sandbox.execute("bash", {"command": "true"}))[0])
+        for i in range(rounds):
+            modes = list(sandboxes) if i % 2 == 0 else list(reversed(sandboxes))
+            for command in CALL_COMMANDS:
+                for observed in (False, True):
+                    for mode in modes:
+                        run = sandboxes[mode].execute_observed if observed else sandboxes[mode].execute
+                        ms, result = timed_ms(lambda: run("bash", {"command": command}))
+                        result = result[0] if observed else result
+                        if result["exit_code"] != 0 or result["stdout"] or result["stderr"]:
+                            raise RuntimeError(f"{mode}: {command!r} answered {result}")
+                        figures[mode].setdefault(f"{command} ({'observed' if observed else 'plain'})", []).append(ms)
+    finally:
+        for sandbox in sandboxes.values():
+            sandbox.stop()
+    return {"image": image, "rounds": rounds,
+            **{mode: {kind: summary(values) for kind, values in kinds.items()} for mode, kinds in figures.items()}}
+
+
 def cold_forks(backend, image: str, labels: dict[str, str], rounds: int) -> dict[str, Any]:
     """Snapshot -> running container -> first exec done. Each round takes a new snapshot, so the
     first fork is the first container ever made from its image; the second fork shows reuse."""

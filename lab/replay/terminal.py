@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tvclient import ToolExecutionEnvironment
@@ -62,6 +62,13 @@ class _Image:
             self.backend.delete_snapshot(self.ref)
 
 
+def exec_config():
+    """The service's sandbox configuration, with every bash call run by a `docker exec` of its own
+    (no session agent): this environment stands for a trainer's own containers."""
+    config = sandbox_config()
+    return replace(config, docker=replace(config.docker, session=False))
+
+
 class DockerEnvironment(ToolExecutionEnvironment):
     """A container of the service's own docker backend. fork() commits an image and returns an
     environment that starts its container from it on first use, so frozen snapshots cost an
@@ -70,7 +77,7 @@ class DockerEnvironment(ToolExecutionEnvironment):
     backend = "docker"
 
     def __init__(self, env: dict[str, Any], image: _Image | None = None):
-        self._docker = backend_for("docker", sandbox_config())
+        self._docker = backend_for("docker", exec_config())
         self._env = env
         self._image = image
         self._sandbox = None

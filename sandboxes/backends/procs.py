@@ -1,9 +1,10 @@
 """A docker call's processes as the host sees them, so that a timed-out call is killed from the host.
 
 Nothing inside the sandbox decides what is killed: not a pid file it could overwrite, not a shell it
-could replace. The engine names the call's first process by its host pid (exec inspect); its
-session, its process group and its descendants are frozen (SIGSTOP, so none forks meanwhile) until
-no new one appears, then killed. Each process is signalled through a pidfd, after checking that
+could replace. The engine names the call's first process by its host pid (exec inspect), or, for
+a call of a session agent (docker/agent.py), the engine names the agent and the call is the
+session below it (`sessions_below`). The call's session, its process group and its descendants
+are frozen (SIGSTOP, so none forks meanwhile) until no new one appears, then killed. Each process is signalled through a pidfd, after checking that
 it sits in the container's cgroup, so a pid reused by a process outside the container is never hit.
 A process that left the call's session and tree on purpose (a daemon the agent detached) outlives
 the call, as it would outlive a terminal that closed.
@@ -52,6 +53,27 @@ def kill_call_tree(pid: int, container_id: str) -> int:
         for fd in frozen.values():
             os.close(fd)
     return len(frozen)
+
+
+def sessions_below(pid: int, container_id: str) -> list[int]:
+    """Host pids of the topmost session leaders among `pid`'s descendants in the container: the
+    calls a session agent started, each in a session of its own."""
+    procs = _processes()
+    by_pid = {p.pid: p for p in procs}
+    own = by_pid.get(pid)
+    if own is None:
+        return []
+    children: dict[int, list[int]] = {}
+    for p in procs:
+        children.setdefault(p.ppid, []).append(p.pid)
+    found, stack = [], list(children.get(pid, ()))
+    while stack:
+        member = by_pid[stack.pop()]
+        if member.sid == member.pid and member.sid != own.sid:
+            found.append(member.pid)
+        else:
+            stack.extend(children.get(member.pid, ()))
+    return [p for p in found if _in_container(p, container_id)]
 
 
 def _call_tree(pid: int, known: set[int]) -> list[int]:

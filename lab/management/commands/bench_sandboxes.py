@@ -1,5 +1,7 @@
 """`python manage.py bench_sandboxes`: managed sandboxes and tool-server mode, measured.
 
+0. a bash call by `docker exec` against the session agent (busybox and debian, `true` and
+   `echo hi > f`, plain and observed, interleaved);
 1. the docker backend alone: cold fork (snapshot -> running container -> first exec), snapshot
    cost against the size a sandbox wrote, container starts per second at limiter settings;
 2. hand-over of a READY pre-fork through the pool services (`sandbox_acquire` + attaching its
@@ -11,6 +13,7 @@
 Figures go to artifacts/bench/sandboxes.json and sandboxes.md. Every task, rollout, sandbox,
 snapshot and token the run creates is removed at the end. Quick smoke run:
 `python manage.py bench_sandboxes --epochs 1 --rollouts 2 --rounds 3 --sizes 0,1 --starts 4`.
+`--only calls` runs section 0 alone and writes artifacts/bench/sandboxes-calls.json and .md.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Command(BaseCommand):
         parser.add_argument("--starts", type=int, default=16, help="containers started per limiter setting")
         parser.add_argument("--uvicorn-workers", type=int, default=2)
         parser.add_argument("--seed", type=int, default=1)
+        parser.add_argument("--call-rounds", type=int, default=200, help="rounds of calls for exec against the session")
+        parser.add_argument("--only", choices=["calls"], help="run one section alone")
         parser.add_argument("--out", type=Path, default=Path(settings.BASE_DIR) / "artifacts" / "bench")
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -75,7 +80,15 @@ class Command(BaseCommand):
             "max_concurrent_starts_setting": self.setting, "seed": opts["seed"], "loadavg": {}}}
         self.loadavg = figures["meta"]["loadavg"]
         backend = DockerBackend(DockerConfig(max_concurrent_starts=self.setting))
+        if opts["only"] == "calls":
+            try:
+                figures["calls"] = self._calls(opts["call_rounds"])
+            finally:
+                figures["cleanup"] = {"direct_leftover_on_engine": bench.remove_labelled(backend, self.bench_labels)}
+            self._write(opts["out"], figures, name="sandboxes-calls")
+            return
         try:
+            figures["calls"] = self._calls(opts["call_rounds"])
             self._section("cold forks")
             figures["cold_fork"] = [bench.cold_forks(backend, image, self.bench_labels, opts["rounds"])
                                     for image in (BUSYBOX_TAG, DEBIAN_TAG)]
@@ -103,6 +116,11 @@ class Command(BaseCommand):
             self._section("cleanup")
             figures["cleanup"] = self._clean(backend)
         self._write(opts["out"], figures)
+
+    def _calls(self, rounds: int) -> list[dict[str, Any]]:
+        self._section("a call: docker exec against the session agent")
+        return [bench.call_latency(lambda session: DockerBackend(DockerConfig(session=session)), image, self.bench_labels,
+                                   rounds) for image in (BUSYBOX_TAG, DEBIAN_TAG)]
 
     def _section(self, title: str) -> None:
         # Other work on the machine shows here: the figures assume the bench has it to itself.
@@ -300,11 +318,11 @@ class Command(BaseCommand):
         ApiToken.objects.filter(name=self.token_name).delete()
         return done
 
-    def _write(self, out: Path, figures: dict[str, Any]) -> None:
+    def _write(self, out: Path, figures: dict[str, Any], name: str = "sandboxes") -> None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sandboxes.json").write_text(json.dumps(figures, indent=2, default=str))
+        (out / f"{name}.json").write_text(json.dumps(figures, indent=2, default=str))
         markdown = render_markdown(figures)
-        (out / "sandboxes.md").write_text(markdown)
+        (out / f"{name}.md").write_text(markdown)
         self.stdout.write(markdown)
 
 
@@ -324,6 +342,19 @@ def render_markdown(figures: dict[str, Any]) -> str:
     lines = [f"Run {meta['run']} ({meta['cpus']} cores; limiter setting {meta['max_concurrent_starts_setting']}; "
              f"{meta['uvicorn_workers']} uvicorn workers; seed {meta['seed']}; 1-min load average at each section: "
              f"{meta['loadavg']}).", ""]
+    if "calls" in figures:
+        lines += ["A bash call in a running sandbox: a `docker exec` per call against the session agent (one per "
+                  "container), interleaved call by call, median / P95 ms (observed: execute_observed, the layer "
+                  "listed on the host before and after, as a tool-server miss runs):", "",
+                  "| image | command | exec | session | exec, observed | session, observed |", "|---|---|---|---|---|---|"]
+        for c in figures["calls"]:
+            e, s = c["exec"], c["session"]
+            for command in bench.CALL_COMMANDS:
+                plain, observed = f"{command} (plain)", f"{command} (observed)"
+                lines.append(f"| {c['image']} | `{command}` | {_ms(e[plain])} | {_ms(s[plain])} | {_ms(e[observed])} "
+                             f"| {_ms(s[observed])} |")
+            lines.append(f"| {c['image']} | first call of a sandbox | {_ms(e['first'])} | {_ms(s['first'])} | | |")
+        lines.append("")
     if "handover" in figures:
         h = figures["handover"]
         lines += ["Hand-over of a READY pre-fork (services in process), median / P95 ms:", "",

@@ -3,6 +3,7 @@
 - backend.py: `DockerBackend`, a backend on one engine: starts, forks, attach, listing, health.
 - sandbox.py: `DockerSandbox`, one container: calls, observation, kills, snapshots.
 - session.py: the bash tool's shell session kept inside the container across calls.
+- agent.py: the session agent, one process per container that starts each call without an exec.
 - execstream.py: a call's output read from docker's exec stream.
 - confinement.py: `DockerEnv`, a task's env spec within the operator's grants, and what a
   container may do.

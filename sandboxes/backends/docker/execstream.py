@@ -1,5 +1,6 @@
 """A call's output as docker's exec stream carries it: frames of an 8-byte header (stream, 0, 0,
-0, size) and data, read until the command ends, its deadline passes or it floods."""
+0, size) and data, read until the command ends (the stream's end, or the end a session agent
+marks: agent.py), its deadline passes or it floods."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import enum
 import select
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -14,10 +16,13 @@ class Stop(enum.Enum):
     EOF = "eof"
     DEADLINE = "deadline"
     FLOOD = "flood"
+    DONE = "done"  # the sink has the call's end (a session agent's markers)
 
 
 class Output:
     """stdout/stderr of one call, each kept up to `cap` bytes."""
+
+    finished = False  # an exec's call ends with its stream
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -67,9 +72,14 @@ class ExecStream:
         self._recv = getattr(sock, "recv", None) or sock.read
         self._buffer = bytearray(_read_ahead(sock))
 
-    def pump(self, output: Output, deadline: float, flood_bytes: int) -> Stop:
+    def pump(self, output: Any, deadline: float, flood_bytes: float, until: Callable[[], bool] | None = None) -> Stop:
+        """Frames into `output` (an Output, or a sink with `add`, `received` and `finished`) until
+        the stream ends, the sink is finished or `until()` holds, the deadline passes or more than
+        `flood_bytes` came."""
         self._drain(output)  # frames read ahead with the response headers
         while True:
+            if output.finished or (until is not None and until()):
+                return Stop.DONE
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return Stop.DEADLINE
@@ -85,7 +95,11 @@ class ExecStream:
             if output.received > flood_bytes:
                 return Stop.FLOOD
 
-    def _drain(self, output: Output) -> None:
+    def pending(self) -> bool:
+        """Whether anything (data or the stream's end) waits to be read, without blocking."""
+        return bool(self._buffer) or bool(select.select([self._sock], [], [], 0)[0])
+
+    def _drain(self, output: Any) -> None:
         offset = 0
         while len(self._buffer) - offset >= 8:
             stream, size = struct.unpack_from(">BxxxL", self._buffer, offset)

@@ -1,5 +1,6 @@
 """A docker sandbox: one running container. Its calls run one at a time in the shell session
-(session.py), observed from the container's layer on the host where it is in reach (overlay.py),
+(session.py), each started by the container's session agent (agent.py) or, where that agent cannot
+take it, by a `docker exec` of its own (both run it alike), observed from the container's layer on the host where it is in reach (overlay.py),
 and a call that outlives its timeout is killed from the host (procs.py). Snapshots are commits
 without pausing, with the exact file times the commit rounded written back."""
 
@@ -42,12 +43,13 @@ from ..overlay import (
     restore_file_times,
     settle_after,
 )
-from ..procs import host_sees, kill_call_tree
+from ..procs import host_sees, kill_call_tree, sessions_below
+from .agent import ProtocolError, SessionAgent, SessionBroken, SessionUnavailable
 from .engine import ENGINE_DOWN, engine_errors
 from .execstream import ExecStream, Output, Stop
 from .images import KIND_LABEL, SHELL_LABEL, SNAPSHOT_REPOSITORY
 from .quota import DiskQuota
-from .session import MAX_COMMAND_BYTES, SESSION_FILES, STATE_DIR, call_argv
+from .session import CALL_SCRIPT, MAX_COMMAND_BYTES, SESSION_FILES, STATE_DIR, call_argv
 
 if TYPE_CHECKING:
     from .backend import DockerBackend
@@ -56,6 +58,9 @@ log = logging.getLogger(__name__)
 
 _KILL_GRACE_S = 5.0
 _DEATH_SETTLE_S = 0.25
+_SESSION_MAX_FAILURES = 3  # agents that failed a sandbox before its calls run by exec only
+_SESSION_START_S = 5.0  # an agent that has not started a call this long after it was sent is given up
+_SESSION_FIND_S = 1.0  # how long a timed-out call is looked for below its agent
 _UNSET = object()
 
 
@@ -72,6 +77,8 @@ class DockerSandbox(Sandbox):
         self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
         self._last_start_ns: int | None = None  # when the last call started (its changes' times are kept)
         self._stopped = False
+        self._agent: SessionAgent | None = None  # this process's session agent in the container (agent.py)
+        self._agent_failures = 0 if backend.config.session else _SESSION_MAX_FAILURES
         self._quota = DiskQuota(backend.config)
         if self._quota.limit_bytes:
             backend.disk_watch.add(self)
@@ -171,11 +178,23 @@ class DockerSandbox(Sandbox):
         return min(float(timeout_s), config.max_timeout_s)
 
     def _run(self, command: str, timeout_s: float) -> dict[str, Any]:
-        config = self._backend.config
-        api = self._backend.api
         self._raise_if_over_quota()
         settle_after(self._last_end_ns)  # calls (and replays) a file-time tick apart, as live ones are
         self._last_start_ns = time.time_ns()  # the settle put the previous writes a tick before it
+        try:
+            if self._agent_failures < _SESSION_MAX_FAILURES:
+                try:
+                    return self._run_in_session(command, timeout_s)
+                except SessionUnavailable as exc:  # the call did not run: an exec runs it
+                    self._agent_end()
+                    self._agent_failed(str(exc))
+            return self._run_exec(command, timeout_s)
+        finally:
+            self._last_end_ns = time.time_ns()
+
+    def _run_exec(self, command: str, timeout_s: float) -> dict[str, Any]:
+        config = self._backend.config
+        api = self._backend.api
         deadline = time.monotonic() + timeout_s
         argv = call_argv(self._shell, command)
         try:
@@ -194,8 +213,9 @@ class DockerSandbox(Sandbox):
             raise EngineUnavailable(f"exec stream broke: {exc}") from exc
         finally:
             stream.close()
-            self._last_end_ns = time.time_ns()
-        exit_code = self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S)
+        return self._result(output, stop, self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S))
+
+    def _result(self, output: Output, stop: Stop, exit_code: int | None) -> dict[str, Any]:
         if exit_code is None or exit_code >= 128:  # signalled: maybe by the container's death
             self._raise_if_gone()
         self.check_disk(after_call=True)
@@ -206,6 +226,122 @@ class DockerSandbox(Sandbox):
             "timed_out": stop is Stop.DEADLINE,
             "truncated": output.truncated or stop is Stop.FLOOD,
         }
+
+    # --- the session agent (agent.py) -----------------------------------------------------------
+
+    def _agent_failed(self, why: str) -> None:
+        log.info("container %s: its session agent failed (%s)", self.sandbox_id[:12], why)
+        self._agent_failures += 1
+
+    def _run_in_session(self, command: str, timeout_s: float) -> dict[str, Any]:
+        """The call in the container's agent. SessionUnavailable when it did not run; SessionBroken
+        when the agent died or left its protocol once it may have run."""
+        config = self._backend.config
+        deadline = time.monotonic() + timeout_s
+        agent = self._agent_started()
+        output = Output(config.output_cap_bytes)
+        frames = agent.send(command, output)
+        try:
+            # A healthy agent starts the call at once; one that does not is never waited for long.
+            started = self._pump(agent, frames, time.monotonic() + _SESSION_START_S, float("inf"),
+                                 until=lambda: frames.started)
+            if frames.unavailable:
+                self._agent_failures = _SESSION_MAX_FAILURES
+                raise SessionUnavailable("a tool the agent needs is gone")
+            if not frames.started:
+                self._agent_unstarted(agent, frames, started)
+            stop = self._pump(agent, frames, deadline, config.output_kill_bytes)
+            if stop is Stop.EOF:
+                raise self._broken(frames, "the agent ended during the call")
+            if stop is not Stop.DONE:  # the deadline or a flood: kill the call, then drain its output
+                self._kill_agent_call(agent, frames)
+                if self._pump(agent, frames, time.monotonic() + _KILL_GRACE_S, float("inf")) is not Stop.DONE:
+                    # Its output is held open past the kill (a process that left its tree): the call
+                    # ends here as an exec's stream would be closed, and the agent relaying it goes.
+                    frames.flush()
+                    self._agent_end()
+                    if frames.exit_code is None:
+                        raise self._broken(frames, "the call left no exit status")
+            if frames.finished and not frames.relays_ok:
+                raise self._broken(frames, "a relay of the call's output failed")
+        except OSError as exc:  # the hijacked connection broke: engine or container went away
+            self._agent_end()
+            self._raise_if_gone()
+            raise EngineUnavailable(f"the session's stream broke: {exc}") from exc
+        return self._result(output, stop, frames.exit_code)
+
+    def _agent_started(self) -> SessionAgent:
+        if self._agent is None:
+            if not self._host_sees():  # its calls could not be killed from the host
+                self._agent_failures = _SESSION_MAX_FAILURES
+                raise SessionUnavailable("the container's processes are out of this host's view")
+            try:
+                self._agent = self._gone_if_missing(SessionAgent.open, self._backend.api, self.sandbox_id, self._shell,
+                                                    CALL_SCRIPT)
+            except ENGINE_DOWN as exc:  # nothing ran yet
+                raise EngineUnreachable(f"docker engine unreachable: {exc}") from exc
+        return self._agent
+
+    def _agent_unstarted(self, agent: SessionAgent, frames: Any, stop: Stop) -> None:
+        """An agent that did not start the call in time is killed; its stream then tells whether it
+        had started it after all (its start marker comes before the call's processes exist)."""
+        if stop is Stop.DEADLINE:
+            self._agent_kill(agent)
+            stop = self._pump(agent, frames, time.monotonic() + _KILL_GRACE_S, float("inf"), until=lambda: frames.started)
+        self._agent_end()
+        if frames.started or stop is not Stop.EOF:
+            self._raise_if_gone()
+            raise SandboxError(f"container {self.sandbox_id[:12]}: its session agent was stuck; whether the call ran is unknown")
+        raise SessionUnavailable("the agent ended before it started the call")
+
+    def _pump(self, agent: SessionAgent, frames: Any, deadline: float, flood_bytes: float, until: Any = None) -> Stop:
+        try:
+            return agent.stream.pump(frames, deadline, flood_bytes, until)
+        except ProtocolError as exc:
+            raise self._broken(frames, f"the agent left its protocol: {exc}") from None
+
+    def _broken(self, frames: Any, why: str) -> SandboxError:
+        """The error for a call whose agent ended or broke once it may have run, after the agent was
+        killed: SandboxGone if the container died, else SessionBroken."""
+        self._agent_end()
+        self._raise_if_gone()
+        self._agent_failed(why)
+        return SessionBroken(f"container {self.sandbox_id[:12]}: {why}; the call's effects are unknown")
+
+    def _kill_agent_call(self, agent: SessionAgent, frames: Any) -> None:
+        """Kills the call the agent runs, from the host: the session below the agent (procs.py). A
+        call still starting is looked for a moment; one that ended meanwhile leaves nothing to kill.
+        One never found (it left the agent's tree) dies with the agent's tree if it does not end."""
+        grace = time.monotonic() + _SESSION_FIND_S
+        while not frames.finished:
+            pid = agent.pid()
+            calls = sessions_below(pid, self.sandbox_id) if pid else []
+            for call in calls:
+                kill_call_tree(call, self.sandbox_id)
+            if calls or time.monotonic() > grace:
+                return
+            if self._pump(agent, frames, time.monotonic() + 0.01, float("inf")) is Stop.EOF:
+                return
+
+    def _agent_end(self) -> None:
+        """Closes this process's agent, its whole tree killed from the host first (a stuck or
+        tampered agent never gets another call, and no process of it outlives it)."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            self._agent_kill(agent)
+            agent.close()
+
+    def _agent_kill(self, agent: SessionAgent) -> None:
+        try:
+            pid = agent.live_pid()
+        except docker.errors.APIError:
+            pid = 0
+        if pid:
+            kill_call_tree(pid, self.sandbox_id)
+
+    def _host_sees(self) -> bool:
+        init_pid = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
+        return host_sees(self.sandbox_id, init_pid)
 
     def _kill_call(self, exec_id: str) -> None:
         """Kills the call's session and process tree from the host (procs.py). Where the engine's
@@ -339,6 +475,9 @@ class DockerSandbox(Sandbox):
 
     def stop(self) -> None:
         self._backend.disk_watch.discard(self)
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.close()
         if not self._stopped:
             self._backend.remove_sandbox(self.sandbox_id)
             self._stopped = True

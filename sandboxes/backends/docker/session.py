@@ -19,9 +19,10 @@ MAX_COMMAND_BYTES = 128 * 1024 - 1
 # The variables are exported in the calls' shell's own syntax, so a first call changes nothing.
 _INIT_SCRIPT = f"""mkdir -p {STATE_DIR} && pwd > {STATE_DIR}/cwd && if __tvc_bash=$(command -v bash); then
 "$__tvc_bash" -c 'unset OLDPWD; export -p' > {STATE_DIR}/env.sh && echo "$__tvc_bash"; else export -p > {STATE_DIR}/env.sh; fi"""
-# Run per call as `env -i SHELL -c _CALL_SCRIPT SHELL COMMAND`. Docker starts each exec as a
-# session and group leader: a timeout kills that session from the host (procs.py).
-_CALL_SCRIPT = f""". {STATE_DIR}/env.sh
+# Run per call as `env -i SHELL -c CALL_SCRIPT SHELL COMMAND`, by a `docker exec` of its own or by
+# the container's session agent (agent.py). Docker starts each exec as a session and group leader,
+# the agent starts it under setsid: a timeout kills that session from the host (procs.py).
+CALL_SCRIPT = f""". {STATE_DIR}/env.sh
 IFS= read -r __tvc_cwd < {STATE_DIR}/cwd
 if [ "${{OLDPWD+set}}" ]; then __tvc_old=$OLDPWD; else unset __tvc_old; fi
 cd "$__tvc_cwd" 2>/dev/null || cd /
@@ -35,7 +36,7 @@ $__tvc_cmd"
 
 
 def call_argv(shell: str, command: str) -> list[str]:
-    return ["env", "-i", shell, "-c", _CALL_SCRIPT, shell, command]
+    return ["env", "-i", shell, "-c", CALL_SCRIPT, shell, command]
 
 
 def session_init(api: docker.APIClient, container_id: str) -> str:
