@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,9 +59,8 @@ class DockerConfig:
     observe_max_entries: int = 20_000  # past this many files in a sandbox's layer, stop (overlay.py)
     fingerprint_max_bytes: int = 512 << 20  # past this much changed content, a state is not fingerprinted
     # Run bash calls through one session agent per container (docker/agent.py) rather than a
-    # `docker exec` each; TVCACHE_DOCKER_SESSION=0 turns it off where the config is not built
-    # with it. A caller that stands for a trainer's own `docker exec` asks for False.
-    session: bool = field(default_factory=lambda: os.environ.get("TVCACHE_DOCKER_SESSION", "1") != "0")
+    # `docker exec` each. A caller that stands for a trainer's own `docker exec` asks for False.
+    session: bool = True
 
 
 @dataclass(frozen=True)

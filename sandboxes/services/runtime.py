@@ -61,7 +61,7 @@ def sandbox_config() -> SandboxConfig:
                             disk_mb=conf["DOCKER_DISK_MB"], disk_max_files=conf["DOCKER_DISK_MAX_FILES"],
                             disk_check_s=conf["DOCKER_DISK_CHECK_S"], **images,
                             observe_writes=conf["DOCKER_OBSERVE_WRITES"],
-                            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"]),
+                            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"], session=conf["DOCKER_SESSION"]),
         directory=DirectoryConfig(max_total_bytes=conf["DIRECTORY_MAX_MB"] * 2**20),
         sqlite=SqliteConfig(max_value_bytes=conf["SQLITE_MAX_VALUE_BYTES"], max_db_bytes=conf["SQLITE_MAX_DB_MB"] * 2**20),
     )
