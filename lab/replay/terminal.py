@@ -62,11 +62,12 @@ class _Image:
             self.backend.delete_snapshot(self.ref)
 
 
-def exec_config():
-    """The service's sandbox configuration, with every bash call run by a `docker exec` of its own
-    (no session agent): this environment stands for a trainer's own containers."""
+def lab_config(session: bool):
+    """The service's sandbox configuration for the lab's own containers, which stand for a
+    trainer's: each bash call run by a `docker exec` of its own, or (`session`) by the session
+    agent tool-server mode uses (`--direct-calls session`: misses measured against both)."""
     config = sandbox_config()
-    return replace(config, docker=replace(config.docker, session=False))
+    return replace(config, docker=replace(config.docker, session=session))
 
 
 class DockerEnvironment(ToolExecutionEnvironment):
@@ -76,8 +77,9 @@ class DockerEnvironment(ToolExecutionEnvironment):
 
     backend = "docker"
 
-    def __init__(self, env: dict[str, Any], image: _Image | None = None):
-        self._docker = backend_for("docker", exec_config())
+    def __init__(self, env: dict[str, Any], image: _Image | None = None, *, session: bool = False):
+        self._session = session
+        self._docker = backend_for("docker", lab_config(session))
         self._env = env
         self._image = image
         self._sandbox = None
@@ -111,9 +113,9 @@ class DockerEnvironment(ToolExecutionEnvironment):
 
     def fork(self) -> DockerEnvironment:
         if self._sandbox is None and self._image is not None:
-            return DockerEnvironment(self._env, self._image.retain())
+            return DockerEnvironment(self._env, self._image.retain(), session=self._session)
         info = self._running().snapshot(labels=LABELS)
-        return DockerEnvironment(self._env, _Image(self._docker, info.ref, info.size_bytes))
+        return DockerEnvironment(self._env, _Image(self._docker, info.ref, info.size_bytes), session=self._session)
 
     def stop(self) -> None:
         sandbox, self._sandbox = self._sandbox, None
@@ -298,7 +300,8 @@ class TerminalWorkload(Workload):
     P_INSPECT = 0.6  # inspect before a fix
     MAX_ATTEMPTS = 3
 
-    def __init__(self, *, tasks: int, rollouts: int, seed: int, names: list[str] | None = None):
+    def __init__(self, *, tasks: int, rollouts: int, seed: int, names: list[str] | None = None,
+                 direct_calls: str = "exec"):
         if names:
             unknown = set(names) - {t.name for t in TASKS}
             if unknown:
@@ -310,10 +313,11 @@ class TerminalWorkload(Workload):
             self.specs = TASKS[:tasks]
         self.n_rollouts = rollouts
         self.seed = seed
+        self.direct_calls = direct_calls
 
     def describe(self) -> dict[str, Any]:
         return {"image": IMAGE, "p_alternative_setup": self.P_ALTERNATIVE, "p_inspect": self.P_INSPECT,
-                "max_fix_attempts": self.MAX_ATTEMPTS}
+                "max_fix_attempts": self.MAX_ATTEMPTS, "direct_calls": self.direct_calls}
 
     def tasks(self) -> list[ReplayTask]:
         server_env = {"backend": "docker", "image": IMAGE, "network": False}
@@ -322,7 +326,8 @@ class TerminalWorkload(Workload):
             client_env = {"backend": "external", "workload": "terminal", "task": spec.name, "image": IMAGE,
                           "version": 1}
             out.append(ReplayTask(spec.name, {}, client_env, server_env,
-                                  lambda: DockerEnvironment({"backend": "docker", "image": IMAGE, "network": False})))
+                                  lambda: DockerEnvironment({"backend": "docker", "image": IMAGE, "network": False},
+                                                            session=self.direct_calls == "session")))
         return out
 
     def timeout_call(self, call: Call, timeout_s: float) -> Call | None:

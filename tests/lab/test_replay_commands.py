@@ -116,9 +116,12 @@ def test_replay_bfcl(service, tmp_path, django_db_blocker):
 
 def test_replay_terminal(service, tmp_path, django_db_blocker):
     docker.from_env().images.get("tvcache/debian:bookworm")  # a missing image fails the test
+    # The lab's own containers (no cache, client mode) run calls through the session agent here;
+    # the fault arm's test below runs them by docker exec, the default.
     report = replay("replay_terminal", service, tmp_path, django_db_blocker, task_names="config-edit", arms="server,client",
-                    no_plots=True)
+                    no_plots=True, direct_calls="session")
     check(report, "terminal", ["server", "client"])
+    assert report["workload_info"]["direct_calls"] == "session"
     assert report["epochs"][0]["arms"]["server"]["sandboxes"]["starts"] > 0
     # Docker misses that change the state fingerprint it.
     assert report["summary"]["server"]["miss_phases_ms"]["fingerprint"]["misses"] > 0
