@@ -166,12 +166,22 @@ def _oracle_pass(runs: list[EpochRun], *, rule: bool) -> tuple[dict[int, int], d
     forbidden: dict[int, list[CallSample]] = {}
     for run in sorted(runs, key=lambda r: r.epoch):
         hits[run.epoch], forbidden[run.epoch] = 0, []
+        # A rollout that waited for another's run of the same call (single flight) is answered from
+        # it, though it may have sent its call first: a rollout on the shared graph that sent the
+        # call to be run before this one was answered justifies its hit.
+        issued_shared: dict[tuple, float] = {}
+        for sample in run.calls:
+            if sample.key is not None and sample.cached is False and not sample.event and not sample.unshared:
+                key = _oracle_key(sample, rule)
+                issued_shared[key] = min(issued_shared.get(key, sample.started), sample.started)
         for sample in sorted(run.calls, key=lambda s: s.started):
             if sample.key is None:
                 continue
             key = _oracle_key(sample, rule)
             hits[run.epoch] += key in seen
-            if sample.cached and key not in seen and (sample.unshared or key in off_graph):
+            answered = sample.started + sample.latency_ms / 1000
+            if sample.cached and key not in seen and (sample.unshared or key in off_graph) and not (
+                    not sample.unshared and issued_shared.get(key, answered) < answered):
                 forbidden[run.epoch].append(sample)
             if not sample.event:
                 seen.add(key)

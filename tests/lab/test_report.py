@@ -49,3 +49,21 @@ def test_verify_step_and_the_final_verification_of_each_rollout():
 
 def test_no_step_labels_no_step_figures():
     assert not {"verify_step", "final_verify"} & set(summary([sample(0, 0, 5, None)]))
+
+
+def _keyed(rollout: int, started: float, latency_ms: float, cached: bool, *, unshared: bool = False) -> CallSample:
+    out = sample(rollout, 0, latency_ms, cached)
+    out.started, out.key, out.unshared = started, ("state", "call"), unshared
+    return out
+
+
+def test_a_hit_that_waited_for_another_rollouts_run_is_not_forbidden():
+    # Rollout 2, off the shared graph, issued the call first; rollout 0 sent it next but waited
+    # (single flight) for rollout 1's run of it, which it was answered from: not a forbidden hit.
+    detached = _keyed(2, 0.0, 10, False, unshared=True)
+    waiter, leader = _keyed(0, 1.0, 300, True), _keyed(1, 1.01, 250, False)
+    assert issued_oracle([EpochRun("client", 0, calls=[detached, waiter, leader])]).forbidden == {0: 0}
+    # Answered before any rollout on the shared graph issued the call: only the detached one's
+    # run can have given it.
+    early = _keyed(0, 1.0, 5, True)
+    assert issued_oracle([EpochRun("client", 0, calls=[detached, early, _keyed(1, 1.5, 250, False)])]).forbidden == {0: 1}
