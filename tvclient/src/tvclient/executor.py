@@ -27,7 +27,7 @@ EnvFactory = Callable[[], ToolExecutionEnvironment]
 # Single flight: how soon a rollout looks up again a call another rollout is executing, doubling
 # up to the cap (a call that runs for seconds costs a few lookups a second, a quick one ~10 ms).
 FLIGHT_POLL_FIRST_S = 0.01
-FLIGHT_POLL_MAX_S = 0.25
+FLIGHT_POLL_MAX_S = 0.1
 # A record carries the file times of at most this many changed paths and path characters (the
 # service's limits); a call that changed more records none, and replays restore no times from it on.
 MAX_FILE_TIMES = 20_000
