@@ -239,7 +239,7 @@ TVCACHE = {
     # ... until the container's layer holds this many files (listing it costs ~10 us per file).
     "DOCKER_OBSERVE_MAX_ENTRIES": env.int("TVCACHE_DOCKER_OBSERVE_MAX_ENTRIES", default=20_000),
     # Bash calls run through one session agent per container (sandboxes/backends/docker/agent.py):
-    # about 7 to 14 ms a call against 53 to 60 ms by `docker exec` (bench_sandboxes --only calls).
+    # about 6 to 14 ms a call against 53 to 60 ms by `docker exec` (bench_sandboxes --only calls).
     "DOCKER_SESSION": env.bool("TVCACHE_DOCKER_SESSION", default=True),
     # Single flight (cache/services/flight.py), tool-server mode and the proxy: a rollout that misses on a call another rollout is executing in the same
     # state waits for that result at most this long, then executes it too.

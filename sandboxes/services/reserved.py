@@ -175,7 +175,8 @@ def wait_unreserved(rollout_pk: int, *, timeout_s: float) -> float | None:
 
 def settle(timeout_s: float = 120.0) -> bool:
     """Waits for this process's background work to end and closes the reservations' connection
-    (tests, shutdown); False on timeout."""
+    (tests: before they look at the graph, and before their database is flushed); False on
+    timeout. A server that stops without it loses only the snapshots still being taken."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _threads_lock:
