@@ -33,6 +33,8 @@ def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, dock
     for call in (setup, read, RANDOM):  # every hit is sampled, and audited by the worker
         assert run(api, task, "r2", call)["cached"] is True
     wait_for(lambda: audit_sandboxes(task).filter(state="stopped").count() == 3)
+    # An audit stops its sandbox before it compares and records: wait for its verdict too.
+    wait_for(lambda: Divergence.objects.filter(task_id=task).exists())
 
     # The write and the read after it gave what the cache holds; the read's audit replayed the
     # write and found the state the write's node recorded (no divergence of kind "state").
