@@ -30,8 +30,9 @@ class CallResultSerializer(serializers.Serializer):
     node_id = serializers.IntegerField(allow_null=True, help_text="null when the result was not cached (a timeout)")
     latency_ms = serializers.FloatField()
     phases_ms = serializers.DictField(child=serializers.FloatField(), help_text=(
-        "where the call's time went: lookup, wait (for another rollout executing the same call), "
-        "materialize, replay, verify, exec, fingerprint, record, snapshot"))
+        "where the call's time went: lookup, wait (for another rollout executing the same call), background_wait "
+        "(for work on the rollout's sandbox after its previous answer), snapshot_wait (for a snapshot to fork rather "
+        "than replay), materialize, replay, verify, exec, fingerprint, record, snapshot"))
     mutates = serializers.BooleanField(help_text="The call changed the rollout's state. False for a read-only tool, "
                                                  "and for a call the sandbox observed to change nothing.")
 

@@ -105,6 +105,10 @@ class LookupResponseSerializer(serializers.Serializer):
     replay = ToolCallSerializer(many=True, required=False, help_text="Misses: every state-changing call of the history.")
     claim = serializers.ChoiceField(choices=["granted", "in_flight"], required=False,
                                     help_text="Misses of lookups that asked for a claim.")
+    snapshot_after_ms = serializers.FloatField(required=False, allow_null=True, help_text=(
+        "Misses: if the call changes the state and runs longer than this, its record will most likely answer "
+        "\"snapshot\": \"wanted\" (null: it will not), so a client may start freezing its environment as soon as "
+        "the call returns. The record's answer is the one that counts: a snapshot it does not want is dropped."))
     audit = serializers.BooleanField(required=False, help_text=(
         "Hits only, present when true: the hit was sampled for the determinism audit. A client whose environment "
         "is at the hit's parent state re-executes the call there and reports the result "

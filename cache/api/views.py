@@ -117,7 +117,8 @@ class LookupView(LeanPostView):
                       "snapshot_ref": match.resume.snapshot_ref, "lease_id": answer.lease_id,
                       "replay": match.replay}
         # orjson writes a ToolCall dataclass as {"tool", "args"}, field order: what to_json() gives.
-        body = {"hit": False, "matched": match.matched, "resume": resume, "replay": answer.full_replay}
+        body = {"hit": False, "matched": match.matched, "resume": resume, "replay": answer.full_replay,
+                "snapshot_after_ms": answer.snapshot_after_ms}
         if answer.claim is not None:
             body["claim"] = answer.claim
         return orjson.dumps(body)

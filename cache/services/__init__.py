@@ -2,11 +2,11 @@
 
 from .audit import divergence_record, node_audit
 from .flight import Flight, single_flight
-from .lookup import LookupHit, LookupMiss, claim_release, lookup_count, tcg_lookup
+from .lookup import LookupHit, LookupMiss, claim_release, history_catch_up, lease_grant, lookup_count, tcg_lookup
 from .maintenance import claims_clear, project_requests_prune, tables_vacuum
 from .record import RecordOutcome, node_record
 from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
-from .snapshots import lease_release, snapshot_evict, snapshot_register, task_enforce_budget
+from .snapshots import backend_costs, lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
 
 __all__ = [
@@ -18,7 +18,10 @@ __all__ = [
     "TaskHandle",
     "claim_release",
     "divergence_record",
+    "history_catch_up",
+    "lease_grant",
     "node_audit",
+    "backend_costs",
     "lease_release",
     "lookup_count",
     "node_record",

@@ -18,11 +18,12 @@ from django.utils import timezone
 from observability import metrics
 from cache.inputs import CallContext
 from cache.projects import unknown_task
-from cache.tcg import Match, NodeRef, StateChain, longest_prefix_match, state_chain
+from cache.tcg import CatchUp, Match, NodeRef, StateChain, ToolCall, catch_up, longest_prefix_match, state_chain
 
 from . import ledger
 from .hitcache import CachedHit, TaskStamp, hit_cache
 from .prepared import prepared_cursor
+from .snapshots import backend_costs
 from .tasks import TaskHandle, task_handle
 
 # The task's current version (a cached handle may be outdated), the node under (anchor, digest)
@@ -76,15 +77,17 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
   AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = c.anchor_key
                                               AND n.call_digest = c.call_digest)"""
 
+# The history's state-changing nodes that exist, each with its live snapshot if it has one.
+_WRITES_SQL = """SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
+               SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
+           FROM cache_node w
+           WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))"""
+
 _READ_SQL = """
 WITH claimed AS (""" + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s") + """
 )
 SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
-       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN (
-           SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
-               SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
-           FROM cache_node w
-           WHERE w.task_id = t.id AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))) END,
+       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN (""" + _WRITES_SQL + """) END,
        EXISTS (SELECT FROM claimed)
 FROM cache_task t
 LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
@@ -139,6 +142,7 @@ class LookupMiss:
     # Asked for a claim: GRANTED (execute and record it) or IN_FLIGHT (another rollout is
     # executing this call in this state: look up again shortly; nothing was counted or leased).
     claim: str | None = None
+    snapshot_after_ms: float | None = None  # (_snapshot_after_ms)
 
 
 def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim: bool = False,
@@ -186,12 +190,28 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
     match = longest_prefix_match(history, _node_refs(writes or ()))
     full_replay = tuple(step.call for step in history.writes)
     lease_id = None
+    snapshot_after = _snapshot_after_ms(task, match, len(context.history)) if node_id is None else None
     if match.resume is not None and resume:
         lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
     if match.resume is not None and lease_id is None:  # not wanted, or evicted since the match: start fresh
         match = Match(match.matched, match.node, None, full_replay)
     return LookupMiss(match=match, lease_id=lease_id, full_replay=full_replay,
-                      anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None, claim=claimed)
+                      anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None, claim=claimed,
+                      snapshot_after_ms=snapshot_after)
+
+
+def _snapshot_after_ms(task: TaskHandle, match: Match, history_length: int) -> float | None:
+    """What the record of this miss will decide about a snapshot, as far as the graph tells now:
+    one is wanted if the call changes the state and runs longer than this (record.py: replaying
+    the path since its nearest snapshot would cost more than taking and restoring one). None when
+    none will be (no budget, or the history is not all in the graph). A client that starts
+    freezing its environment as soon as the call returns, rather than once the record answers,
+    keeps the freeze off its next call's path; the record's answer stays the one that counts."""
+    if task.sandbox_budget <= 0 or match.matched != history_length:
+        return None
+    costs = backend_costs(task.backend)
+    since = (match.node.cum_exec_ms if match.node else 0.0) - (match.resume.cum_exec_ms if match.resume else 0.0)
+    return max(0.0, costs.snapshot_ms + costs.restore_ms - since)
 
 
 def claim_release(*, task_id: str, context: CallContext) -> bool:
@@ -283,6 +303,18 @@ def _exact_read(task: TaskHandle, chain: StateChain, context: CallContext, claim
     if row is not None and cache.enabled:
         cache.lease_renew(task.task_id, (row[0], row[1]), sent_at)
     return row
+
+
+def history_catch_up(*, task_id: str, history: tuple[ToolCall, ...], applied: int) -> CatchUp | None:
+    """How a sandbox that applied the first `applied` calls of a rollout's history best catches up
+    with all of it: by replaying what it lacks, or by forking a snapshot past its state (tcg.catch_up)."""
+    task = task_handle(task_id=task_id, cached=True)
+    chain = state_chain(task.fingerprint, history, task.policy)
+    keys = ",".join(step.state_key for step in chain.writes)
+    with connection.cursor() as cursor:
+        cursor.execute(_WRITES_SQL, {"task": task.task_id, "keys": keys})
+        rows = cursor.fetchone()[0]
+    return catch_up(chain, _node_refs(rows or ()), applied, backend_costs(task.backend).restore_ms)
 
 
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:

@@ -5,13 +5,16 @@ test keep it so). Everything the service stores is derived from these functions.
 """
 
 from .keys import ToolCall, call_digest, canonical_call, canonical_json, env_fingerprint, next_state_key, root_state_key
-from .match import ChainStep, Match, NodeRef, RecordPlan, StateChain, longest_prefix_match, record_plan, state_chain
+from .match import (CatchUp, ChainStep, Match, NodeRef, RecordPlan, StateChain, catch_up, longest_prefix_match,
+                    record_plan, state_chain)
 from .policy import TaskPolicy, ToolPolicy
 
 __all__ = [
+    "CatchUp",
     "ChainStep",
     "StateChain",
     "canonical_json",
+    "catch_up",
     "Match",
     "NodeRef",
     "RecordPlan",

@@ -118,3 +118,30 @@ def longest_prefix_match(chain: StateChain, found: Mapping[str, NodeRef]) -> Mat
     resume = found[writes[resume_index - 1].state_key] if resume_index else None
     replay = tuple(step.call for step in writes[resume_index:])
     return Match(matched=matched, node=node, resume=resume, replay=replay)
+
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUp:
+    """How a sandbox that holds an earlier state of the chain catches up (`catch_up`)."""
+
+    replay_ms: float  # replaying the writes it lacks, by the calls' recorded times
+    fork: Match | None  # cheaper: restore `fork.resume` (a snapshot past its state), replay `fork.replay`
+
+
+def catch_up(chain: StateChain, found: Mapping[str, NodeRef], applied: int, restore_ms: float) -> CatchUp | None:
+    """A sandbox holds the state after the first `applied` steps of `chain` (`found` maps the
+    chain's state keys that exist to their nodes). It replays the writes it lacks, unless restoring
+    the deepest snapshot past its state (`restore_ms`) and replaying what follows that costs less.
+    None when a write's node is missing (its time is unknown) or nothing is lacking."""
+    writes = chain.writes
+    done = sum(1 for step in chain.steps[:applied] if step.mutates)
+    if done >= len(writes) or any(step.state_key not in found for step in writes):
+        return None
+    last = found[writes[-1].state_key].cum_exec_ms
+    replay_ms = last - (found[writes[done - 1].state_key].cum_exec_ms if done else 0.0)
+    match = longest_prefix_match(chain, found)
+    resume = match.resume
+    if resume is None or resume.depth <= done:  # (a state-changing node's depth: the writes up to its state)
+        return CatchUp(replay_ms, None)
+    return CatchUp(replay_ms, match if restore_ms + last - resume.cum_exec_ms < replay_ms else None)

@@ -18,7 +18,8 @@ MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at l
 MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to the tool's own time
 VERIFICATION_COST_PCT = 10.0  # target (terminal, tool-server mode): verification's cost on the median miss
 # A tool-server miss's phases as the service names them (Phases, sandboxes/services/materialize.py).
-PHASES = ("lookup", "wait", "background_wait", "materialize", "replay", "verify", "exec", "fingerprint", "record", "snapshot")
+PHASES = ("lookup", "wait", "background_wait", "snapshot_wait", "materialize", "replay", "verify", "exec", "fingerprint",
+          "record", "snapshot")
 VERIFICATION_PHASES = ("verify", "fingerprint")
 
 

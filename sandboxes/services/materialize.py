@@ -23,16 +23,17 @@ from django.utils import timezone
 from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.selectors import replay_file_times
-from cache.services import divergence_record
-from cache.tcg import TaskPolicy, ToolCall
+from cache.services import (LookupMiss, backend_costs, divergence_record, history_catch_up, lease_grant, lease_release,
+                            task_handle, tcg_lookup)
+from cache.tcg import Match, TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
 from sandboxes.models import Sandbox
 
 from .engines import engines_for
-from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, set_state
-from .reserved import run_reserved, wait_unreserved
+from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, sandbox_stop, set_state
+from .reserved import run_reserved, snapshot_pending, wait_snapshot, wait_unreserved
 from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 
 
@@ -44,8 +45,10 @@ RESERVED_WAIT_S = 300.0
 
 class Phases:
     """Where a call's time goes: lookup, wait (single flight), background_wait (for the work on the
-    rollout's sandbox after its previous answer: a snapshot, a catch-up), materialize (start or fork), replay, verify (state fingerprints), exec,
-    fingerprint (of the new state), record, snapshot (its hand-off: it is taken after the answer)."""
+    rollout's sandbox after its previous answer: a snapshot, a catch-up), snapshot_wait (for a
+    snapshot to fork rather than replay: resume_snapshotted), materialize (start or fork), replay,
+    verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot (its
+    hand-off: it is taken after the answer)."""
 
     def __init__(self):
         self.ms: dict[str, float] = {}
@@ -131,11 +134,78 @@ def _catch_up(task_id: str, rollout: Rollout, history: tuple[ToolCall, ...], nod
         return
     if not Sandbox.objects.filter(pk=row.pk, state=Sandbox.State.LEASED, executing=False).update(executing=True):
         return
-    run = _own(task, policy, rollout, row, Phases())
     # The context's call is not part of the state: replay_file_times reads the history's writes.
-    if run is not None and _caught_up(run, pending, CallContext(history, history[-1], rollout.rollout_id, 0, None),
-                                      node_id):
+    context = CallContext(history, history[-1], rollout.rollout_id, 0, None)
+    fork = _fork_to_catch_up(task_id, history, row.applied, node_id)
+    if fork is not None and _forked(task, policy, rollout, row, context, fork, node_id):
+        return
+    run = _own(task, policy, rollout, row, Phases())
+    if run is not None and _caught_up(run, pending, context, node_id):
         Sandbox.objects.filter(pk=row.pk).update(executing=False)
+
+
+def _fork_to_catch_up(task_id: str, history: tuple[ToolCall, ...], applied: int, node_id: int) -> Match | None:
+    """The snapshot to fork instead of replaying what the sandbox lacks, when that costs less
+    (tcg.catch_up): a rollout that hit a long call (a build, a download) another rollout ran. That
+    rollout's snapshot of the call's state may be being taken still: it is waited for, up to what
+    replaying would cost more than restoring it."""
+    plan = history_catch_up(task_id=task_id, history=history, applied=applied)
+    if plan is None or plan.fork is not None:
+        return plan.fork if plan is not None else None
+    spare_ms = plan.replay_ms - backend_costs(task_handle(task_id=task_id, cached=True).backend).restore_ms
+    if spare_ms <= 0 or wait_snapshot(node_id, timeout_s=spare_ms / 1000) in (None, 0.0):
+        return None
+    plan = history_catch_up(task_id=task_id, history=history, applied=applied)
+    return plan.fork if plan is not None else None
+
+
+def resume_snapshotted(task_id: str, context: CallContext, answer, phases: Phases):
+    """For a rollout without a sandbox: when the state its history reaches is being snapshotted
+    (the rollout that ran its last call was answered a moment ago) and replaying up to it from the
+    snapshot offered costs more than restoring it would, wait for that snapshot (up to the
+    difference) and offer it instead. Returns the answer to materialize from (its lease the
+    caller's to release; a replaced answer's lease is released here)."""
+    node, resume = answer.match.node, answer.match.resume
+    if node is None or (resume is not None and resume.node_id == node.node_id):
+        return answer
+    spare_ms = (node.cum_exec_ms - (resume.cum_exec_ms if resume else 0.0)
+                - backend_costs(task_handle(task_id=task_id, cached=True).backend).restore_ms)
+    if spare_ms <= 0 or not snapshot_pending(node.node_id):
+        return answer
+    with phases.timed("snapshot_wait"):
+        wait_snapshot(node.node_id, timeout_s=spare_ms / 1000)
+        again = tcg_lookup(task_id=task_id, context=context, count=False, resume=True)
+    if not isinstance(again, LookupMiss) or again.match.resume is None or again.match.resume.node_id != node.node_id:
+        if isinstance(again, LookupMiss) and again.lease_id:
+            lease_release(lease_id=again.lease_id)
+        return answer
+    if answer.lease_id:
+        lease_release(lease_id=answer.lease_id)
+    return again
+
+
+def _forked(task, policy, rollout, row: Sandbox, context: CallContext, fork: Match, node_id: int) -> bool:
+    """The rollout's sandbox replaced by a fork of `fork.resume`, caught up and verified as a miss's
+    would be (marked `executing` meanwhile). False, the sandbox untouched, if the snapshot is
+    gone; once the old sandbox is stopped, a failure leaves the rollout without one: its next miss
+    materializes a sandbox as a rollout without one does."""
+    lease_id = lease_grant(snapshot_id=fork.resume.snapshot_id, rollout_id=rollout.rollout_id)
+    if lease_id is None:
+        return False
+    restore_ms = None
+    try:
+        sandbox_stop(sandbox_id=row.pk)
+        answer = LookupMiss(match=fork, lease_id=lease_id, full_replay=tuple(
+            call for call in context.history if policy.for_tool(call.tool).mutates_state), anchor_key="",
+            call_digest="", seen=False)
+        run = _materialize(task, sandbox_backend(row), policy, rollout, answer, Phases())
+        restore_ms = run.restore_ms
+        Sandbox.objects.filter(pk=run.row.pk).update(executing=True)
+        if _caught_up(run, _replay_calls(answer, run), context, node_id):
+            Sandbox.objects.filter(pk=run.row.pk).update(executing=False)
+    finally:
+        lease_release(lease_id=lease_id, restore_ms=restore_ms)
+    return True
 
 
 def _reached(answer, context: CallContext) -> int | None:

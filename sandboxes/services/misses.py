@@ -89,10 +89,13 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
             _executed(run, applied=len(context.history) + int(mutates))
             if mutates:
                 rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
-        recorded()  # rollouts waiting for this call take its result now, not after the snapshot
-        if outcome.snapshot_wanted:
+        inline = False
+        if outcome.snapshot_wanted:  # handed off before the rollouts waiting for this call see it pending
             with phases.timed("snapshot"):  # the hand-off: the snapshot itself is taken after the answer
-                _snapshot_after_answer(run, outcome.node_id)
+                inline = not _snapshot_after_answer(run, outcome.node_id)
+        recorded()  # rollouts waiting for this call take its result now, not after the snapshot
+        if inline:
+            _snapshot(run, outcome.node_id)
     except SandboxTampered as exc:
         _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
         raise as_application_error(exc) from None
@@ -130,11 +133,11 @@ def _execute(run: Run, call: ToolCall) -> tuple[dict, float, bool | None]:
     return result, (time.perf_counter() - started) * 1000, observed
 
 
-def _snapshot_after_answer(run: Run, node_id: int) -> None:
+def _snapshot_after_answer(run: Run, node_id: int) -> bool:
     """The snapshot in a thread of this process, the sandbox reserved to it (reserved.py) so that
-    the rollout's next miss waits for it; on the critical path if the reservation cannot be taken."""
-    if not run_reserved(run.rollout.pk, lambda: _snapshot(run, node_id), name="snapshot"):
-        _snapshot(run, node_id)
+    the rollout's next miss waits for it, and the node's snapshot marked pending meanwhile; False
+    if the reservation cannot be taken (the caller takes it on the critical path)."""
+    return run_reserved(run.rollout.pk, lambda: _snapshot(run, node_id), name="snapshot", snapshot_of=node_id)
 
 
 def _snapshot(run: Run, node_id: int) -> None:

@@ -10,6 +10,10 @@ The locks of a process are held on one connection of their own (`_Holder`, outsi
 commit can take seconds, and the tool-server threads need the pool), so a hand-off costs one
 statement, and a process that dies drops its connection and its reservations with it (its
 threads died too: nothing of theirs touches the sandbox any more).
+
+A snapshot's work also holds a lock keyed on its node (`snapshot_key`) until it is registered (or
+failed): a rollout about to replay the calls up to that node, more than restoring the snapshot
+would cost, waits for it instead (`snapshot_pending`, `wait_snapshot`).
 """
 
 from __future__ import annotations
@@ -38,8 +42,16 @@ _threads_lock = threading.Lock()
 def reservation_key(rollout_pk: int) -> int:
     """A key of the one-bigint advisory lock space, apart from the rollout claims' (their keys are
     the rollouts' ids: small positive numbers)."""
-    digest = hashlib.sha256(f"tvcache-reserved\0{rollout_pk}".encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True) | (1 << 62)
+    return _key(f"tvcache-reserved\0{rollout_pk}")
+
+
+def snapshot_key(node_id: int) -> int:
+    """The key held while a snapshot of the node's state is being taken."""
+    return _key(f"tvcache-snapshot\0{node_id}")
+
+
+def _key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True) | (1 << 62)
 
 
 class _Holder:
@@ -122,14 +134,17 @@ def _own_connection():
 _holder = _Holder()
 
 
-def run_reserved(rollout_pk: int, work: Callable[[], None], *, name: str) -> bool:
-    """Runs `work` in a thread of its own, the rollout's sandbox reserved to it until it ends.
-    Returns once the reservation is held (True); False when it is held already or the database
-    cannot take it: then `work` does not run, and the caller decides."""
-    key = reservation_key(rollout_pk)
-    if not _holder.ask("take", key):
+def run_reserved(rollout_pk: int, work: Callable[[], None], *, name: str, snapshot_of: int | None = None) -> bool:
+    """Runs `work` in a thread of its own, the rollout's sandbox reserved to it until it ends (and,
+    for a snapshot of node `snapshot_of`, its `snapshot_key` held). Returns once the reservation
+    is held (True); False when it is held already or the database cannot take it: then `work`
+    does not run, and the caller decides."""
+    keys = [reservation_key(rollout_pk)]
+    if not _holder.ask("take", keys[0]):
         return False
-    thread = threading.Thread(target=_reserved, args=(rollout_pk, key, work), name=f"tvcache-{name}", daemon=True)
+    if snapshot_of is not None and _holder.ask("take", snapshot_key(snapshot_of)):
+        keys.append(snapshot_key(snapshot_of))
+    thread = threading.Thread(target=_reserved, args=(rollout_pk, keys, work), name=f"tvcache-{name}", daemon=True)
     with _threads_lock:
         _threads.add(thread)
     try:
@@ -137,18 +152,20 @@ def run_reserved(rollout_pk: int, work: Callable[[], None], *, name: str) -> boo
     except BaseException:
         with _threads_lock:
             _threads.discard(thread)
-        _holder.ask("release", key)
+        for key in keys:
+            _holder.ask("release", key)
         raise
     return True
 
 
-def _reserved(rollout_pk: int, key: int, work: Callable[[], None]) -> None:
+def _reserved(rollout_pk: int, keys: list[int], work: Callable[[], None]) -> None:
     try:
         work()
     except Exception:  # noqa: BLE001 - the rollout has its answer; the work only adds reuse
         log.exception("background work on rollout %s failed", rollout_pk)
     finally:
-        _holder.ask("release", key)
+        for key in keys:
+            _holder.ask("release", key)
         connection.close()  # the work's own connection (the pool's, or the thread's)
         with _threads_lock:
             _threads.discard(threading.current_thread())
@@ -158,7 +175,24 @@ def wait_unreserved(rollout_pk: int, *, timeout_s: float) -> float | None:
     """Waits while background work holds the rollout's sandbox. Returns the ms it waited (0.0
     when it was free at once), or None past `timeout_s`: the work is stuck, and the caller must
     not touch the sandbox (it retires it)."""
-    key = reservation_key(rollout_pk)
+    waited = _wait_free(reservation_key(rollout_pk), timeout_s)
+    if waited is None:
+        log.warning("rollout %s: background work still holds its sandbox after %.0f s", rollout_pk, timeout_s)
+    return waited
+
+
+def snapshot_pending(node_id: int) -> bool:
+    """A snapshot of the node's state is being taken (by this or another process)."""
+    return _wait_free(snapshot_key(node_id), 0.0) is None
+
+
+def wait_snapshot(node_id: int, *, timeout_s: float) -> float | None:
+    """Waits while a snapshot of the node's state is being taken: the ms it waited, None past
+    `timeout_s`."""
+    return _wait_free(snapshot_key(node_id), timeout_s)
+
+
+def _wait_free(key: int, timeout_s: float) -> float | None:
     started = time.perf_counter()
     deadline, delay = time.monotonic() + timeout_s, 0.002
     while True:
@@ -166,11 +200,10 @@ def wait_unreserved(rollout_pk: int, *, timeout_s: float) -> float | None:
             cursor.execute(_FREE_SQL, [key, key])
             if cursor.fetchone()[0]:
                 return 0.0 if delay == 0.002 else (time.perf_counter() - started) * 1000
-        if time.monotonic() > deadline:
-            log.warning("rollout %s: background work still holds its sandbox after %.0f s", rollout_pk, timeout_s)
+        if time.monotonic() >= deadline:
             return None
         time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 2, 0.02)
 
 
 def settle(timeout_s: float = 120.0) -> bool:

@@ -35,7 +35,7 @@ from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
-from .materialize import Phases, catch_up_after_answer, retire
+from .materialize import Phases, catch_up_after_answer, resume_snapshotted, retire
 from .misses import serve_miss
 from .pools import idle_deadline, sandbox_stop
 from .runtime import as_application_error, backend_named, env_check_granted, sandbox_handle
@@ -98,6 +98,8 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
                     raise unknown_task(task_id)
                 backend = backend_named(task.env.get("backend", "external"))
                 _granted(task)
+                if not has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
+                    answer = resume_snapshotted(task_id, context, answer, phases)
                 result, node_id, mutates = serve_miss(task, backend, rollout, context, answer,
                                                       recorded=flight.release, phases=phases)
                 cached = False

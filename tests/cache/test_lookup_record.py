@@ -12,11 +12,27 @@ R = call("read", path="f")
 
 def test_miss_then_record_then_hit(api, toy_task):
     first = lookup(api, toy_task, [], W1)
-    assert first == {"hit": False, "matched": 0, "resume": None, "replay": []}
+    assert first == {"hit": False, "matched": 0, "resume": None, "replay": [], "snapshot_after_ms": 100.0}
     node = record(api, toy_task, [], W1, {"ok": True}, exec_ms=100)
     assert node["created"] is True
     again = lookup(api, toy_task, [], W1)
     assert again == {"hit": True, "node_id": node["node_id"], "mutates": True, "result": {"ok": True}}
+
+
+def test_a_miss_says_how_long_its_call_must_run_for_the_record_to_want_a_snapshot(api, toy_task):
+    """The external backend's costs: a snapshot 50 ms, a restore 50 ms. After W1 (30 ms, nothing
+    snapshotted), a state-changing call that runs longer than 70 ms makes replaying cost more."""
+    record(api, toy_task, [], W1, {"ok": True}, exec_ms=30)
+    assert lookup(api, toy_task, [W1], W2)["snapshot_after_ms"] == 70.0
+    assert record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=71)["snapshot"] == "wanted"
+    w3 = call("write", path="f", content="3")
+    assert lookup(api, toy_task, [W1], w3)["snapshot_after_ms"] == 70.0
+    assert record(api, toy_task, [W1], w3, {"ok": True}, exec_ms=69)["snapshot"] == "skipped"
+    assert lookup(api, toy_task, [W1, w3, W1], W2)["snapshot_after_ms"] is None  # the history is not all in the graph
+    unbudgeted = api.put("/api/v1/tasks/toy0", {"env": {"backend": "external", "name": "toy"}, "sandbox_budget": 0},
+                         format="json")
+    assert unbudgeted.status_code == 201, unbudgeted.content
+    assert lookup(api, "toy0", [], W1)["snapshot_after_ms"] is None  # no snapshots at all
 
 
 def test_stale_read_is_a_miss_after_a_write(api, toy_task):
@@ -121,7 +137,7 @@ def test_a_caller_that_follows_the_history_is_offered_no_snapshot_and_leases_non
     node = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)["node_id"]
     api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/snapshots", {"ref": "s", "backend": "external"}, format="json")
     assert lookup(api, toy_task, [W1, W2], R, resume=False) == {"hit": False, "matched": 2, "resume": None,
-                                                                "replay": [W1, W2]}
+                                                                "replay": [W1, W2], "snapshot_after_ms": 100.0}
     assert Lease.objects.count() == 0
     assert lookup(api, toy_task, [W1, W2], R, resume=True)["resume"]["snapshot_ref"] == "s"
     assert Lease.objects.count() == 1

@@ -115,3 +115,45 @@ def test_a_state_changing_hit_is_replayed_in_the_rollouts_sandbox_after_the_answ
     assert (after["cached"], after["result"]["stdout"]) == (False, "1\n2\n")
     assert "replay" not in after["phases_ms"]  # nothing left to catch up on the critical path
     assert Sandbox.objects.get(rollout__rollout_id="r2", state="leased").pk == row.pk
+
+
+def test_a_rollout_that_hits_a_slow_call_catches_up_by_forking_its_snapshot(api, docker_task):
+    """Replaying SLOW (a second) costs more than restoring its snapshot: the sandbox of a rollout
+    that hit it is replaced by a fork of that snapshot, verified, while the policy thinks."""
+    task = docker_task("catch-up-fork")
+    assert run(api, task, "r2", bash("ls /"))["cached"] is False  # read-only: r2 has a root sandbox, no history
+    own = Sandbox.objects.get(rollout__rollout_id="r2", state="leased")
+    assert run(api, task, "r1", SLOW)["cached"] is False
+    snapshot = Snapshot.objects.get(task_id=task, status="live")
+    assert run(api, task, "r2", SLOW)["cached"] is True
+    own.refresh_from_db()
+    fork = Sandbox.objects.get(rollout__rollout_id="r2", state="leased")
+    assert own.state == "stopped" and (fork.pool, fork.snapshot_id, fork.applied, fork.executing) == (
+        "fork", snapshot.pk, 1, False)
+    after = run(api, task, "r2", bash("cat /w/out; pwd"))
+    assert (after["cached"], after["result"]["stdout"]) == (False, "built\n/w\n")
+    assert "replay" not in after["phases_ms"] and "materialize" not in after["phases_ms"]
+
+
+def test_a_rollout_without_a_sandbox_waits_for_the_snapshot_being_taken_rather_than_replay(api, token, docker_task,
+                                                                                           held_snapshots):
+    """r2 misses right after r1's slow call, while its snapshot is being taken: replaying the call
+    costs more than restoring, so r2 waits for the snapshot (up to the difference) and forks it."""
+    release, started = held_snapshots
+    task = docker_task("snapshot-wait")
+    slower = bash("sleep 3; mkdir -p /w && cd /w && echo built > out")
+    assert run(api, task, "r1", slower, settled=False)["cached"] is False
+    assert started.wait(60)
+    assert run(api, task, "r2", slower, settled=False)["cached"] is True  # r2 has no sandbox: nothing to catch up
+    out: dict = {}
+    miss = _in_thread(token, task, "r2", bash("cat /w/out"), out)
+    miss.join(0.5)
+    assert miss.is_alive()  # waiting for the snapshot, not replaying SLOW
+    release.set()
+    miss.join(120)
+    answer = out["answer"]
+    assert (answer["cached"], answer["result"]["stdout"]) == (False, "built\n")
+    assert answer["phases_ms"]["snapshot_wait"] > 0
+    assert settle()
+    snapshot = Snapshot.objects.get(task_id=task, status="live")
+    assert Sandbox.objects.get(rollout__rollout_id="r2", state="leased").snapshot_id == snapshot.pk

@@ -43,9 +43,13 @@ def hit(result: dict[str, Any], node_id: int = 1) -> dict[str, Any]:
 
 
 def miss(
-    replay: list[dict[str, Any]], resume: dict[str, Any] | None = None, matched: int = 0
+    replay: list[dict[str, Any]],
+    resume: dict[str, Any] | None = None,
+    matched: int = 0,
+    snapshot_after_ms: float | None = None,
 ) -> dict[str, Any]:
-    return {"hit": False, "matched": matched, "resume": resume, "replay": replay}
+    return {"hit": False, "matched": matched, "resume": resume, "replay": replay,
+            "snapshot_after_ms": snapshot_after_ms}
 
 
 def resume(ref: str, replay: list[dict[str, Any]], lease_id: int = 7) -> dict[str, Any]:

@@ -208,6 +208,46 @@ def test_the_next_miss_waits_for_the_record_that_decides_on_a_snapshot(service):
     assert executor.background_wait_ms > 0.0
 
 
+def test_a_miss_likely_to_be_snapshotted_is_frozen_before_its_record_answers(service):
+    handle, release = held_back(service, "record")
+    set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")
+    store = SnapshotStore()
+    with served(handle) as url, TVCacheClient(url, "secret") as client:
+        executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
+        service.script("lookup", miss(replay=[], snapshot_after_ms=0.0))
+        service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+        executor.execute(set_a)
+        service.script("lookup", miss(replay=[set_a], matched=1))
+        # Runs while the first record is held: the snapshot was frozen without waiting for it.
+        assert executor.execute(set_b) == {"value": "2"}
+        release.set()
+        executor.close()
+    (registration,) = service.requests("snapshot")
+    assert store.get(registration.body["ref"]).data == {"a": "1"}  # frozen before set_b ran
+    assert histories(service) == [([], set_a), ([set_a], set_b)]
+
+
+def test_a_snapshot_frozen_ahead_that_the_record_does_not_want_is_dropped(service, client):
+    forks: list[InMemoryEnvironment] = []
+
+    class Forking(InMemoryEnvironment):
+        def fork(self) -> InMemoryEnvironment:
+            forks.append(super().fork())
+            return forks[-1]
+
+    store = SnapshotStore()
+    executor = ToolCallExecutor(client, TASK, Forking, snapshots=store)
+    service.script("lookup", miss(replay=[], snapshot_after_ms=0.0))
+    service.script("record", {"node_id": 5, "created": False, "snapshot": "skipped", "evicted": []})
+    executor.execute(call("set", key="a", value="1"))
+    service.script("lookup", miss(replay=[], matched=1, snapshot_after_ms=10_000.0))  # quicker: none ahead
+    executor.execute(call("set", key="b", value="2"))
+    executor.close()
+    assert not service.requests("snapshot") and len(store) == 0
+    (ahead,) = forks
+    assert ahead.running is False  # stopped
+
+
 def test_replays_are_recorded_after_the_last_snapshot_is_registered(service):
     handle, release = held_back(service, "snapshot")
     set_a, set_b = call("set", key="a", value="1"), call("set", key="b", value="2")

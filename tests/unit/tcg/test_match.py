@@ -1,4 +1,4 @@
-from cache.tcg import NodeRef, ToolCall, env_fingerprint, longest_prefix_match, state_chain
+from cache.tcg import NodeRef, ToolCall, catch_up, env_fingerprint, longest_prefix_match, state_chain
 
 from .toy import POLICY
 
@@ -7,11 +7,11 @@ R = ToolCall("read", {"key": "a"})
 FP = env_fingerprint({"toy": 1})
 
 
-def refs(chain, indexes, snapshots=()):
+def refs(chain, indexes, snapshots=(), cum=None):
     writes = chain.writes
     return {
         writes[i].state_key: NodeRef(node_id=i + 1, state_key=writes[i].state_key, depth=i + 1,
-                                     snapshot_id=(i + 1) if i in snapshots else None)
+                                     cum_exec_ms=cum[i] if cum else 0.0, snapshot_id=(i + 1) if i in snapshots else None)
         for i in indexes
     }
 
@@ -41,3 +41,23 @@ def test_matched_stops_before_the_first_unmatched_write():
 def test_read_only_calls_do_not_change_the_state_key():
     assert state_chain(FP, [W1, R, R], POLICY).final == state_chain(FP, [W1], POLICY).final
     assert state_chain(FP, [W1, W2], POLICY).final != state_chain(FP, [W2, W1], POLICY).final
+
+
+def test_a_sandbox_behind_forks_a_snapshot_past_it_only_when_that_costs_less_than_replaying():
+    chain = state_chain(FP, [W1, R, W2, W3], POLICY)  # W2 is slow: 2 s; a restore costs 300 ms
+    found = refs(chain, [0, 1, 2], snapshots=[1], cum=[10.0, 2010.0, 2020.0])
+    plan = catch_up(chain, found, applied=1, restore_ms=300.0)  # the sandbox holds W1's state
+    assert plan.replay_ms == 2010.0
+    assert (plan.fork.resume.node_id, plan.fork.replay) == (2, (W3,))
+    assert catch_up(chain, found, applied=1, restore_ms=2500.0).fork is None  # restoring costs more
+    assert catch_up(chain, found, applied=3, restore_ms=0.0).fork is None  # already past the snapshot
+    cheap = refs(chain, [0, 1, 2], snapshots=[1], cum=[10.0, 20.0, 30.0])
+    assert catch_up(chain, cheap, applied=1, restore_ms=300.0).fork is None  # quick calls: replay them
+
+
+def test_nothing_to_plan_without_every_write_node_or_once_caught_up():
+    chain = state_chain(FP, [W1, W2], POLICY)
+    assert catch_up(chain, refs(chain, [1], snapshots=[1], cum=[0.0, 10.0]), applied=0, restore_ms=0.0) is None
+    assert catch_up(chain, refs(chain, [0, 1], cum=[5.0, 10.0]), applied=2, restore_ms=0.0) is None
+    plan = catch_up(chain, refs(chain, [0, 1], cum=[5.0, 10.0]), applied=0, restore_ms=0.0)
+    assert (plan.replay_ms, plan.fork) == (10.0, None)  # no snapshot to fork

@@ -425,9 +425,12 @@ class ToolCallExecutor:
         claimed, env = lookup.claim == "granted", self._env
         previous = self._background[-1] if self._background else None
         background = _Background(call)
+        # Likely to be asked for a snapshot: freeze it before the record rather than after.
+        early = (lookup.snapshot_after_ms is not None and executed.mutated is not False
+                 and executed.exec_ms > lookup.snapshot_after_ms)
         background.run(
             lambda: self._record_in_background(
-                env, recorded, claimed, lease_id, restore_ms, background, previous
+                env, recorded, claimed, lease_id, restore_ms, background, previous, early
             )
         )
         self._background.append(background)
@@ -442,14 +445,20 @@ class ToolCallExecutor:
         restore_ms: float | None,
         background: _Background,
         previous: _Background | None,
+        early: bool = False,
     ) -> None:
+        frozen: tuple[ToolExecutionEnvironment, float] | None = None
         try:
             try:
                 file_times = self._changed_file_times(env, executed)
+                if early:  # the next miss need not wait for this record's answer to move the env on
+                    frozen = self._freeze_early(env, background.env_free)
                 if previous is not None:
                     previous.registered.wait()
                 recorded = self._record(replace(executed, file_times=file_times))
             except BaseException as exc:
+                if frozen is not None:
+                    frozen[0].stop()
                 if claimed:  # rollouts waiting on this call execute it now
                     self._release_claim(executed.history, executed.call)
                 if not isinstance(exc, TVCacheError):
@@ -463,7 +472,7 @@ class ToolCallExecutor:
                 background.recorded.set()
             # Recorded: the claim stays, so that rollouts waiting on it take the hit.
             try:
-                self._keep_snapshot(env, recorded, background.env_free)
+                self._keep_snapshot(env, recorded, background.env_free, frozen)
             except TVCacheError as exc:
                 self._count_failure()
                 logger.warning("could not register a snapshot after %s: %s", executed.call, exc)
@@ -555,20 +564,52 @@ class ToolCallExecutor:
         )
 
     def _keep_snapshot(
-        self, env: ToolExecutionEnvironment, recorded: RecordResult, env_free: threading.Event | None = None
+        self,
+        env: ToolExecutionEnvironment,
+        recorded: RecordResult,
+        env_free: threading.Event | None = None,
+        frozen: tuple[ToolExecutionEnvironment, float] | None = None,
     ) -> None:
-        """Take the snapshot the service asks for after a record in `env`, and drop what it
-        evicted. `env_free` is set as soon as `env` may move on."""
+        """Take the snapshot the service asks for after a record in `env` (or keep the one
+        `frozen` before it, with its create_ms), and drop what it evicted. `env_free` is set as
+        soon as `env` may move on."""
         if recorded.snapshot_wanted:
-            self._snapshot(env, recorded.node_id, env_free)
-        elif env_free is not None:
-            env_free.set()
+            self._snapshot(env, recorded.node_id, env_free, frozen)
+        else:
+            if frozen is not None:
+                frozen[0].stop()
+            if env_free is not None:
+                env_free.set()
         self._discard(recorded.evicted)
 
-    def _snapshot(self, env: ToolExecutionEnvironment, node_id: int, env_free: threading.Event | None) -> None:
+    @staticmethod
+    def _freeze_early(
+        env: ToolExecutionEnvironment, env_free: threading.Event
+    ) -> tuple[ToolExecutionEnvironment, float] | None:
+        """A snapshot of `env` frozen before the record answers whether it is wanted; None if
+        freezing failed (the record's answer then decides, as without it)."""
         started = time.perf_counter()
-        frozen = env.fork()
-        create_ms = _elapsed_ms(started)
+        try:
+            frozen = env.fork()
+        except Exception as exc:  # noqa: BLE001 - only a head start is lost
+            logger.warning("could not freeze a snapshot ahead of the record: %s", exc)
+            return None
+        env_free.set()
+        return frozen, _elapsed_ms(started)
+
+    def _snapshot(
+        self,
+        env: ToolExecutionEnvironment,
+        node_id: int,
+        env_free: threading.Event | None,
+        early: tuple[ToolExecutionEnvironment, float] | None = None,
+    ) -> None:
+        if early is None:
+            started = time.perf_counter()
+            frozen = env.fork()
+            create_ms = _elapsed_ms(started)
+        else:
+            frozen, create_ms = early
         if env_free is not None:  # frozen: the rollout's next miss may move the environment on
             env_free.set()
         ref = uuid.uuid4().hex

@@ -55,6 +55,9 @@ class LookupResult:
     # Hits: sampled for the determinism audit (the task's audit_rate). An executor whose
     # environment is at the hit's parent state re-executes the call and reports the result.
     audit: bool = False
+    # Misses: a call that changes the state and runs longer than this will most likely be asked
+    # for a snapshot by its record (None: it will not); the record's answer is the one that counts.
+    snapshot_after_ms: float | None = None
     # The service's own time on the lookup in ms (its Server-Timing header), None if it did not
     # say: the rest of the round trip is the network and the client.
     server_ms: float | None = field(default=None, compare=False)
@@ -72,6 +75,7 @@ class LookupResult:
             resume=Resume.from_json(resume) if resume is not None else None,
             replay=_calls(data["replay"]),
             claim=data.get("claim"),
+            snapshot_after_ms=data.get("snapshot_after_ms"),
         )
 
 
