@@ -634,10 +634,14 @@ class Replay:
                 # a rollout off the shared graph keeps no history: those are keyed as the tool's
                 # policy says.
                 detached = getattr(executor, "detached", False)
-                sample.mutates = None if _meter.fired or failed or detached else len(executor.history) > keyed
-                sample.injected, sample.failed, sample.retries = _meter.fired, failed, retries
-                sample.fault = fault.kind if _meter.fired else ("timeout" if timed_out(result) and not sample.cached
-                                                                else None)
+                # A fault that fired on a hit fired in its audit's re-execution (a sampled hit run
+                # again in the open environment): the answer is the cache's, and the executor
+                # dropped the environment, so the rollout's state is known.
+                fired = _meter.fired and not sample.cached
+                sample.mutates = None if fired or failed or detached else len(executor.history) > keyed
+                sample.injected, sample.failed, sample.retries = fired, failed, retries
+                sample.fault = fault.kind if fired else ("timeout" if timed_out(result) and not sample.cached
+                                                         else None)
                 samples.append(sample)
             _meter.env_ms = 0.0
         return samples
