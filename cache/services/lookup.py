@@ -19,6 +19,7 @@ from observability import metrics
 from cache.inputs import CallContext
 from cache.projects import unknown_task
 from cache.tcg import CatchUp, Match, NodeRef, StateChain, ToolCall, catch_up, longest_prefix_match, state_chain
+from cache.tcg.snapshots import snapshot_after_ms
 
 from . import ledger
 from .hitcache import CachedHit, TaskStamp, hit_cache
@@ -209,9 +210,8 @@ def _snapshot_after_ms(task: TaskHandle, match: Match, history_length: int) -> f
     keeps the freeze off its next call's path; the record's answer stays the one that counts."""
     if task.sandbox_budget <= 0 or match.matched != history_length:
         return None
-    costs = backend_costs(task.backend)
     since = (match.node.cum_exec_ms if match.node else 0.0) - (match.resume.cum_exec_ms if match.resume else 0.0)
-    return max(0.0, costs.snapshot_ms + costs.restore_ms - since)
+    return snapshot_after_ms(replay_cost_ms=since, costs=backend_costs(task.backend))
 
 
 def claim_release(*, task_id: str, context: CallContext) -> bool:

@@ -21,6 +21,12 @@ def snapshot_wanted(*, mutates: bool, replay_cost_ms: float, costs: SnapshotCost
     return mutates and replay_cost_ms > costs.snapshot_ms + costs.restore_ms
 
 
+def snapshot_after_ms(*, replay_cost_ms: float, costs: SnapshotCosts) -> float:
+    """How long a state-changing call must run, after a path whose replay since its nearest
+    snapshot costs `replay_cost_ms`, for `snapshot_wanted` to hold after it."""
+    return max(0.0, costs.snapshot_ms + costs.restore_ms - replay_cost_ms)
+
+
 def moving_average(previous: float | None, sample: float, weight: float = MOVING_AVERAGE_WEIGHT) -> float:
     if previous is None:
         return sample

@@ -152,7 +152,7 @@ def _fork_to_catch_up(task_id: str, history: tuple[ToolCall, ...], applied: int,
     plan = history_catch_up(task_id=task_id, history=history, applied=applied)
     if plan is None or plan.fork is not None:
         return plan.fork if plan is not None else None
-    spare_ms = plan.replay_ms - backend_costs(task_handle(task_id=task_id, cached=True).backend).restore_ms
+    spare_ms = plan.replay_ms - _restore_ms(task_id)
     if spare_ms <= 0 or wait_snapshot(node_id, timeout_s=spare_ms / 1000) in (None, 0.0):
         return None
     plan = history_catch_up(task_id=task_id, history=history, applied=applied)
@@ -168,8 +168,7 @@ def resume_snapshotted(task_id: str, context: CallContext, answer, phases: Phase
     node, resume = answer.match.node, answer.match.resume
     if node is None or (resume is not None and resume.node_id == node.node_id):
         return answer
-    spare_ms = (node.cum_exec_ms - (resume.cum_exec_ms if resume else 0.0)
-                - backend_costs(task_handle(task_id=task_id, cached=True).backend).restore_ms)
+    spare_ms = node.cum_exec_ms - (resume.cum_exec_ms if resume else 0.0) - _restore_ms(task_id)
     if spare_ms <= 0 or not snapshot_pending(node.node_id):
         return answer
     with phases.timed("snapshot_wait"):
@@ -182,6 +181,11 @@ def resume_snapshotted(task_id: str, context: CallContext, answer, phases: Phase
     if answer.lease_id:
         lease_release(lease_id=answer.lease_id)
     return again
+
+
+def _restore_ms(task_id: str) -> float:
+    """What restoring a snapshot of the task's backend costs (a moving average)."""
+    return backend_costs(task_handle(task_id=task_id, cached=True).backend).restore_ms
 
 
 def _forked(task, policy, rollout, row: Sandbox, context: CallContext, fork: Match, node_id: int) -> bool:

@@ -3,7 +3,7 @@ import sys
 
 from cache.tcg import ToolCall, call_digest, canonical_call, env_fingerprint
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
-from cache.tcg.snapshots import SnapshotCosts, moving_average, snapshot_wanted
+from cache.tcg.snapshots import SnapshotCosts, moving_average, snapshot_after_ms, snapshot_wanted
 
 
 def test_canonical_call_sorts_keys_at_every_level_and_has_no_whitespace():
@@ -22,6 +22,15 @@ def test_snapshot_only_when_replay_costs_more_than_snapshot_plus_restore():
     assert snapshot_wanted(mutates=True, replay_cost_ms=151, costs=costs)
     assert not snapshot_wanted(mutates=True, replay_cost_ms=150, costs=costs)
     assert not snapshot_wanted(mutates=False, replay_cost_ms=10_000, costs=costs)
+
+
+def test_snapshot_after_ms_is_the_run_time_past_which_the_call_is_snapshotted():
+    costs = SnapshotCosts(snapshot_ms=100, restore_ms=50)
+    after = snapshot_after_ms(replay_cost_ms=30, costs=costs)
+    assert after == 120
+    assert snapshot_wanted(mutates=True, replay_cost_ms=30 + after + 1, costs=costs)
+    assert not snapshot_wanted(mutates=True, replay_cost_ms=30 + after, costs=costs)
+    assert snapshot_after_ms(replay_cost_ms=500, costs=costs) == 0.0
 
 
 def test_moving_average_starts_at_the_first_sample():
