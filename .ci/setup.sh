@@ -2,7 +2,7 @@
 # Sets up everything tvcache needs on a fresh Debian machine of this kind; safe to rerun.
 # Sourced by .ci/demo.sh and .ci/test.sh. Exports DATABASE_URL, REDIS_URL and SECRET_KEY for them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/tvcache}
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 log() { echo "[setup] $*"; }

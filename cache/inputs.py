@@ -338,6 +338,8 @@ class RecordInput:
     # a replay of the call there writes back (Node.file_times). None: not kept (a replay then
     # restores no time from this call on); {}: the call changed no entry's time.
     file_times: dict[str, int] | None = None
+    # The call ran again only to rebuild the sandbox's state (a replay): its time was not saved.
+    replay: bool = False
 
 
 def parse_record(data: Any) -> RecordInput:
@@ -350,7 +352,8 @@ def parse_record(data: Any) -> RecordInput:
                            details={"field": "exec_ms", "min": 0, "max": MAX_MS})
     mutated = _optional(data, "mutated", bool, None)
     return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated,
-                       file_times=parse_file_times(data.get("file_times")))
+                       file_times=parse_file_times(data.get("file_times")),
+                       replay=_optional(data, "replay", bool, False))
 
 
 def parse_file_times(value: Any) -> dict[str, int] | None:

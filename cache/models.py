@@ -111,7 +111,7 @@ class Node(models.Model):
     tool = models.CharField(max_length=200)
     call = models.JSONField()
     mutates = models.BooleanField()
-    result_json = models.TextField()  # canonical JSON, served as is
+    result_json = models.TextField()  # as recorded, keys in the tool's order; served as is
     result_bytes = models.PositiveIntegerField()
     exec_ms = models.FloatField()
     cum_exec_ms = models.FloatField()  # exec time of the state-changing path from the root

@@ -116,7 +116,9 @@ class LookupResponseSerializer(serializers.Serializer):
 
 
 class RecordSerializer(CallContextSerializer):
-    result = serializers.JSONField()
+    result = serializers.JSONField(help_text=(
+        "What the tool answered. Stored and served as sent: a hit answers the same JSON, its objects' keys in the "
+        "order they were recorded in."))
     exec_ms = serializers.FloatField(min_value=0, max_value=MAX_MS)
     mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(
         "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
@@ -128,6 +130,9 @@ class RecordSerializer(CallContextSerializer):
         f"{MAX_FILE_TIMES_PATHS} in all). A replay of the call writes them back after it (POST .../file-times), so "
         "that tools reading file times (make, bytecode caches) see the live run's. {}: the call changed no entry's "
         "time. Omit it when unknown: a replay then restores no time from this call on."))
+    replay = serializers.BooleanField(required=False, default=False, help_text=(
+        "true: the call ran again only to rebuild a sandbox's state after hits. Its time comes off the task's "
+        "saved_ms, which counts only time really not spent."))
 
 
 class FileTimesQuerySerializer(serializers.Serializer):

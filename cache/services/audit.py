@@ -19,7 +19,7 @@ from django.db import transaction
 
 from cache.models import AuditEntry, Divergence, Node, Task
 from cache.projects import unknown_node, unknown_task
-from cache.tcg import canonical_json
+from cache.tcg import same_result
 
 from . import ledger
 from .admin import system_entry
@@ -84,12 +84,12 @@ def _limit_tool(task: Task, tool: str) -> dict | None:
 
 def node_audit(*, task_id: str, node_id: int, result: Any, rollout_id: str = "") -> bool:
     """A client's re-execution of a hit at its parent state: whether it differs from the node's
-    result (the whole result, as canonical JSON); a difference is recorded."""
+    result (the whole result, its bytes); a difference is recorded."""
     row = Node.objects.filter(task_id=task_id, pk=node_id).values_list("tool", "result_json").first()
     if row is None:
         raise unknown_node(task_id, node_id)
     tool, result_json = row
-    if canonical_json(result).decode() == result_json:
+    if same_result(result_json, result):
         return False
     divergence_record(task_id=task_id, node_id=node_id, tool=tool, kind=Divergence.Kind.AUDIT,
                       expected=orjson.loads(result_json), observed=result, rollout_id=rollout_id)

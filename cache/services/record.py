@@ -11,7 +11,7 @@ from django.db import connection
 
 from cache.errors import PayloadTooLarge
 from cache.inputs import RecordInput
-from cache.tcg import canonical_call, canonical_json, record_plan
+from cache.tcg import canonical_call, record_plan, result_json
 from cache.tcg.snapshots import snapshot_wanted
 
 from . import ledger
@@ -82,11 +82,11 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
     task = task_handle(task_id=task_id)
     context = record.context
     task.check_fingerprint(context.env_fingerprint)
-    result_json = canonical_json(record.result).decode()
+    stored = result_json(record.result).decode()
     limit = settings.TVCACHE["MAX_RESULT_BYTES"]
-    if len(result_json) > limit:
-        raise PayloadTooLarge(f"Result is {len(result_json)} bytes; the limit is {limit}.", code="result_too_large",
-                              details={"limit": limit, "size": len(result_json)})
+    if len(stored) > limit:
+        raise PayloadTooLarge(f"Result is {len(stored)} bytes; the limit is {limit}.", code="result_too_large",
+                              details={"limit": limit, "size": len(stored)})
     chain = task_chain(task, context)
     last = chain.steps[-1]
     plan = record_plan(chain, task.policy, record.mutated)
@@ -99,8 +99,8 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
         "tool": last.call.tool,
         "call": canonical_call(last.call).decode(),
         "mutates": plan.mutates,
-        "result": result_json,
-        "result_bytes": len(result_json),
+        "result": stored,
+        "result_bytes": len(stored),
         "exec_ms": record.exec_ms,
         "own_cost": record.exec_ms if plan.mutates else 0.0,
         "rollout": context.rollout_id,
@@ -119,6 +119,8 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
         node_id, cum_exec_ms, created, node_mutates = row
         if created:
             ledger.node_created(task.task_id, node_id)
+        elif record.replay:
+            ledger.replay_add(task_id=task.task_id, epoch=context.epoch, tool=last.call.tool, ms=record.exec_ms)
         wanted = False
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.

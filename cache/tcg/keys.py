@@ -27,6 +27,18 @@ def canonical_json(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
+def result_json(value: Any) -> bytes:
+    """A result as it is stored and served: compact JSON with its objects' keys in the order the
+    tool gave them. Never sorted: a policy that renders a dict as text would see other tokens."""
+    return orjson.dumps(value)
+
+
+def same_result(stored: str, observed: Any) -> bool:
+    """Whether `observed` is the result a node stores: the same bytes. Results recorded before
+    results kept their key order are stored with sorted keys: those compare by value."""
+    return result_json(observed).decode() == stored or canonical_json(observed).decode() == stored
+
+
 def canonical_call(call: ToolCall) -> bytes:
     return canonical_json({"tool": call.tool, "args": call.args})
 

@@ -292,3 +292,40 @@ def test_the_task_list_comes_a_page_at_a_time_and_filters_by_id(api, toy_task):
         response = api.get(f"/api/v1/tasks?{bad}")
         assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_payload", bad
 
+
+
+def test_a_hit_answers_the_result_in_the_key_order_the_tool_gave(api, toy_task):
+    """A policy that renders a dict result as text sees its keys in order: a hit must give the
+    bytes the tool gave, not sorted keys."""
+    result = {"z": 1, "a": {"y": 2, "b": [{"d": 1, "c": 2}]}, "m": None}
+    record(api, toy_task, [], W1, result)
+    for _ in range(2):  # from the database, then from the process's hit cache
+        response = api.post(f"/api/v1/tasks/{toy_task}/lookup", {"history": [], "call": W1}, format="json")
+        assert b'"result":{"z":1,"a":{"y":2,"b":[{"d":1,"c":2}]},"m":null}' in response.content
+        assert list(response.json()["result"]) == ["z", "a", "m"]
+
+
+def test_a_result_stored_with_sorted_keys_before_is_served_and_audited_by_value(api, toy_task):
+    from cache.models import Node
+
+    node = record(api, toy_task, [], W1, {"a": 1, "z": 2})["node_id"]
+    Node.objects.filter(pk=node).update(result_json='{"a":1,"z":2}')  # as older releases stored it
+    assert lookup(api, toy_task, [], W1)["result"] == {"a": 1, "z": 2}
+    audited = api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/audit", {"result": {"z": 2, "a": 1}}, format="json")
+    assert audited.status_code == 200 and audited.json()["divergent"] is False
+    other = api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/audit", {"result": {"z": 3, "a": 1}}, format="json")
+    assert other.json()["divergent"] is True
+
+
+def test_a_replay_takes_its_time_off_what_the_hits_saved(api, toy_task):
+    """A call a sandbox ran again only to rebuild its state was not saved after all."""
+    record(api, toy_task, [], W1, {"ok": True}, exec_ms=250, epoch=0)
+    assert lookup(api, toy_task, [], W1, epoch=0, rollout_id="r1")["hit"] is True
+    again = record(api, toy_task, [], W1, {"ok": True}, exec_ms=200, epoch=0, rollout_id="r1", replay=True)
+    assert again["created"] is False
+    record(api, toy_task, [], W1, {"ok": True}, exec_ms=150, epoch=0, rollout_id="r2")  # a racing record: no replay
+    stats = api.get(f"/api/v1/tasks/{toy_task}").json()["stats"]
+    assert (stats["hits"], stats["saved_ms"], stats["executed_ms"]) == (1, 50, 250)
+    bad = api.post(f"/api/v1/tasks/{toy_task}/record", {"history": [], "call": W1, "result": {}, "exec_ms": 1,
+                                                         "replay": "yes"}, format="json")
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_payload"
