@@ -267,6 +267,17 @@ def lookup_add(*, task_id: str, epoch: int, tool: str, rollout_id: str, node_id:
             entry[2] = epoch
 
 
+def replay_add(*, task_id: str, epoch: int, tool: str, ms: float) -> None:
+    """A call run again only to rebuild a sandbox's state: the time a hit of it saved was spent
+    after all, so it comes off `saved_ms`."""
+    if not _storable(task_id, epoch, tool, ""):
+        return
+    with _ledger.lock:
+        _ledger.started()
+        stat = _ledger.fresh.stats.setdefault((task_id, epoch, tool), [0, 0, 0, 0.0])
+        stat[3] -= ms
+
+
 def request_add(*, project_id: int, admitted: bool) -> None:
     """One API request of the project, admitted or refused by its rate limit."""
     with _ledger.lock:

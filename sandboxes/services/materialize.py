@@ -25,6 +25,7 @@ from cache.models import Divergence, Node, Rollout, Snapshot, Task
 from cache.selectors import replay_file_times
 from cache.services import (LookupMiss, backend_costs, divergence_record, history_catch_up, lease_grant, lease_release,
                             task_handle, tcg_lookup)
+from cache.services.ledger import replay_add
 from cache.tcg import Match, TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
@@ -319,8 +320,11 @@ def _replay_verified(run: Run, calls, context: CallContext, reached: int | None)
     `diverged` set, a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
+        def spent(call: ToolCall, ms: float) -> None:
+            replay_add(task_id=run.task.pk, epoch=context.epoch, tool=call.tool, ms=ms)
+
         if not replay_restoring_times(run.sandbox, calls, replay_file_times(
-                task_id=run.task.pk, context=context, calls=calls)):
+                task_id=run.task.pk, context=context, calls=calls), spent=spent):
             run.diverged = "a replayed call timed out"
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
@@ -350,15 +354,20 @@ _DIGESTS = {"state_fingerprint": "full", "state_order": "order", "state_shape": 
 
 
 def replay_restoring_times(sandbox: SandboxHandle, calls, times,
-                           ran=lambda call, result: not result.get("timed_out")) -> bool:
+                           ran=lambda call, result: not result.get("timed_out"), spent=None) -> bool:
     """Execute `calls` again, each followed by the file times its live run left (`times`, from
     cache.selectors.replay_file_times), up to the first call whose times were not kept: from there
     on the replay's own times stand (later than every restored one, so the order between calls
     stays the live one). False if a call did not run as recorded (`ran`: it timed out; the
-    replay stops there)."""
+    replay stops there). `spent(call, ms)` is told each call's time: a replay is work the cache
+    did not save."""
     restoring = True
     for call, left in zip(calls, times):
-        if not ran(call, sandbox.execute(call.tool, call.args)):
+        started = time.perf_counter()
+        result = sandbox.execute(call.tool, call.args)
+        if spent is not None:
+            spent(call, (time.perf_counter() - started) * 1000)
+        if not ran(call, result):
             return False
         restoring = restoring and left is not None
         if restoring:
