@@ -74,7 +74,7 @@ class RunningServer:
     pid: int  # the web server's main process (a new one after restart())
     queue: str | None = None  # where its background jobs go (a queue of its own), if it has a broker
     worker_pid: int | None = None  # its Celery worker's, if it has one
-    _restart: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    _restart: Callable[[bool], int] | None = field(default=None, repr=False, compare=False)
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) used so far by the server and its live child processes."""
@@ -84,9 +84,20 @@ class RunningServer:
         """Kill the web server (SIGKILL to its whole process tree: a crash, requests in flight get
         no answer) and start it again on the same port, database and queue; returns once it
         answers. The Celery worker keeps running."""
+        self.outage_begin()
+        self.outage_end()
+
+    def outage_begin(self) -> None:
+        """Kill the web server as restart() does, and leave it down."""
         if self._restart is None:
             raise RuntimeError("this server cannot be restarted")
-        self.pid = self._restart()
+        self._restart(False)
+
+    def outage_end(self) -> None:
+        """Start the web server killed by outage_begin() again; returns once it answers."""
+        if self._restart is None:
+            raise RuntimeError("this server cannot be restarted")
+        self.pid = self._restart(True)
 
 
 def process_tree(root: int) -> list[int]:
@@ -162,11 +173,13 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
                 for name in commands}
         url = f"http://127.0.0.1:{port}"
 
-        def restart_web() -> int:
+        def restart_web(start: bool) -> int:
             old = processes[0]
-            crash(old.pid)  # the workers too: they hold the listening socket
-            old.wait()
-            wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} to stop")
+            if not start:
+                crash(old.pid)  # the workers too: they hold the listening socket
+                old.wait()
+                wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} to stop")
+                return old.pid
             processes[0] = subprocess.Popen(commands[kind], cwd=root, env=env, stdout=logs[kind], stderr=subprocess.STDOUT)
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} (restarted)", processes)
             return processes[0].pid

@@ -622,15 +622,20 @@ def test_close_stops_own_env_and_private_snapshots_but_not_shared_ones(service, 
     assert len(shared) == 1 and shared.get(service.requests("snapshot")[0].body["ref"]).running
 
 
-def test_replay_that_is_not_in_the_history_is_a_service_error(service, client):
-    executor = ToolCallExecutor(client, TASK, Factory())
+def test_a_service_answer_that_makes_no_sense_runs_the_rollout_uncached(service, client, caplog):
+    # Before, the executor raised the service's bad answer into the trajectory; tvcache's own
+    # failures must never show there, so the rollout now goes on uncached.
+    factory = Factory({"a": "1"})
+    executor = ToolCallExecutor(client, TASK, factory)
     service.script("lookup", miss(replay=[call("set", key="never", value="sent")]))
 
-    with pytest.raises(TVCacheError) as raised:
-        executor.execute(call("get", key="a"))
+    with caplog.at_level(logging.WARNING, logger="tvclient.executor"):
+        assert executor.execute(call("get", key="a")) == {"value": "1"}
+        assert executor.execute(call("set", key="b", value="2")) == {"value": "2"}
 
-    assert raised.value.code == "bad_response"
-    assert executor.env is None
+    assert executor.offline and executor.detached
+    assert service.requests("record") == [] and len(service.requests("lookup")) == 1
+    assert sum("goes on uncached" in record.message for record in caplog.records) == 1
 
 
 def test_async_executor_runs_the_same_protocol(service):
@@ -727,3 +732,84 @@ def test_an_audit_the_service_cannot_take_leaves_the_hit(service, client, caplog
     assert executor.execute(call("get", key="a")) == {"value": "1"}
     assert executor.record_failures == 1 and executor.audited == 0
     assert "could not report the audit" in caplog.text
+
+
+def test_a_result_that_is_not_exact_json_runs_uncached_and_a_write_detaches(service, client, caplog):
+    class Odd(InMemoryEnvironment):
+        def execute(self, call):
+            if call["tool"] == "pair":  # a tuple would come back from the cache as a list
+                self.data["p"] = "x"
+                return {"pair": ("a", 1)}
+            if call["tool"] == "keys":  # int keys would come back as str keys
+                return {1: "one"}
+            return super().execute(call)
+
+        def mutates_state(self, call):
+            return call["tool"] != "keys"
+
+    executor = ToolCallExecutor(client, TASK, lambda: Odd({"a": "1"}), rollout_id="r1")
+    service.script("lookup", {**miss(replay=[]), "claim": "granted"})
+    service.script("lookup", {**miss(replay=[]), "claim": "granted"})
+    with caplog.at_level(logging.WARNING, logger="tvclient.executor"):
+        assert executor.execute(call("keys")) == {1: "one"}
+        assert not executor.detached  # read-only: the rollout stays on the graph
+        assert executor.execute(call("pair")) == {"pair": ("a", 1)}
+        assert executor.detached  # it may have changed the state, which no node describes
+        assert executor.execute(call("get", key="p")) == {"value": "x"}
+
+    executor.close()
+    assert executor.uncacheable == 2
+    assert service.requests("record") == []
+    assert len(service.requests("lookup")) == 2 and len(service.requests("release_claim")) == 2
+    assert sum("ran uncached" in record.message for record in caplog.records) == 2
+
+
+def test_a_call_with_arguments_that_are_not_exact_json_runs_uncached(service, client):
+    factory = Factory({"a": "1"})
+    executor = ToolCallExecutor(client, TASK, factory)
+    service.script("lookup", hit({"ok": True}))
+    executor.execute(call("set", key="a", value="2"))
+
+    class Name(str):  # would come back from the cache as a plain str
+        pass
+
+    assert executor.execute({"tool": "get", "args": {"key": Name("a")}}) == {"value": "2"}
+    assert executor.uncacheable == 1 and factory.made[0].data["a"] == "2"  # the hit was replayed first
+    assert len(service.requests("lookup")) == 1
+
+
+def test_load_shed_is_retried_after_the_time_it_asks_for(service, client):
+    service.script("lookup", {"error": {"code": "overloaded", "message": "later"}}, status=503)
+    service.script("lookup", hit({"value": "cached"}))
+    executor = ToolCallExecutor(client, TASK, Factory())
+
+    assert executor.execute(call("get", key="a")) == {"value": "cached"}
+    assert not executor.offline and len(service.requests("lookup")) == 2
+
+
+def test_a_rollout_started_while_the_service_is_down_runs_uncached_from_its_start(caplog):
+    from tvclient import RetryPolicy
+
+    factory = Factory({"a": "1"})
+    with TVCacheClient("http://127.0.0.1:9", "secret", retry=RetryPolicy(budget_s=0.1)) as down:
+        executor = ToolCallExecutor(down, TASK, factory, rollout_id="r1")
+        with caplog.at_level(logging.WARNING, logger="tvclient.executor"):
+            assert executor.execute(call("set", key="a", value="2")) == {"value": "2"}
+            assert executor.execute(call("get", key="a")) == {"value": "2"}
+        executor.close()
+    assert executor.offline and executor.executed == 2 and len(factory.made) == 1
+    assert sum("goes on uncached" in record.message for record in caplog.records) == 1
+
+
+def test_an_outage_mid_rollout_replays_the_hits_and_goes_on_uncached(service, client):
+    factory = Factory({"a": "1"})
+    executor = ToolCallExecutor(client, TASK, factory, rollout_id="r1")
+    service.script("lookup", hit({"value": "2"}))
+    executor.execute(call("set", key="a", value="2"))  # a hit: nothing ran
+    service.script("lookup", {"error": {"code": "boom", "message": "down"}}, status=500)
+    service.script("lookup", {"error": {"code": "boom", "message": "down"}}, status=500)
+    service.script("lookup", {"error": {"code": "boom", "message": "down"}}, status=500)
+
+    assert executor.execute(call("append", key="a", value="3")) == {"value": "23"}
+    assert executor.execute(call("get", key="a")) == {"value": "23"}
+    assert executor.offline and executor.replayed == 1 and service.requests("record") == []

@@ -1,6 +1,6 @@
 """tvclient: the trainer-side library of tvcache, the stateful tool-value cache."""
 
-from .client import AsyncTVCacheClient, TVCacheClient
+from .client import AsyncTVCacheClient, TaskSpec, TVCacheClient
 from .environment import ToolExecutionEnvironment
 from .envs import FolderEnvironment, InMemoryEnvironment, UnknownTool
 from .errors import TVCacheError, TVCacheUnavailable
@@ -13,7 +13,9 @@ from .results import (
     Resume,
     SnapshotRegistration,
     ToolResult,
+    inexact_json,
 )
+from .retry import RetryPolicy
 from .snapshots import SnapshotStore
 
 __all__ = [
@@ -26,8 +28,10 @@ __all__ = [
     "LookupResult",
     "RecordResult",
     "Resume",
+    "RetryPolicy",
     "SnapshotRegistration",
     "SnapshotStore",
+    "TaskSpec",
     "TVCacheClient",
     "TVCacheError",
     "TVCacheUnavailable",
@@ -36,4 +40,5 @@ __all__ = [
     "ToolExecutionEnvironment",
     "ToolResult",
     "UnknownTool",
+    "inexact_json",
 ]

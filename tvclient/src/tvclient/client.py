@@ -6,6 +6,11 @@ process (or per event loop) and share it between rollouts.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
 import httpx
@@ -20,11 +25,28 @@ from .results import (
     SnapshotRegistration,
     ToolResult,
 )
+from .errors import TVCacheUnavailable
+from .retry import Availability, RetryPolicy
 from .transport import Connections, Reply, TransportFailure, server_ms
 
 T = TypeVar("T")
 
 Tools = Mapping[str, Mapping[str, bool]]  # {name: {"mutates_state": bool, "cacheable": bool}}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What `put_task` says of a task: its environment, tool declarations and sandbox budget.
+    Executors given one register their task before their first lookup (`ensure_task`)."""
+
+    env: Mapping[str, Any]
+    tools: Tools | None = None
+    sandbox_budget: int | None = None
+    audit_rate: float | None = None
+
+    def key(self, task_id: str) -> str:
+        return json.dumps([task_id, self.env, self.tools, self.sandbox_budget, self.audit_rate],
+                          sort_keys=True, default=repr)
 
 
 def _headers(token: str) -> dict[str, str]:
@@ -44,10 +66,29 @@ class TVCacheClient:
     """The REST API over keep-alive connections, one per calling thread (tvclient.transport):
     share one client between the rollouts of a process."""
 
-    def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0,
+                 retry: RetryPolicy | None = None) -> None:
         self._http = Connections(base_url, _headers(token), timeout)
+        self.availability = Availability(retry or RetryPolicy.from_environment())
+        self._registered: set[str] = set()  # TaskSpec keys put by this client
+        self._registering = threading.Lock()
 
     def _send(self, operation: Operation[T]) -> T:
+        """The operation's answer, retried while the service is unavailable (tvclient.retry)."""
+        attempt = self.availability.attempt()
+        while True:
+            try:
+                answer = self._send_once(operation)
+            except TVCacheUnavailable as exc:
+                delay = attempt.wait(exc)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+            else:
+                self.availability.succeeded()
+                return answer
+
+    def _send_once(self, operation: Operation[T]) -> T:
         try:
             reply = self._http.request(
                 operation.method, operation.path, operation.body, operation.params
@@ -55,6 +96,17 @@ class TVCacheClient:
         except TransportFailure as exc:
             raise operations.unavailable(operation, exc) from exc
         return operations.read_response(operation, reply)
+
+    def ensure_task(self, task_id: str, spec: TaskSpec) -> None:
+        """`put_task` once per task and spec for this client: every rollout of a task sends the
+        same spec, and a PUT with an unchanged spec keeps the graph."""
+        key = spec.key(task_id)
+        if key in self._registered:
+            return
+        with self._registering:
+            if key not in self._registered:
+                self.put_task(task_id, spec.env, spec.tools, spec.sandbox_budget, spec.audit_rate)
+                self._registered.add(key)
 
     def close(self) -> None:
         self._http.close()
@@ -121,12 +173,14 @@ class TVCacheClient:
         epoch: int | None = None,
         mutated: bool | None = None,
         file_times: Mapping[str, int] | None = None,
+        replay: bool = False,
     ) -> RecordResult:
         """`file_times`: the modification times (ns, by path) of what the call changed, written
-        back after each later replay of it (ToolExecutionEnvironment.file_times)."""
+        back after each later replay of it (ToolExecutionEnvironment.file_times). `replay`: the
+        call ran again only to rebuild a sandbox's state (its time was not saved)."""
         return self._send(
             operations.record(
-                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times
+                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay
             )
         )
 
@@ -201,6 +255,7 @@ class AsyncTVCacheClient:
         token: str,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self._http = httpx.AsyncClient(
             base_url=base_url,
@@ -208,14 +263,30 @@ class AsyncTVCacheClient:
             timeout=httpx.Timeout(timeout),
             transport=transport,
         )
+        self.availability = Availability(retry or RetryPolicy.from_environment())
 
     async def _send(self, operation: Operation[T]) -> T:
+        """The operation's answer, retried while the service is unavailable (tvclient.retry)."""
+        attempt = self.availability.attempt()
+        while True:
+            try:
+                answer = await self._send_once(operation)
+            except TVCacheUnavailable as exc:
+                delay = attempt.wait(exc)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+            else:
+                self.availability.succeeded()
+                return answer
+
+    async def _send_once(self, operation: Operation[T]) -> T:
         try:
             response = await self._http.request(**_request(operation))
         except httpx.TransportError as exc:
             raise operations.unavailable(operation, exc) from exc
         reply = Reply(response.status_code, response.content, response.reason_phrase,
-                      server_ms(response.headers.get("Server-Timing")))
+                      server_ms(response.headers.get("Server-Timing")), response.headers.get("Retry-After"))
         return operations.read_response(operation, reply)
 
     async def aclose(self) -> None:
@@ -278,10 +349,11 @@ class AsyncTVCacheClient:
         epoch: int | None = None,
         mutated: bool | None = None,
         file_times: Mapping[str, int] | None = None,
+        replay: bool = False,
     ) -> RecordResult:
         return await self._send(
             operations.record(
-                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times
+                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay
             )
         )
 

@@ -21,8 +21,13 @@ class TVCacheError(Exception):
 
 
 class TVCacheUnavailable(TVCacheError):
-    """The service could not be reached, timed out, or a gateway said it is down.
+    """The service could not be reached, timed out, failed (5xx) or shed load (429).
 
     A separate class because a trainer may retry, or run the call without the cache, on this
-    error but never on a rejected request.
+    error but never on a rejected request. `retry_after_s`: what the answer's Retry-After said.
     """
+
+    def __init__(self, status: int | None, code: str, message: str, details: Any = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(status, code, message, details)
+        self.retry_after_s = retry_after_s

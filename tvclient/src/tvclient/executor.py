@@ -14,10 +14,10 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar, cast
 
-from .client import TVCacheClient
+from .client import TaskSpec, TVCacheClient
 from .environment import ToolExecutionEnvironment
 from .errors import TVCacheError
-from .results import Call, LookupResult, RecordResult, ToolResult
+from .results import Call, LookupResult, RecordResult, ToolResult, inexact_json
 from .snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,22 @@ class ToolCallExecutor:
     (make and Python's whole-second bytecode check read them). A failure to get them fails the
     miss like a failed fork: the replay does not run with its own times.
 
+    Results that are not exact JSON (`inexact_json`: a tuple, a set, an int key, a str subclass,
+    NaN...) would come back from the cache as something else, so they are never recorded: the
+    call's live result is returned as it is, `uncacheable` counts it, a warning says why (once
+    per tool), and if the call may have changed the state the rollout detaches. A call whose
+    arguments are not exact JSON runs the same way, uncached.
+
+    Outages: tvcache's own failures never reach the caller. A request the service cannot answer
+    is retried by the client (tvclient.retry); what still fails, or any error the service
+    answers a lookup with, makes the rollout go on uncached (`offline`, and `detached`): its
+    environment catches up on the state-changing calls it has not run (all of them when it has
+    none yet: a rollout started while the service is down runs uncached from its start), and
+    every later call runs there, with nothing recorded. One warning per rollout says so. New
+    rollouts use the service again once it answers.
+
+    `task`: the task's spec, registered (`TVCacheClient.ensure_task`) before the first lookup.
+
     `snapshots` should be one store shared by all executors of the trainer process; without
     it the executor keeps a private store and stops its snapshots on close().
     """
@@ -201,9 +217,11 @@ class ToolCallExecutor:
         epoch: int | None = None,
         snapshots: SnapshotStore | None = None,
         single_flight: bool = True,
+        task: TaskSpec | None = None,
     ) -> None:
         self._client = client
         self.task_id = task_id
+        self._task = task
         self._env_factory = env_factory
         self.rollout_id = rollout_id
         self.epoch = epoch
@@ -224,7 +242,10 @@ class ToolCallExecutor:
         self.audited = 0
         self.divergent = 0
         self.audits_skipped = 0
+        self.uncacheable = 0
         self.detached = False
+        self.offline = False  # the service failed: the rollout runs uncached (class docstring)
+        self._uncacheable_tools: set[str] = set()  # warned of once each
         # Misses' background work, oldest first: only the last one may still use the environment.
         self._background: list[_Background] = []
         self._failures = threading.Lock()  # background threads count record_failures too
@@ -245,9 +266,21 @@ class ToolCallExecutor:
         return self._env
 
     def execute(self, call: Call) -> ToolResult:
-        call = _json_copy(call)
         if self.detached:
             return self._execute_detached(call)
+        why = inexact_json(call, "the call")
+        if why is not None:
+            return self._execute_uncacheable_call(call, why)
+        call = _json_copy(call)
+        try:
+            return self._execute_cached(call)
+        except TVCacheError as exc:
+            self._go_offline(exc)
+            return self._execute_detached(call)
+
+    def _execute_cached(self, call: Call) -> ToolResult:
+        if self._task is not None:
+            self._client.ensure_task(self.task_id, self._task)
         background = self._background[-1] if self._background else None
         if background is not None and background.call == call:
             # The rollout repeats the call it has just missed: once that is recorded, the
@@ -395,11 +428,17 @@ class ToolCallExecutor:
                 restore_ms, replay = self._open_env(lookup)
             else:
                 replay, self._pending = self._pending, []
-            # Asked over HTTP while the last miss's snapshot may still be freezing.
-            times = self._replay_file_times(call, replay)
+            try:  # asked over HTTP while the last miss's snapshot may still be freezing
+                times = self._replay_file_times(call, replay)
+            except TVCacheError:
+                self._pending = replay  # the environment still lacks them: the outage catch-up runs them
+                raise
             # The last miss's snapshot is frozen before the environment moves on, and registered
             # before a replay is recorded (the service decides on a snapshot knowing it).
             self._env_settled(registered=bool(replay))
+        except TVCacheError:  # no call ran; the environment is as the history says, less `_pending`
+            give_up()
+            raise
         except BaseException:  # no call ran: the next miss opens an environment again
             self._drop_env()
             give_up()
@@ -418,6 +457,11 @@ class ToolCallExecutor:
             raise
         if _timed_out(executed.result):
             self._detach("the call timed out")
+            give_up()
+            return executed.result, executed.mutated
+        why = inexact_json(executed.result)
+        if why is not None:
+            self._uncacheable(call, why, may_have_changed=executed.mutated is not False)
             give_up()
             return executed.result, executed.mutated
         # The caller owns the result it gets back; the record sends a copy taken now.
@@ -530,7 +574,14 @@ class ToolCallExecutor:
             raise ReplayFailed(f"the replay of {call.get('tool')!r} timed out")
         if file_times:
             self._env.restore_file_times(file_times)
-        self._keep_snapshot(self._env, self._record(replace(executed, file_times=file_times)))
+        if inexact_json(executed.result) is not None:
+            return  # recorded before as exact JSON: a replay that answers otherwise is not filed
+        try:
+            recorded = self._record(replace(executed, file_times=file_times), replay=True)
+            self._keep_snapshot(self._env, recorded)
+        except TVCacheError as exc:  # the cache lacks this node; the environment is right
+            self._count_failure()
+            logger.warning("could not record the replay of %s: %s", call, exc)
 
     def _detach(self, reason: str) -> None:
         """Take the rollout off the shared graph (the known-state rule, class docstring)."""
@@ -544,13 +595,58 @@ class ToolCallExecutor:
         self.executed += 1
         return self._env.execute(call)
 
+    def _go_offline(self, error: TVCacheError) -> None:
+        """The service failed this rollout: go on uncached from here (class docstring, outages)."""
+        logger.warning("tvcache is unavailable to rollout %s of task %s (%s): it goes on uncached",
+                       self.rollout_id, self.task_id, error)
+        self.offline = True
+        pending = self._pending
+        self._detach(f"the service failed: {error}")
+        self._catch_up_uncached(pending)
+
+    def _uncacheable(self, call: Call, why: str, *, may_have_changed: bool) -> None:
+        self.uncacheable += 1
+        tool = str(call.get("tool"))
+        if tool not in self._uncacheable_tools:
+            self._uncacheable_tools.add(tool)
+            logger.warning("%s of task %s ran uncached: %s, which the cache cannot give back as it is",
+                           tool, self.task_id, why)
+        if may_have_changed:
+            self._detach(f"{tool} may have changed the state uncached ({why})")
+
+    def _execute_uncacheable_call(self, call: Call, why: str) -> ToolResult:
+        """A call whose arguments are not exact JSON: run where the history says, uncached."""
+        pending, self._pending = self._pending, []
+        self._catch_up_uncached(pending)
+        assert self._env is not None
+        self.executed += 1
+        result, mutated = self._env.execute_observed(call)
+        changed = self._env.mutates_state(call) if mutated is None else mutated
+        self._uncacheable(call, why, may_have_changed=changed)
+        return result
+
+    def _catch_up_uncached(self, pending: list[int]) -> None:
+        """Bring the environment to the rollout's history without the service: open one and
+        replay every state-changing call if there is none, else replay the `pending` positions."""
+        self._env_settled()
+        if self._env is None:
+            env = self._env_factory()
+            env.start()
+            self._env = env
+            pending = [position for position, call in enumerate(self._history) if env.mutates_state(call)]
+        for position in pending:
+            result = self._env.execute(self._history[position])
+            self.replayed += 1
+            if _timed_out(result):
+                raise ReplayFailed(f"the replay of {self._history[position].get('tool')!r} timed out")
+
     def _execute(self, history: list[Call], call: Call) -> _Executed:
         assert self._env is not None
         started = time.perf_counter()
         result, mutated = self._env.execute_observed(call)
         return _Executed(history, call, result, mutated, _elapsed_ms(started))
 
-    def _record(self, executed: _Executed) -> RecordResult:
+    def _record(self, executed: _Executed, replay: bool = False) -> RecordResult:
         return self._client.record(
             self.task_id,
             executed.history,
@@ -561,6 +657,7 @@ class ToolCallExecutor:
             epoch=self.epoch,
             mutated=executed.mutated,
             file_times=executed.file_times,
+            replay=replay,
         )
 
     def _keep_snapshot(

@@ -19,13 +19,13 @@ from .results import (
     SnapshotRegistration,
     ToolResult,
 )
-from .transport import Reply
+from .transport import Reply, retry_after_s
 
 T = TypeVar("T")
 
 API = "/api/v1"
-# Statuses a gateway answers when the service behind it is down or overloaded.
-GATEWAY_DOWN = frozenset({502, 503, 504})
+# Load shed: the service (or a gateway) asks to come back later. Every 5xx is a failure too.
+SHED = 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +124,7 @@ def record(
     epoch: int | None,
     mutated: bool | None = None,
     file_times: Mapping[str, int] | None = None,
+    replay: bool = False,
 ) -> Operation[RecordResult]:
     body = _without_none(
         history=history,
@@ -134,6 +135,7 @@ def record(
         epoch=epoch,
         mutated=mutated,
         file_times=dict(file_times) if file_times is not None else None,
+        replay=True if replay else None,
     )
     return Operation("POST", f"{_task_path(task_id)}/record", _parse_with(RecordResult), body=body)
 
@@ -247,14 +249,15 @@ def read_response(operation: Operation[T], reply: Reply) -> T:
 
 
 def error_from_response(reply: Reply) -> TVCacheError:
-    error_type = TVCacheUnavailable if reply.status in GATEWAY_DOWN else TVCacheError
     try:
         error = json.loads(reply.content)["error"]
-        return error_type(reply.status, str(error["code"]), str(error["message"]), error.get("details"))
+        code, message, details = str(error["code"]), str(error["message"]), error.get("details")
     except (KeyError, TypeError, ValueError):
         # Not the service's error JSON: a proxy's page or a crash before the error handler ran.
-        message = _text(reply)[:500] or reply.reason
-        return error_type(reply.status, f"http_{reply.status}", message)
+        code, message, details = f"http_{reply.status}", _text(reply)[:500] or reply.reason, None
+    if reply.status == SHED or reply.status >= 500:
+        return TVCacheUnavailable(reply.status, code, message, details, retry_after_s(reply.retry_after))
+    return TVCacheError(reply.status, code, message, details)
 
 
 def _text(reply: Reply) -> str:

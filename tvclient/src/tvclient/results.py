@@ -7,11 +7,52 @@ pools) are returned as plain dicts: they are read by people and grow with the se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 Call = dict[str, Any]  # {"tool": str, "args": {...}}
 ToolResult = dict[str, Any]  # whatever the tool answered; a JSON object
+
+_INT_RANGE = range(-(2**63), 2**64)  # what the service's JSON parser takes
+
+
+def inexact_json(value: Any, where: str = "result") -> str | None:
+    """Why `value` would not come back from the cache equal and of the same types, or None.
+
+    A result is served as the JSON it was recorded as: only dicts with str keys, lists, str,
+    bool, None, ints the service can hold and finite floats, each of exactly that type, come
+    back as they went. A tuple would come back a list, an int key a str key, a str subclass a
+    str: the model would see another observation, so such a result is not cached (the rule
+    every integration shares; ToolCallExecutor runs the call uncached).
+    """
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        kind = type(item)
+        if item is None or kind is bool:
+            continue
+        if kind is str:
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path} is a str with a lone surrogate"
+        elif kind is int:
+            if item not in _INT_RANGE:
+                return f"{path} is an int beyond 64 bits"
+        elif kind is float:
+            if not math.isfinite(item):
+                return f"{path} is {item!r}"
+        elif kind is list:
+            stack.extend((element, f"{path}[{index}]") for index, element in enumerate(item))
+        elif kind is dict:
+            for key, element in item.items():
+                if type(key) is not str:
+                    return f"{path} has a {type(key).__name__} key {key!r}"
+                stack.append((element, f"{path}[{key!r}]"))
+        else:
+            return f"{path} is a {kind.__module__}.{kind.__qualname__}"
+    return None
 
 
 def _calls(data: Any) -> tuple[Call, ...]:

@@ -28,6 +28,15 @@ class Reply:
     content: bytes
     reason: str = ""
     server_ms: float | None = None  # the service's own time (Server-Timing "total"), if it said
+    retry_after: str | None = None  # the Retry-After header, if any
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """Seconds a Retry-After header asks to wait (its delay-seconds form; a date is ignored)."""
+    try:
+        return max(0.0, float(header)) if header else None
+    except ValueError:
+        return None
 
 
 def server_ms(header: str | None) -> float | None:
@@ -82,7 +91,8 @@ class Connections:
             raise
         if response.will_close:
             connection.close()
-        return Reply(response.status, content, response.reason, server_ms(response.getheader("Server-Timing")))
+        return Reply(response.status, content, response.reason, server_ms(response.getheader("Server-Timing")),
+                     response.getheader("Retry-After"))
 
     def close(self) -> None:
         with self._lock:
