@@ -10,3 +10,10 @@ os.environ.setdefault("SECRET_KEY", "test-only-insecure-key")
 os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="tvcache-test-metrics-"))
 
 from tvcache_site.settings import *  # noqa: E402,F403
+
+# Each test run has a database of its own (subprocesses inherit the name through the
+# environment), so that runs side by side never drop each other's.
+os.environ.setdefault("TVCACHE_TEST_RUN", str(os.getpid()))
+DATABASES["default"].setdefault("TEST", {})["NAME"] = (  # noqa: F405
+    f"test_{DATABASES['default']['NAME']}_{os.environ['TVCACHE_TEST_RUN']}"  # noqa: F405
+)
