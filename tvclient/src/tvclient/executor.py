@@ -32,6 +32,8 @@ FLIGHT_POLL_MAX_S = 0.1
 # service's limits); a call that changed more records none, and replays restore no times from it on.
 MAX_FILE_TIMES = 20_000
 MAX_FILE_TIMES_PATHS = 4 << 20
+# (task, tool) pairs whose uncacheable results were logged: once per process is enough to say why.
+_warned_uncacheable: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +115,9 @@ def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]
 
 
 class ReplayFailed(RuntimeError):
-    """A replayed call did not reproduce its recorded run (it timed out): the environment is in
-    no state the history describes."""
+    """A replayed call did not reproduce its recorded run (it timed out or raised): the
+    environment is in no state the history describes. Not the caller's call failing: an
+    integration must not show it to the model as that call's answer."""
 
 
 def _timed_out(result: object) -> bool:
@@ -190,7 +193,7 @@ class ToolCallExecutor:
     Results that are not exact JSON (`inexact_json`: a tuple, a set, an int key, a str subclass,
     NaN...) would come back from the cache as something else, so they are never recorded: the
     call's live result is returned as it is, `uncacheable` counts it, a warning says why (once
-    per tool), and if the call may have changed the state the rollout detaches. A call whose
+    per task and tool in a process), and if the call may have changed the state the rollout detaches. A call whose
     arguments are not exact JSON runs the same way, uncached.
 
     Outages: tvcache's own failures never reach the caller. A request the service cannot answer
@@ -245,7 +248,6 @@ class ToolCallExecutor:
         self.uncacheable = 0
         self.detached = False
         self.offline = False  # the service failed: the rollout runs uncached (class docstring)
-        self._uncacheable_tools: set[str] = set()  # warned of once each
         # Misses' background work, oldest first: only the last one may still use the environment.
         self._background: list[_Background] = []
         self._failures = threading.Lock()  # background threads count record_failures too
@@ -447,8 +449,8 @@ class ToolCallExecutor:
             restoring = True  # up to the first call whose times were not kept: later ones' are
             for position, left in zip(replay, times):  # older than this replay's own writes
                 restoring = restoring and left is not None
-                self._run(position, self._history[position], left if restoring else None)
-                self.replayed += 1
+                self._replay_one(position, lambda: self._run(position, self._history[position],
+                                                             left if restoring else None))
             executed = self._execute(list(self._history), call)
             self.executed += 1
         except BaseException as exc:
@@ -461,7 +463,8 @@ class ToolCallExecutor:
             return executed.result, executed.mutated
         why = inexact_json(executed.result)
         if why is not None:
-            self._uncacheable(call, why, may_have_changed=executed.mutated is not False)
+            changed = self._env.mutates_state(call) if executed.mutated is None else executed.mutated
+            self._uncacheable(call, why, may_have_changed=changed)
             give_up()
             return executed.result, executed.mutated
         # The caller owns the result it gets back; the record sends a copy taken now.
@@ -607,8 +610,8 @@ class ToolCallExecutor:
     def _uncacheable(self, call: Call, why: str, *, may_have_changed: bool) -> None:
         self.uncacheable += 1
         tool = str(call.get("tool"))
-        if tool not in self._uncacheable_tools:
-            self._uncacheable_tools.add(tool)
+        if (self.task_id, tool) not in _warned_uncacheable:
+            _warned_uncacheable.add((self.task_id, tool))
             logger.warning("%s of task %s ran uncached: %s, which the cache cannot give back as it is",
                            tool, self.task_id, why)
         if may_have_changed:
@@ -634,11 +637,23 @@ class ToolCallExecutor:
             env.start()
             self._env = env
             pending = [position for position, call in enumerate(self._history) if env.mutates_state(call)]
+        env = self._env
         for position in pending:
-            result = self._env.execute(self._history[position])
-            self.replayed += 1
+            result = self._replay_one(position, lambda: env.execute(self._history[position]))
             if _timed_out(result):
                 raise ReplayFailed(f"the replay of {self._history[position].get('tool')!r} timed out")
+
+    def _replay_one(self, position: int, replay: Callable[[], _J]) -> _J:
+        """Run `replay` of the history's call at `position`; a call that ran when it was recorded
+        and raises now is not the caller's call failing: ReplayFailed says so."""
+        try:
+            done = replay()
+        except ReplayFailed:
+            raise
+        except Exception as exc:
+            raise ReplayFailed(f"the replay of {self._history[position].get('tool')!r} raised {exc!r}") from exc
+        self.replayed += 1
+        return done
 
     def _execute(self, history: list[Call], call: Call) -> _Executed:
         assert self._env is not None
