@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 export TVCACHE_REQUIRE_DOCKER=1
 source .ci/setup.sh
 .venv/bin/python manage.py build_images
+# The released frameworks the integrations are tested in, a venv each (built once per spec,
+# cached outside the checkout: lab/frameworks/venvs.py).
+.venv/bin/python -m lab.frameworks.venvs >/dev/null
 .venv/bin/lint-imports
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?

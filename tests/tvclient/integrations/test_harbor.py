@@ -1,144 +1,173 @@
-"""Harbor: trials of a task as Harbor runs them (start, agent setup uploads, commands, the
-verifier's upload, test run and download, stop), against a served tvcache. Harbor needs Python
-3.12: on this machine's 3.11 its BaseEnvironment is the stand-in of harbor_standin.py, with
-Harbor's signatures and a real shell in a folder; with Harbor installed, the real one is used."""
+"""Harbor 0.25.0 and 0.26.0 as released, each in its own venv (lab/frameworks/specs/harbor-*.txt),
+against the served tvcache: the real `harbor run` runs Harbor's oracle agent and verifier on a
+tiny task (lab/frameworks/harbor_task.py) in an environment whose sandbox is a folder
+(lab/frameworks/harbor_local.py), uncached, then through tvcache twice with the command of
+docs/integrations/harbor.md (lab/frameworks/harbor_trials.py)."""
 
-import asyncio
-import logging
-import uuid
+import json
+import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from . import frameworks
+from lab.frameworks.venvs import DRIVERS, ROOT, Framework
 
-frameworks.load_harbor()
-
-from harbor.environments.base import ExecResult  # noqa: E402
-
-from tvclient.integrations import harbor as integration  # noqa: E402
-from tvclient.integrations.harbor import cached  # noqa: E402
-
-from .harbor_standin import LocalEnvironment  # noqa: E402
-
-
-@pytest.fixture
-def environment_dir(tmp_path):
-    directory = tmp_path / f"env-{uuid.uuid4().hex[:8]}"
-    directory.mkdir()
-    (directory / "Dockerfile").write_text("FROM debian\n")
-    return directory
-
-
-@pytest.fixture
-def cached_class(tvcache):
-    return type("Trial", (cached(LocalEnvironment),), {"tvcache_client": tvcache})
-
-
-def write(path, text, mode=0o644):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(mode)
-    return path
-
-
-async def trial(environment_class, environment_dir, tmp_path, *, agent_commands, test_script):
-    """What a Harbor trial does with its environment."""
-    session = f"task__{uuid.uuid4().hex[:7]}__env"
-    environment = environment_class(environment_dir=environment_dir, environment_name="task",
-                                    session_id=session, trial_paths=None, task_env_config=None,
-                                    logger=logging.getLogger("trial"), persistent_env={"LANG": "C"})
-    await environment.start(force_build=False)
-    outputs = []
-    try:
-        # The agent's setup uploads its installer from a folder of its own, then runs it.
-        installer = write(tmp_path / uuid.uuid4().hex / "install.sh", "echo installed > tool.txt\n", 0o755)
-        await environment.upload_file(installer, "/installed/install.sh")
-        outputs.append((await environment.exec("sh installed/install.sh", user="agent")).return_code)
-        for command in agent_commands:
-            result = await environment.exec(command, env={"GREETING": "hi"}, timeout_sec=30)
-            assert isinstance(result, ExecResult)
-            outputs.append(result.stdout)
-        # The verifier uploads the tests (a fresh copy each trial), runs them, downloads the logs.
-        tests = tmp_path / uuid.uuid4().hex
-        write(tests / "test.sh", test_script, 0o755)
-        write(tests / "data" / "expected.txt", "a\n")
-        await environment.upload_dir(tests, "/tests")
-        outputs.append((await environment.exec("sh tests/test.sh")).stdout)
-        assert await environment.is_file("logs/reward.txt")
-        reward = tmp_path / f"reward-{uuid.uuid4().hex}.txt"
-        await environment.download_file("/logs/reward.txt", reward)
-        outputs.append(reward.read_text())
-    finally:
-        await environment.stop(delete=True)
-    return outputs
+DOC = ROOT / "docs" / "integrations" / "harbor.md"
+RELEASES = ("harbor-0.25", "harbor-0.26")
+# What differs between any two uncached trials: ids, names, the job's folder and times. The
+# comparison of cached and uncached trial folders leaves out these JSON fields and nothing else.
+VARYING = [
+    "/config.json/json/job_id",
+    "/config.json/json/trial_name",
+    "/config.json/json/trials_dir",
+    "/result.json/json/agent_execution/finished_at",
+    "/result.json/json/agent_execution/started_at",
+    "/result.json/json/agent_setup/finished_at",
+    "/result.json/json/agent_setup/started_at",
+    "/result.json/json/config/job_id",
+    "/result.json/json/config/trial_name",
+    "/result.json/json/config/trials_dir",
+    "/result.json/json/environment_setup/finished_at",
+    "/result.json/json/environment_setup/started_at",
+    "/result.json/json/finished_at",
+    "/result.json/json/id",
+    "/result.json/json/started_at",
+    "/result.json/json/trial_name",
+    "/result.json/json/trial_uri",
+    "/result.json/json/verifier/finished_at",
+    "/result.json/json/verifier/started_at",
+]
+# The folders a trial's files land in, as Harbor writes them (and the cached trials must too).
+TRIAL_FILES = {"agent/oracle.txt", "agent/notes/steps.txt", "agent/latest-steps", "verifier/reward.txt",
+               "verifier/test-stdout.txt", "verifier/details/report.txt", "artifacts/manifest.json",
+               "result.json", "config.json", "trial.log"}
 
 
-TEST = "mkdir -p logs; if cmp -s notes.txt tests/data/expected.txt; then echo 1 > logs/reward.txt; " \
-       "else echo 0 > logs/reward.txt; fi; cat notes.txt\n"
+def served(tvcache, **variables):
+    return {"TVCACHE_URL": tvcache.url, "TVCACHE_TOKEN": tvcache.token, **variables}
 
 
-@pytest.mark.django_db(transaction=True)
-def test_trials_of_a_task_hit_each_other_and_downloads_see_the_real_state(cached_class, environment_dir, tmp_path,
-                                                                        tvcache):
-    LocalEnvironment.commands.clear()
-    commands = ["echo a >> notes.txt", "echo $GREETING $LANG"]
-    first = asyncio.run(trial(cached_class, environment_dir, tmp_path, agent_commands=commands, test_script=TEST))
-    assert first == [0, "", "hi C\n", "a\n", "1\n"]
-    ran = len(LocalEnvironment.commands)
+def doc_block(title: str) -> str:
+    found = re.search(rf'^```\w+ title="{re.escape(title)}"\n(.*?)^```', DOC.read_text(), re.MULTILINE | re.DOTALL)
+    assert found, f"docs/integrations/harbor.md has no {title} block"
+    return found.group(1)
 
-    second = asyncio.run(trial(cached_class, environment_dir, tmp_path, agent_commands=commands, test_script=TEST))
-    assert second == first
-    # Every command and upload hit; the download ran in the trial's own sandbox, which first
-    # replayed the cached history (the installer, the agent's commands, the tests) to reach it.
-    replayed = LocalEnvironment.commands[ran:]
-    assert replayed == ["mkdir -p logs", "sh installed/install.sh", *commands, "sh tests/test.sh"]
 
-    # Another history: the second write is a miss, and the tests and the reward see it.
-    third = asyncio.run(trial(cached_class, environment_dir, tmp_path,
-                              agent_commands=[commands[0], "echo b >> notes.txt"], test_script=TEST))
-    assert third == [0, "", "", "a\nb\n", "0\n"]
-    task_id = f"task-{_definition(environment_dir)[:12]}"
-    assert tvcache.stats(task_id)["hits"] >= 7
+def trials(release: str, tvcache, **variables) -> dict:
+    """The driver's uncached, first and repeat passes, the cached ones by the docs' command."""
+    done = Framework.named(release).run(
+        [str(DRIVERS / "harbor_trials.py"), "--passes", "uncached,first,repeat",
+         "--command", doc_block("cached-trial.sh")], env=served(tvcache, **variables), timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    for name, result in report["passes"].items():
+        for run in result["runs"]:
+            assert run["returncode"] == 0, (name, run["output"])
+    return report
+
+
+def operations(entries: list[dict], session: str | None = None) -> list[tuple]:
+    return [(entry["operation"], entry.get("command") or entry.get("source") or entry.get("target"))
+            for entry in entries if session is None or entry["session"] == session]
+
+
+def timings(release: str, report: dict) -> str:
+    passes = report["passes"]
+    return (f"{release}: trial {[t['trial_s'] for t in passes['uncached']['trials']]} s uncached, "
+            f"{passes['first']['trials'][0]['trial_s']} s first, {passes['repeat']['trials'][0]['trial_s']} s repeat; "
+            f"harbor run {[r['wall_s'] for r in passes['uncached']['runs']]} s uncached, "
+            f"{passes['first']['wall_s']} s first, {passes['repeat']['wall_s']} s repeat")
 
 
 @pytest.mark.django_db(transaction=True)
-def test_uploads_are_keyed_by_content_and_a_timeout_raises_as_harbor_does(cached_class, environment_dir, tmp_path):
-    other_test = TEST.replace("echo 1", "echo 2")
-    first = asyncio.run(trial(cached_class, environment_dir, tmp_path, agent_commands=["echo a >> notes.txt"],
-                              test_script=TEST))
-    second = asyncio.run(trial(cached_class, environment_dir, tmp_path, agent_commands=["echo a >> notes.txt"],
-                               test_script=other_test))
-    assert (first[-1], second[-1]) == ("1\n", "2\n")  # other tests, other content: not the cached run
+@pytest.mark.parametrize("release", RELEASES)
+def test_cached_trials_are_the_uncached_trial_and_the_repeat_runs_nothing(release, tvcache):
+    report = trials(release, tvcache)
+    passes = report["passes"]
+    print(timings(release, report))
 
-    async def timeout():
-        environment = cached_class(environment_dir=environment_dir, environment_name="task",
-                                   session_id="task__timeout__env", trial_paths=None, task_env_config=None)
-        await environment.start(force_build=False)
-        try:
-            await environment.exec("echo a >> notes.txt")
-            with pytest.raises(RuntimeError, match="timed out"):
-                await environment.exec("sleep 5", timeout_sec=1)
-            # The sandbox's state after a timeout is unknown: what follows still sees the
-            # rollout's own history (the executor's known-state rule decides how).
-            assert (await environment.exec("cat notes.txt")).stdout == "a\n"
-        finally:
-            await environment.stop(delete=True)
+    # Cached<Type> import paths resolve through Harbor's own machinery (0.25 has no
+    # EnvironmentFactory.get_environment_class: they all failed there).
+    assert report["import_paths"]["tvclient.integrations.harbor:CachedDocker"] == {
+        "class": "CachedDockerEnvironment", "bases": ["TVCacheEnvironment", "DockerEnvironment"], "environment": True}
+    assert all(resolved.get("environment") for resolved in report["import_paths"].values()), report["import_paths"]
 
-    asyncio.run(timeout())
+    uncached = passes["uncached"]["trials"]
+    assert len(uncached) == 2 and {entry["trial_name"] for entry in uncached}.isdisjoint(
+        {passes["first"]["trials"][0]["trial_name"], passes["repeat"]["trials"][0]["trial_name"]})
+    for entry in uncached:
+        assert entry["reward"] == {"reward": 1.0} and entry["exception"] is None
+        assert TRIAL_FILES <= set(entry["files"]), sorted(entry["files"])
+    assert uncached[0]["files"]["agent/notes/steps.txt"]["mode"] == "0o600"  # modes are the sandbox's
+    assert uncached[0]["files"]["agent/latest-steps"] == {"mode": "0o777", "kind": "link", "target": "notes/steps.txt"}
+
+    # Every file of the cached trials' folders, byte for byte and mode for mode, but the fields
+    # that differ between the two uncached trials too.
+    assert report["varying"] == VARYING
+    assert report["differences"] == {"first": [], "repeat": []}
+    for name in ("first", "repeat"):
+        assert passes[name]["trials"][0]["reward"] == {"reward": 1.0}
+        assert set(passes[name]["trials"][0]["files"]) == set(uncached[0]["files"])
+
+    # solve.sh runs once per uncached trial, once in the first cached trial, never in the repeat.
+    assert [passes[name]["solve_runs"] for name in ("uncached", "first", "repeat")] == [2, 1, 0]
+    one_trial = operations(passes["uncached"]["sandbox_operations"], f"{uncached[0]['trial_name']}__env")
+    assert operations(passes["first"]["sandbox_operations"]) == one_trial  # no replay, nothing more
+    assert passes["repeat"]["sandbox_operations"] == []  # nothing after start(): no call, no replay
+    calls = len(one_trial)
+    assert calls == 13
+    assert passes["first"]["service"] | {"saved_ms": 0} == {"calls": calls, "hits": 0, "executions": calls, "saved_ms": 0}
+    assert passes["repeat"]["service"] | {"saved_ms": 0} == {"calls": calls, "hits": calls, "executions": 0, "saved_ms": 0}
 
 
-def test_import_path_names_a_cached_class_of_each_environment_type():
-    """`environment.import_path: tvclient.integrations.harbor:CachedDocker`, as Harbor's
-    import_class resolves it (module attribute, a BaseEnvironment subclass)."""
-    from harbor.environments.base import BaseEnvironment
+@pytest.mark.django_db(transaction=True)
+def test_a_download_too_large_to_record_runs_live_after_the_catch_up(tvcache):
+    """A result limit too small for any archive: the downloads run live in the sandbox, which
+    first catches up (solve.sh runs again), and the trial is still the uncached one."""
+    report = trials("harbor-0.26", tvcache, TVCACHE_MAX_RESULT_BYTES="64")
+    passes = report["passes"]
+    print(timings("harbor-0.26 (downloads live)", report))
+    assert report["varying"] == VARYING
+    assert report["differences"] == {"first": [], "repeat": []}
+    assert [passes[name]["solve_runs"] for name in ("uncached", "first", "repeat")] == [2, 1, 1]
+    ran = operations(passes["repeat"]["sandbox_operations"])
+    downloads = [entry for entry in ran if entry[0].startswith("download")]
+    assert [source for _, source in downloads] == ["/logs/agent/oracle.txt", "/logs/agent", "/logs/artifacts",
+                                                   "/logs/verifier"]
+    assert ("exec", "(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1") in ran  # the catch-up
+    assert passes["repeat"]["service"]["executions"] == len(downloads)  # download_live, uncacheable
 
-    environment_class = integration.CachedDocker
-    assert issubclass(environment_class, BaseEnvironment)
-    assert issubclass(environment_class, integration.TVCacheEnvironment)
-    assert integration.CachedDocker is environment_class
-    with pytest.raises(AttributeError):
-        integration.CachedNothing
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_archives_are_taken_only_where_they_are_safe(release):
+    done = Framework.named(release).run([str(DRIVERS / "harbor_archives.py")])
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["served"]["outside_untouched"] and report["served"]["files"] == {
+        "latest": ["0o777", 0o120000, "notes/steps.txt"], "notes": ["0o750", 0o040000, None],
+        "notes/steps.txt": ["0o600", 0o100000, "step 1\n"], "notes/up": ["0o777", 0o120000, "../latest"]}
+    for case in (*report["crafted"], *[name for name in report["targets"] if name.startswith("a ")]):
+        outcome = report["crafted"].get(case) or report["targets"][case]
+        assert outcome["outcome"] == "refused" and outcome["untouched"], (case, outcome)
+    overwritten = report["targets"]["an existing file is overwritten"]
+    assert overwritten["outcome"] == "served" and overwritten["outside_untouched"]
+    assert overwritten["files"]["notes/steps.txt"] == ["0o600", 0o100000, "step 1\n"]
+    assert overwritten["files"]["keep.txt"] == ["0o644", 0o100000, "trainer's\n"]  # not the download's: stays
+    assert report["staged"]["a link leading outside"]["outcome"] == "refused"
+    assert report["staged"]["a fifo"]["outcome"] == "refused"
+    assert report["staged"]["files, folders and an inside link"] == {
+        "outcome": "served", "entries": 4, "same_archive_twice": True}
 
 
-def _definition(environment_dir):
-    return integration._definition(LocalEnvironment(environment_dir, "task", "s", None, None))
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_docs_job_config_is_harbors(release):
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "job.yaml"
+        config.write_text(doc_block("job.yaml"))
+        done = Framework.named(release).run(
+            ["-m", "harbor.cli.main", "run", "-c", str(config), "--print-config"], env={"HARBOR_TELEMETRY": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    resolved = json.loads(done.stdout)  # 0.25 prints only what differs from the defaults
+    assert resolved["environment"]["import_path"] == "tvclient.integrations.harbor:CachedDocker"
+    assert [task["path"] for task in resolved["tasks"]] == ["path/to/task"]
