@@ -99,10 +99,10 @@ def staged(work: Path, build, *, file: bool = False) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(dir=work)) / "target"
     build(root)
     try:
-        entries = harbor._entries(root, file=file)
+        entries = harbor._entries(root, file=file, max_bytes=1 << 20)
     except harbor._Unservable as exc:
         return {"outcome": "refused", "why": str(exc)}
-    again = harbor._entries(root, file=file)
+    again = harbor._entries(root, file=file, max_bytes=1 << 20)
     return {"outcome": "served", "entries": len(entries),
             "same_archive_twice": harbor._archive(entries) == harbor._archive(again)}
 

@@ -395,13 +395,13 @@ async def _staged_download(base: Any, name: str, args: dict[str, Any]) -> ToolRe
             target.touch() if file else target.mkdir()
             target.chmod(before)
         await getattr(base, name)(**args, **{DOWNLOADS[name]: target})
+        limit = int(os.environ.get(RESULT_LIMIT_VARIABLE, RESULT_LIMIT_DEFAULT))
         try:
-            entries = _entries(target, file=file)
+            entries = _entries(target, file=file, max_bytes=limit)
         except _Unservable as exc:
             return {"live": str(exc)}
         archive = base64.b64encode(_archive(entries)).decode("ascii")
         size = len(json.dumps({"archive": archive}))
-        limit = int(os.environ.get(RESULT_LIMIT_VARIABLE, RESULT_LIMIT_DEFAULT))
         if size > limit:
             return {"live": f"its archive is {size} bytes, over the service's {limit}", "bytes": size}
         return {"archive": archive}
@@ -411,14 +411,20 @@ async def _staged_download(base: Any, name: str, args: dict[str, Any]) -> ToolRe
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _entries(root: Path, *, file: bool) -> list[_Entry]:
-    """What the download wrote at `root`, parents before children, never following a link."""
+def _entries(root: Path, *, file: bool, max_bytes: int) -> list[_Entry]:
+    """What the download wrote at `root`, parents before children, never following a link;
+    _Unservable once its files hold more than `max_bytes` (never read into memory whole)."""
     entries: list[_Entry] = []
+    total = 0
 
     def visit(path: Path, name: str) -> None:
+        nonlocal total
         info = os.lstat(path)
         mode = stat.S_IMODE(info.st_mode)
         if stat.S_ISREG(info.st_mode):
+            total += info.st_size
+            if total > max_bytes:
+                raise _Unservable(f"its files hold over {max_bytes} bytes, more than the service records")
             entries.append(_Entry(name, "file", mode, path.read_bytes()))
         elif stat.S_ISLNK(info.st_mode) and name != ".":
             entries.append(_Entry(name, "link", link=os.readlink(path)))
