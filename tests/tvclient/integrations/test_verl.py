@@ -1,188 +1,106 @@
-"""veRL: tools built as veRL builds them from a tool config, called as its ToolAgentLoop calls
-them (create, execute with agent_data, release; a turn's calls at once), against a served
-tvcache. BaseTool, OpenAIFunctionToolSchema and ToolResponse are veRL's own (frameworks.py)."""
+"""veRL 0.9.1 as released, in its own venv (lab/frameworks/specs/verl.txt), against the served
+tvcache: ToolAgentLoop runs scripted trajectories over tools that veRL's `load_all_tools` builds
+from a tool config YAML (lab/frameworks/verl_rollouts.py), uncached, then through tvcache twice;
+and every example of docs/integrations/verl.md runs there as written."""
 
-import asyncio
-import gc
-import uuid
+import json
+import re
+from pathlib import Path
 
 import pytest
 
-from . import frameworks
+from lab.frameworks.venvs import DRIVERS, ROOT, Framework
 
-frameworks.load_verl()
-
-from verl.tools.base_tool import BaseTool  # noqa: E402
-from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse  # noqa: E402
-
-from tvclient.integrations import verl as integration  # noqa: E402
-from tvclient.integrations._asyncio import RolloutEnded  # noqa: E402
-from tvclient.integrations.verl import TVCacheTool  # noqa: E402
-
-# The wrapped tools keep their state per trajectory, by the agent loop's request id.
-SESSIONS: dict[str, dict[str, str]] = {}
-RAN: list = []
+DOC = ROOT / "docs" / "integrations" / "verl.md"
+STATE_CHANGING = ("search", "note", "answer")
+SAMPLES, ROLLOUTS = 3, 2
 
 
-class AppendTool(BaseTool):
-    async def execute(self, instance_id, parameters, **kwargs):
-        notes = SESSIONS.setdefault(kwargs["agent_data"].request_id, {})
-        RAN.append(("append", parameters["key"], parameters["text"], self.config.get("separator")))
-        notes[parameters["key"]] = notes.get(parameters["key"], "") + parameters["text"]
-        return ToolResponse(text=notes[parameters["key"]]), 0.0, {"length": len(notes[parameters["key"]])}
-
-
-class ReadTool(BaseTool):
-    async def execute(self, instance_id, parameters, **kwargs):
-        RAN.append(("read", parameters["key"]))
-        notes = SESSIONS.get(kwargs["agent_data"].request_id, {})
-        return ToolResponse(text=notes.get(parameters["key"], "")), 0.0, {}
-
-
-class AgentData:
-    """What veRL's ToolAgentLoop passes its tools as `agent_data` (its AgentData's fields that
-    tools read: request_id, tools_kwargs, extra_fields)."""
-
-    def __init__(self, tools_kwargs):
-        self.request_id = uuid.uuid4().hex
-        self.tools_kwargs = tools_kwargs
-        self.extra_fields = {}
-
-
-def schema(name, *fields):
-    return OpenAIFunctionToolSchema.model_validate({
-        "type": "function",
-        "function": {"name": name, "description": name, "parameters": {
-            "type": "object", "properties": {f: {"type": "string"} for f in fields}, "required": list(fields)}},
-    })
-
-
-def tools(tvcache, **options):
-    """As veRL's initialize_tools_from_config builds them: cls(config=..., tool_schema=...)."""
-    own = {"type": "native", "tvcache_url": tvcache.url, "tvcache_token": tvcache.token,
-           "tvcache_task_key": "doc", **options}
-    return {
-        "append": TVCacheTool(config={**own, "wrapped_class": f"{__name__}.AppendTool", "separator": "-"},
-                              tool_schema=schema("append", "key", "text")),
-        "read": TVCacheTool(config={**own, "wrapped_class": f"{__name__}.ReadTool", "tvcache_read_only": True},
-                            tool_schema=schema("read", "key")),
-    }
-
-
-async def call_tool(tools, agent_data, name, **arguments):
-    """ToolAgentLoop._call_tool for a BaseTool: create, execute with agent_data, release."""
-    tool = tools[name]
-    kwargs = agent_data.tools_kwargs.get(name, {})
-    instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
-    try:
-        response, _, _ = await tool.execute(instance_id, arguments, agent_data=agent_data)
-    finally:
-        await tool.release(instance_id)
-    return response.text
-
-
-async def trajectory(tools, task_id, calls):
-    agent_data = AgentData({"append": {"create_kwargs": {"doc": task_id}}})
-    return [await call_tool(tools, agent_data, name, **args) for name, args in calls], agent_data
-
-
-def append(text):
-    return ("append", {"key": "a", "text": text})
-
-
-READ = ("read", {"key": "a"})
+def served(tvcache) -> dict[str, str]:
+    return {"TVCACHE_URL": tvcache.url, "TVCACHE_TOKEN": tvcache.token}
 
 
 @pytest.mark.django_db(transaction=True)
-def test_trajectories_of_a_prompt_hit_each_other_and_stay_exact(tvcache, task_id):
-    async def run():
-        verl_tools = tools(tvcache)
-        assert verl_tools["append"].name == "append" and verl_tools["append"].wrapped.config == {
-            "type": "native", "separator": "-"}  # the wrapped tool's own config
-        RAN.clear()
-        first, _ = await trajectory(verl_tools, task_id, [append("x"), READ])
-        assert first == ["x", "x"] and len(RAN) == 2
-        second, _ = await trajectory(verl_tools, task_id, [append("x"), READ])
-        assert second == first and len(RAN) == 2  # both tools' calls hit
-        # The second append misses: the first is replayed into this trajectory's session, then
-        # the read (another tool, the same history) sees both.
-        third, _ = await trajectory(verl_tools, task_id, [append("x"), append("y"), READ])
-        assert third == ["x", "xy", "xy"]
-        fourth, _ = await trajectory(verl_tools, task_id, [READ])
-        assert fourth == [""]
+def test_tool_agent_loop_through_tvcache_is_the_uncached_loop(tvcache):
+    done = Framework.named("verl").run(
+        [str(DRIVERS / "verl_rollouts.py"), "--passes", "uncached,first,repeat",
+         "--samples", str(SAMPLES), "--rollouts", str(ROLLOUTS)], env=served(tvcache), timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    document = json.loads(done.stdout.splitlines()[-1])
+    passes = document["passes"]
+    uncached = passes["uncached"]["trajectories"]
 
-        # A turn's tool calls run at once (asyncio.gather): they run in the order they were made.
-        agent_data = AgentData({"append": {"create_kwargs": {"doc": task_id}}})
-        turn = await asyncio.gather(*(call_tool(verl_tools, agent_data, *append(t)[:1], **append(t)[1])
-                                      for t in "123"))
-        assert turn == ["1", "12", "123"]
+    # What the uncached loop observed is what the cases are about.
+    first = uncached[0]
+    assert "'queries': ['alpha', 'alphas']" in first["extra_fields"]  # session data in extra_fields
+    assert first["calc_reward"] == [["2.0", "float"]]  # the answer instance's state, scored
+    assert [["0.0", "float"]] == uncached[1]["calc_reward"]  # the wrong answer of the odd rollout
+    calls: dict[str, list[str]] = {}
+    for name, *call in first["calls"]:
+        calls.setdefault(name, call)  # each tool's first call
+    assert calls["lookup"][0].startswith("ToolResponse(text='{\"word\": \"alpha\"")  # a FunctionTool
+    assert calls["lookup"][1:3] == ["0.5", "float"]
+    assert calls["search"][3] == "{'zeta': 1, 'alpha': 'alpha'}"  # a dict with unsorted keys
+    assert "np.float64" in calls["stats"][3]  # not JSON: runs uncached
 
-    asyncio.run(run())
-    assert tvcache.stats(task_id)["hits"] == 3
+    # A loop that keeps one instance per trajectory, without agent_data: calc_reward after each call.
+    kept = passes["uncached"]["kept_instances"]
+    assert [[score for *_, score, _ in instance] for instance in kept] == [["0.0", "1.0"]] * 2
+
+    # Every observation, reward, metric, calc_reward, extra_fields and token the same.
+    for name in ("first", "repeat"):
+        for expected, got in zip(uncached, passes[name]["trajectories"], strict=True):
+            assert got == expected, (name, expected["sample"], expected["rollout"])
+        assert passes[name]["kept_instances"] == kept, name
+    assert document["trajectories_open"] == 0  # each rollout ended with its AgentData or instance
+
+    repeat = passes["repeat"]
+    stats_calls = SAMPLES * ROLLOUTS
+    assert {name: repeat["executed"].get(name, 0) for name in (*STATE_CHANGING, "lookup")} == {
+        "search": 0, "note": 0, "answer": 0, "lookup": 0}
+    assert repeat["executed"]["stats"] == stats_calls  # uncacheable: it runs every time
+    assert repeat["service"]["misses"] == stats_calls
+    assert repeat["service"]["hits"] > 0
+    assert passes["first"]["executed"]["search"] >= passes["uncached"]["executed"]["search"] // ROLLOUTS
+
+    # What a cached call could not give back is refused, not answered otherwise.
+    refused = document["refused"]
+    assert "function tool's file: name it with wrapped_function" in refused["function_as_class"]  # when veRL builds the tools
+    assert "declared tvcache_read_only but changed agent_data.extra_fields" in refused[
+        "read_only_writes_extra_fields"]  # out of ToolAgentLoop.run, not an observation
+
+
+def doc_blocks() -> list[tuple[str, str, str]]:
+    """The doc's fenced examples: (language, title, text)."""
+    pattern = re.compile(r'^```(\w+)(?: title="([^"]+)")?\n(.*?)^```', re.M | re.S)
+    return [(language, title or "", text) for language, title, text in pattern.findall(DOC.read_text())]
+
+
+def test_the_docs_name_only_what_verl_0_9_1_has():
+    text = DOC.read_text()
+    assert "gsm8k_tool" not in text and "verl.tools.utils" not in text
+    modules = set(re.findall(r"(?<![\w./])(verl(?:\.\w+)+)", text))
+    done = Framework.named("verl").run(["-c", (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    module, _, attribute = name.rpartition('.')\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        getattr(importlib.import_module(module), attribute)\n"), *sorted(modules)])
+    assert modules and done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_rollout_ends_with_the_agent_loop_or_its_ttl(tvcache, task_id):
-    async def run():
-        verl_tools = tools(tvcache, tvcache_rollout_ttl_s=0.3)
-        _, agent_data = await trajectory(verl_tools, task_id, [append("x")])
-        rollout = integration._by_agent_data[agent_data].rollout
-        del agent_data  # the agent loop returns and drops its AgentData
-        gc.collect()
-        for _ in range(50):
-            if rollout.executor is not None and rollout._closed:
-                break
-            await asyncio.sleep(0.02)
-        assert rollout.ended and rollout._closed
-
-        # A trajectory idle for longer than the TTL has ended: its next call runs nothing.
-        agent_data = AgentData({"append": {"create_kwargs": {"doc": task_id}}})
-        assert await call_tool(verl_tools, agent_data, *append("x")[:1], **append("x")[1]) == "x"
-        await asyncio.sleep(0.6)
-        with pytest.raises(RolloutEnded):
-            await call_tool(verl_tools, agent_data, *READ[:1], **READ[1])
-
-    asyncio.run(run())
-
-
-class TallyTool(BaseTool):
-    """A tool of the older agent loops: one instance per trajectory, state kept by instance."""
-
-    tallies: dict[str, int] = {}
-
-    async def create(self, instance_id=None, **kwargs):
-        instance_id, response = await super().create(instance_id, **kwargs)
-        TallyTool.tallies[instance_id] = kwargs["create_kwargs"]["start"]
-        return instance_id, response
-
-    async def execute(self, instance_id, parameters, **kwargs):
-        RAN.append(("add", parameters["n"]))
-        TallyTool.tallies[instance_id] += int(parameters["n"])
-        return ToolResponse(text=str(TallyTool.tallies[instance_id])), 0.0, {}
-
-    async def release(self, instance_id, **kwargs):
-        del TallyTool.tallies[instance_id]
-
-
-@pytest.mark.django_db(transaction=True)
-def test_without_agent_data_the_instance_is_the_rollout(tvcache, task_id):
-    tool = TVCacheTool(config={"type": "native", "wrapped_class": f"{__name__}.TallyTool",
-                               "tvcache_url": tvcache.url, "tvcache_token": tvcache.token},
-                       tool_schema=schema("add", "n"))
-
-    async def trajectory(*numbers):
-        instance_id, _ = await tool.create(create_kwargs={"start": 10, "doc": task_id})
-        answers = [(await tool.execute(instance_id, {"n": n}))[0].text for n in numbers]
-        await tool.release(instance_id)  # the trajectory's end
-        return answers
-
-    async def run():
-        RAN.clear()
-        assert await trajectory("1", "2") == ["11", "13"]
-        assert await trajectory("1", "2") == ["11", "13"] and len(RAN) == 2
-        # The miss replays "1" into an instance of its own, created with the same kwargs.
-        assert await trajectory("1", "5") == ["11", "16"]
-        assert RAN[2:] == [("add", "1"), ("add", "5")]
-        assert TallyTool.tallies == {}  # every instance the wrapper made was released
-
-    asyncio.run(run())
+def test_every_example_of_the_docs_runs(tvcache, tmp_path: Path):
+    blocks = doc_blocks()
+    assert {language for language, _, _ in blocks} >= {"yaml", "python"}
+    assert all(title for language, title, _ in blocks if language in ("yaml", "python"))  # none left out
+    for language, title, text in blocks:
+        if title:
+            (tmp_path / title).write_text(text)
+    scripts = [title for language, title, _ in blocks if language == "python" and title.startswith("run")]
+    assert scripts
+    for script in scripts:
+        done = Framework.named("verl").run([str(tmp_path / script)], env=served(tvcache), cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, (script, done.stderr[-4000:])
