@@ -39,10 +39,6 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]" -e ./tvclient 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import bfcl_eval" 2>/dev/null \
   || .venv/bin/pip install -q --disable-pip-version-check --no-deps "bfcl-eval>=2025.1" 2>&1 | grep -v "^WARNING: Location" || true
-# tvclient's veRL and Tinker integrations are tested against the frameworks' own interfaces,
-# installed without their dependencies (torch and the rest; see the test extras).
-.venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('verl', 'tinker', 'tinker_cookbook'))))" \
-  || .venv/bin/pip install -q --disable-pip-version-check --no-deps "verl>=0.9" "tinker>=0.38" "tinker-cookbook>=0.6" 2>&1 | grep -v "^WARNING: Location" || true
 
 # Production settings refuse to start without SECRET_KEY: one per checkout, kept outside git.
 if [ -z "${SECRET_KEY:-}" ]; then
