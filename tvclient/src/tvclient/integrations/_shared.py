@@ -1,5 +1,5 @@
-"""What the integrations of one trainer process share: its client, its task registrations and
-its snapshot store, and the digest that names tasks and uploads."""
+"""What the integrations of one trainer process share: its client, its snapshot store, and the
+digest that names tasks and uploads."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ TOKEN_VARIABLE = "TVCACHE_TOKEN"
 
 _lock = threading.Lock()
 _clients: dict[tuple[str, str], TVCacheClient] = {}
-_registered: set[tuple[int, str, str]] = set()
 
 # Frameworks create their environments and tools themselves, so the executors they lead to
 # cannot be handed a store: they all share this one, as tvclient asks of a trainer process.
@@ -49,30 +48,8 @@ def close_clients() -> None:
     with _lock:
         clients = list(_clients.values())
         _clients.clear()
-        _registered.clear()
     for client in clients:
         client.close()
-
-
-def ensure_task(
-    client: TVCacheClient,
-    task_id: str,
-    env: Mapping[str, Any],
-    tools: Tools,
-    sandbox_budget: int | None,
-) -> None:
-    """Create or update the task once per process and spec.
-
-    Every rollout of the task sends the same spec, and PUT with an unchanged spec keeps the
-    graph: the first rollout of the process puts it, the others need no request.
-    """
-    key = (id(client), task_id, digest([env, tools, sandbox_budget]))
-    with _lock:
-        if key in _registered:
-            return
-    client.put_task(task_id, env=env, tools=tools, sandbox_budget=sandbox_budget)
-    with _lock:
-        _registered.add(key)
 
 
 def declared_tools(read_only: frozenset[str], uncached: frozenset[str] = frozenset()) -> Tools:
@@ -83,19 +60,20 @@ def declared_tools(read_only: frozenset[str], uncached: frozenset[str] = frozens
     return tools
 
 
-def plain(value: Any) -> Any:
-    """`value` as JSON data: mappings, sequences, numbers and strings as they are, array-likes
-    (numpy, OmegaConf containers) through their own conversion, anything else as its repr."""
+def _plain(value: Any) -> Any:
+    """`value` as JSON data, for digests that name things (never for results): mappings,
+    sequences, numbers and strings as they are, array-likes (numpy, OmegaConf containers)
+    through their own conversion, anything else as its repr."""
     if isinstance(value, Mapping):
-        return {str(key): plain(item) for key, item in value.items()}
+        return {str(key): _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
+        return [_plain(item) for item in value]
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     if hasattr(value, "tolist"):  # numpy arrays and scalars, as datasets hand them over
-        return plain(value.tolist())
+        return _plain(value.tolist())
     if hasattr(value, "items"):
-        return plain(dict(value.items()))
+        return _plain(dict(value.items()))
     return repr(value)
 
 
@@ -114,16 +92,7 @@ def task_slug(name: str) -> str:
     return f"{_NOT_SLUG.sub('-', name).strip('-')[:180]}-{digest(name)[:16]}"
 
 
-def json_only(value: Any, what: str) -> Any:
-    """`value` as JSON data, or TypeError: a result served from the cache must be the one the
-    tool gave, and an image or an object has no JSON form that would be."""
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"tvcache caches JSON results; {what} answered something else: {exc}") from exc
-
-
 def digest(value: Any) -> str:
     """sha256 of `value`'s canonical JSON (sorted keys, no whitespace), as the service keys calls."""
-    canonical = json.dumps(plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(_plain(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
