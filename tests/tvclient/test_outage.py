@@ -3,6 +3,8 @@ the middle of an episode and brought back. The episode goes on uncached with the
 of an uncached run; rollouts started while it is down run uncached from their start; a short
 outage inside the retry budget is ridden out; once it is back, new rollouts use it again."""
 
+import uuid
+
 import pytest
 from tvclient import InMemoryEnvironment, RetryPolicy, SnapshotStore, TVCacheClient, ToolCallExecutor
 
@@ -38,7 +40,7 @@ def test_an_episode_through_an_outage_sees_what_an_uncached_run_sees(settings):
     with service_running(db=settings.DATABASES["default"], redis_url="", workers=1) as service:
         token = token_create(name="outage")
         # A short budget: the outage below outlasts it.
-        with TVCacheClient(service.url, token, retry=RetryPolicy(budget_s=1.0, down_s=0.5)) as client:
+        with TVCacheClient(service.url, token, retry=RetryPolicy(budget_s=1.0, probe_s=0.0)) as client:
             client.put_task("outage", env={"backend": "external", "kv": 1},
                             tools={"get": {"mutates_state": False}, "list": {"mutates_state": False}},
                             sandbox_budget=4)
@@ -74,3 +76,52 @@ def test_an_episode_through_an_outage_sees_what_an_uncached_run_sees(settings):
             ridden.close()
             assert seen == expected and not ridden.offline and ridden.hits == len(CALLS)
     snapshots.close()
+
+
+def test_a_skyrl_episode_through_an_outage_sees_what_an_uncached_episode_sees(settings):
+    """The same through a framework: skyrl-gym's make/init/step with NotesEnv (lab driver)."""
+    import skyrl_gym
+    from omegaconf import OmegaConf
+
+    from lab.frameworks.skyrl_rollouts import NotesEnv, _act
+    from tvclient.integrations.skyrl import tvcache_env
+
+    actions = [_act("append", "a", "x"), _act("read", "a"), _act("append", "a", "y"), _act("keys"),
+               _act("read", "a"), "<done/>"]
+
+    def episode(env_id: str, *, before_step=None) -> tuple[list[str], object]:
+        env = skyrl_gym.make(env_id, env_config=OmegaConf.create({}), extras={"instance_id": "outage", "max_turns": 9})
+        seen = [repr(env.init([{"role": "user", "content": "go"}]))]
+        for index, action in enumerate(actions):
+            if before_step is not None:
+                before_step(index)
+            seen.append(repr(env.step(action)))
+        seen.append(repr(env.get_metrics()))
+        env.close()
+        return seen, env
+
+    suffix = uuid.uuid4().hex[:8]
+    skyrl_gym.register(id=f"notes-plain-{suffix}", entry_point=NotesEnv)
+    expected, _ = episode(f"notes-plain-{suffix}")
+    with service_running(db=settings.DATABASES["default"], redis_url="", workers=1) as service:
+        # Every request probes once while the service is marked down: the rollout after the
+        # outage finds it back at once.
+        client = TVCacheClient(service.url, token_create(name="outage-skyrl"),
+                               retry=RetryPolicy(budget_s=1.0, probe_s=0.0))
+        cached_id = f"notes-cached-{suffix}"
+        skyrl_gym.register(id=cached_id, entry_point=tvcache_env(NotesEnv, client=client, read_only=("read", "keys")))
+        warm, _ = episode(cached_id)
+
+        def outage_at_step_two(index: int) -> None:
+            if index == 2:
+                service.outage_begin()
+
+        try:
+            through, env = episode(cached_id, before_step=outage_at_step_two)
+        finally:
+            service.outage_end()
+        after, env_after = episode(cached_id)
+        client.close()
+    assert warm == through == after == expected
+    assert env.tvcache.offline and env.tvcache.hits == 2
+    assert not env_after.tvcache.offline and env_after.tvcache.hits == len(actions) - 1

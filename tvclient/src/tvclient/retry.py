@@ -2,9 +2,10 @@
 
 A request that finds the service unreachable, answering 5xx or shedding load (429 or 503, with
 `Retry-After` honoured) is tried again with exponential backoff and full jitter, within a
-bounded time. One that used its whole budget marks the service down: for `down_s` the client's
-requests fail at once (so that every rollout started during an outage does not wait out a budget
-of its own), then a single attempt probes whether it is back; its success clears the mark.
+bounded time. One that used its whole budget marks the service down: then a request makes a
+single attempt at most every `probe_s` and the others fail at once (so that every rollout
+started during an outage does not wait out a budget of its own); a probe's success clears the
+mark.
 The executor turns what still fails into an uncached call (ToolCallExecutor, "outages").
 """
 
@@ -26,7 +27,7 @@ class RetryPolicy:
     budget_s: float = 10.0  # how long one request may keep trying
     first_s: float = 0.05  # the first backoff's cap; doubles up to max_s
     max_s: float = 2.0
-    down_s: float = 5.0  # after a request gave up: fail at once this long, then probe once
+    probe_s: float = 1.0  # while marked down: one request a single attempt this often, others fail at once
 
     @classmethod
     def from_environment(cls) -> RetryPolicy:
@@ -41,25 +42,28 @@ class Availability:
     def __init__(self, policy: RetryPolicy) -> None:
         self.policy = policy
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._suspect = False  # gave up before: the next attempt is a single probe
+        self._down = False
+        self._next_probe = 0.0
 
     def attempt(self) -> Attempt:
-        """A request's attempts; raises TVCacheUnavailable at once while the service is marked down."""
+        """A request's attempts: within the budget while the service is up, a single one when it
+        is the probe; raises TVCacheUnavailable at once while the service is marked down."""
         now = time.monotonic()
         with self._lock:
-            if now < self._down_until:
+            if not self._down:
+                return Attempt(self, now + self.policy.budget_s)
+            if now < self._next_probe:
                 raise TVCacheUnavailable(None, "unavailable", "the service is marked down after a failed request")
-            probe = self._suspect
-        return Attempt(self, now + (0.0 if probe else self.policy.budget_s))
+            self._next_probe = now + self.policy.probe_s
+        return Attempt(self, now)
 
     def succeeded(self) -> None:
         with self._lock:
-            self._suspect, self._down_until = False, 0.0
+            self._down = False
 
     def gave_up(self) -> None:
         with self._lock:
-            self._suspect, self._down_until = True, time.monotonic() + self.policy.down_s
+            self._down, self._next_probe = True, time.monotonic() + self.policy.probe_s
 
 
 class Attempt:
