@@ -462,6 +462,7 @@ class Replay:
         self._calls_done = 0
         finished = threading.Event()
         restart = self._restart_thread(arm, epoch, sum(len(calls) for _, _, calls in jobs), finished)
+        retried_before = self.client.availability.retried
         started = time.perf_counter()
         try:
             with ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
@@ -471,6 +472,9 @@ class Replay:
             finished.set()
             if restart is not None:
                 restart.join()
+                for entry in self.restarts:  # requests the restart cut off that tvclient sent again itself
+                    if entry["arm"] == arm.name and entry["epoch"] == epoch:
+                        entry["client_retried_requests"] = self.client.availability.retried - retried_before
         run.step_s = time.perf_counter() - started
         run.sandboxes = self._counts[arm.name].take()
         if arm.mode == "server":

@@ -44,6 +44,8 @@ class Availability:
         self._lock = threading.Lock()
         self._down = False
         self._next_probe = 0.0
+        self.retried = 0  # requests sent again at least once (the service failed them first)
+        self.given_up = 0  # requests that spent their budget (or probe) without an answer
 
     def attempt(self) -> Attempt:
         """A request's attempts: within the budget while the service is up, a single one when it
@@ -64,6 +66,11 @@ class Availability:
     def gave_up(self) -> None:
         with self._lock:
             self._down, self._next_probe = True, time.monotonic() + self.policy.probe_s
+            self.given_up += 1
+
+    def note_retry(self) -> None:
+        with self._lock:
+            self.retried += 1
 
 
 class Attempt:
@@ -74,6 +81,7 @@ class Attempt:
         self._availability = availability
         self._deadline = deadline
         self._cap = availability.policy.first_s
+        self._retried = False
 
     def wait(self, error: TVCacheUnavailable) -> float | None:
         policy = self._availability.policy
@@ -84,4 +92,7 @@ class Attempt:
         if time.monotonic() + delay > self._deadline:
             self._availability.gave_up()
             return None
+        if not self._retried:
+            self._retried = True
+            self._availability.note_retry()
         return delay
