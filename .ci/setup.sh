@@ -36,7 +36,7 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   python3 -m venv .venv
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench]" -e ./tvclient 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install -q --disable-pip-version-check -e ".[test,bench,docs]" -e ./tvclient 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import bfcl_eval" 2>/dev/null \
   || .venv/bin/pip install -q --disable-pip-version-check --no-deps "bfcl-eval>=2025.1" 2>&1 | grep -v "^WARNING: Location" || true
 

@@ -254,7 +254,7 @@ class Rollout(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     # Known-state rule: after a call that timed out, was killed or after which the backend failed,
     # the rollout's state is unknown. It leaves the shared graph: its later calls run in its own
-    # sandbox, uncached and unrecorded (DESIGN.md, "What a hit guarantees").
+    # sandbox, uncached and unrecorded (docs/design/guarantees.md).
     detached_at = models.DateTimeField(null=True, blank=True)
     detached_reason = models.TextField(blank=True, default="", db_default="")
 

@@ -27,7 +27,7 @@ from cache.services.projects import project_named
 from cache.projects import DEFAULT_PROJECT, MAINTAINER, ROLES, task_key
 from cache.ttl import TTLCache
 
-# A revoked or expired token is refused within this time in every process (the issue asks for 5 s).
+# A revoked or expired token is refused within this time in every process (docs/operations/projects.md).
 TOKEN_CACHE_TTL_S = 4.0
 LAST_USED_EVERY_S = 60.0  # a token's last use is written at most this often
 INVALID_TOKEN = "Invalid, expired or revoked token."

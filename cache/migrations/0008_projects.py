@@ -1,6 +1,6 @@
-"""Projects and scoped tokens (issue 18): the tables, and the columns of tasks and tokens (filled
-by 0009, required by 0010: each migration is a transaction of its own, and PostgreSQL refuses to
-alter a table with row changes pending in the same one)."""
+"""Projects and scoped tokens (docs/operations/projects.md): the tables, and the columns of tasks
+and tokens (filled by 0009, required by 0010: each migration is a transaction of its own, and
+PostgreSQL refuses to alter a table with row changes pending in the same one)."""
 
 import django.db.models.deletion
 from django.conf import settings

@@ -1,4 +1,4 @@
-"""The determinism audit (DESIGN.md, "What a hit guarantees, and what it assumes").
+"""The determinism audit: tools are assumed deterministic, and this checks it (docs/design/guarantees.md).
 
 A sampled fraction of hits (`Task.audit_rate`, sampled by the lookup in process) is re-executed
 at the hit's parent state: by a worker in tool-server mode (`sandboxes.services.audit`), by the

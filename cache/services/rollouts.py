@@ -41,7 +41,7 @@ WHERE id = %s AND jsonb_array_length(history) = %s AND finished_at IS NULL
 class RolloutClaim:
     rollout: Rollout
     history: tuple[ToolCall, ...]
-    # Known-state rule: the rollout left the shared graph (DESIGN.md, "What a hit guarantees").
+    # Known-state rule: the rollout left the shared graph (docs/design/guarantees.md).
     detached: bool
     extra: Any  # the caller's column
 

@@ -1,4 +1,4 @@
-"""Canonical call encoding, digests and the state-key hash chain (DESIGN.md, "Keys")."""
+"""Canonical call encoding, digests and the state-key hash chain (docs/design/index.md, "Keys")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Saturated hit lookups on the side-by-side workload (issue 20): requests/s with `wrk -t1 -c8`.
+"""Saturated hit lookups on the side-by-side workload, `wrk -t1 -c8` (docs/lab/benchmarks.md).
 
 The workload is the one run against the TVCache reference server: one task of 256 branches x 32
 state-changing calls, the first 4 calls shared by every branch (8,192 calls recorded, 7,172

@@ -1,5 +1,5 @@
-"""Hits' latency under overload (issue 16): slow tool-server leaders with waiters, plus a flood of
-unauthenticated 2 MB bodies.
+"""Hits' latency under overload: slow tool-server leaders with waiters, plus a flood of
+unauthenticated 2 MB bodies (docs/lab/benchmarks.md).
 
 Serves tvcache as deployed (lab/server.py: uvicorn, production settings), sets it up over
 HTTP (a client-mode task of recorded paths, a docker task with a recorded read-only call), then

@@ -74,7 +74,8 @@ def _phase_fields(runs: list[EpochRun]) -> dict[str, Any]:
     their verifications, `median_miss_unverified_ms` the median of (latency - verification) over
     the same misses; `share_pct` = 100 x median verification / median miss, and `cost_pct` =
     100 x (median miss / median unverified miss - 1): how much verification adds to the median
-    miss (issue 15's target: at most VERIFICATION_COST_PCT). Medians are nearest-rank, as P50."""
+    miss (at most VERIFICATION_COST_PCT on terminal: docs/lab/replays.md). Medians are
+    nearest-rank, as P50."""
     misses = [s for run in runs for s in run.calls if s.cached is False and s.phases_ms is not None]
     if not misses:
         return {}

@@ -1,4 +1,4 @@
-"""The one sandbox interface (DESIGN.md, "Sandbox backends"): pools and forking are written against it.
+"""The one sandbox interface (docs/design/sandboxes.md): pools and forking are written against it.
 
 Backends never import Django: their configuration comes in as frozen dataclasses
 (`sandboxes.backends.config`), so they run the same in the service, in Celery workers and in tests.

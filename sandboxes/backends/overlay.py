@@ -13,7 +13,7 @@ carry the same time. `settle` makes a call start more than a tick after the newe
 so the call's own writes always carry a later one.
 
 An unchanged listing lets a call that the tool declares state-changing (`bash`) count as
-read-only: later calls match regardless of it (DESIGN.md, stateful prefix matching). Where the
+read-only: later calls match regardless of it (docs/design/index.md). Where the
 layer cannot be read (another storage driver, a remote engine, no permission) nothing is
 observed and the declaration stands.
 

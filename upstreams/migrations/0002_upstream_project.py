@@ -1,5 +1,5 @@
-"""Upstreams belong to projects (issue 18): a name is unique within its project. Filled by 0003,
-required by 0004 (each migration a transaction of its own)."""
+"""Upstreams belong to projects (docs/operations/projects.md): a name is unique within its project.
+Filled by 0003, required by 0004 (each migration a transaction of its own)."""
 
 import django.db.models.deletion
 from django.db import migrations, models
