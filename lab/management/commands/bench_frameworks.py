@@ -52,10 +52,7 @@ def skyrl(env: dict[str, str]) -> tuple[dict, list[Row]]:
 
 
 def verl(env: dict[str, str]) -> tuple[dict, list[Row]]:
-    done = Framework.named("verl").run([str(DRIVERS / "verl_rollouts.py"), "--samples", "4", "--rollouts", "4"],
-                                        env=env, timeout=900)
-    _check(done)
-    document = json.loads(done.stdout.strip().splitlines()[-1])
+    document = _driver("verl", "verl_rollouts.py", ["--samples", "4", "--rollouts", "4"], env)
     rows = []
     for label, result in document["passes"].items():
         service = result.get("service") or {}
@@ -67,10 +64,7 @@ def verl(env: dict[str, str]) -> tuple[dict, list[Row]]:
 
 
 def tinker(env: dict[str, str]) -> tuple[dict, list[Row]]:
-    done = Framework.named("tinker").run([str(DRIVERS / "tinker_rollouts.py"), "--mode", "both", "--passes", "2"],
-                                          env=env, timeout=900)
-    _check(done)
-    document = json.loads(done.stdout.strip().splitlines()[-1])
+    document = _driver("tinker", "tinker_rollouts.py", ["--mode", "both", "--passes", "2"], env)
     rows = []
     uncached = document["passes"][0]
     for label, result in zip(("uncached", "first", "repeat"), document["passes"]):
@@ -83,10 +77,7 @@ def tinker(env: dict[str, str]) -> tuple[dict, list[Row]]:
 
 
 def harbor(env: dict[str, str]) -> tuple[dict, list[Row]]:
-    done = Framework.named("harbor-0.26").run([str(DRIVERS / "harbor_trials.py"), "--passes", "uncached,first,repeat"],
-                                               env=env, timeout=900)
-    _check(done)
-    document = json.loads(done.stdout.strip().splitlines()[-1])
+    document = _driver("harbor-0.26", "harbor_trials.py", ["--passes", "uncached,first,repeat"], env)
     rows = []
     for label, result in document["passes"].items():
         service = result.get("service") or {}
@@ -103,9 +94,12 @@ FRAMEWORKS: dict[str, Callable[[dict[str, str]], tuple[dict, list[Row]]]] = {
 }
 
 
-def _check(done: subprocess.CompletedProcess[str]) -> None:
+def _driver(framework: str, script: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """The JSON document (its last line of output) a driver prints, run in the framework's venv."""
+    done = Framework.named(framework).run([str(DRIVERS / script), *args], env=env, timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(f"the driver failed ({done.returncode}): {done.stderr[-3000:]}")
+        raise RuntimeError(f"the {framework} driver failed ({done.returncode}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def table(rows: list[Row]) -> str:
