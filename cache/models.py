@@ -124,6 +124,10 @@ class Node(models.Model):
     # of the call writes them back, so file times (make, bytecode caches) are as the live run's.
     # NULL: not kept (too many, or not observed); a replay restores times only up to such a call.
     file_times = models.JSONField(null=True, blank=True)
+    # How many processes the sandbox kept running after the call first ran (tool-server mode; the
+    # service's own left out): such a state is materialized only from the rollout's own sandbox, a
+    # snapshot that keeps processes, or a replay that starts them again (docs/design/state.md).
+    live_processes = models.PositiveIntegerField(default=0, db_default=0)  # record.py inserts raw rows
     hit_count = models.PositiveIntegerField(default=0)
     last_hit_at = models.DateTimeField(null=True, blank=True)
     first_rollout_id = models.CharField(max_length=200, blank=True, default="")
@@ -170,6 +174,9 @@ class Snapshot(models.Model):
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.LIVE)
     size_bytes = models.BigIntegerField(null=True, blank=True)
     create_ms = models.FloatField(null=True, blank=True)
+    # It holds the sandbox's processes and memory (a checkpoint), not only its files: only such a
+    # snapshot is forked for a state with live processes.
+    keeps_processes = models.BooleanField(default=False, db_default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     evicted_at = models.DateTimeField(null=True, blank=True)
 
@@ -186,6 +193,9 @@ class Divergence(models.Model):
     class Kind(models.TextChoices):
         AUDIT = "audit"  # a sampled hit, re-executed at its parent state, gave another result
         STATE = "state"  # a sandbox materialized for the node is not in the state the node recorded
+        # The state the node's call left kept changing after the call returned (a process it started
+        # writes files): it depends on timing, so the node is no longer served (as an audit's).
+        DRIFT = "drift"
 
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="divergences")
     # Kept when the node is evicted with its subtree: the divergence happened all the same.
@@ -260,6 +270,30 @@ class Rollout(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
+
+
+class MaterializationStat(models.Model):
+    """How tool-server misses got their sandbox to their history's state, per task, and whether that
+    state had live processes (Node.live_processes), counted by the ledger: the rollout's own sandbox,
+    a ready pre-fork or a fork of a snapshot (a checkpoint: it kept the processes), a root and a
+    replay, a fresh root after another sandbox diverged, or none (the call ran uncached)."""
+
+    class How(models.TextChoices):
+        OWN = "own", "its own sandbox, caught up"
+        PREFORK = "prefork", "a ready fork of a snapshot"
+        FORK = "fork", "a fork of a snapshot"
+        CHECKPOINT = "checkpoint", "a fork of a snapshot keeping processes"
+        ROOT = "root", "a fresh sandbox and a replay"
+        REBUILT = "rebuilt", "a replay from the root after a divergence"
+        UNCACHED = "uncached", "none: the call ran uncached"
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="materializations")
+    how = models.CharField(max_length=12, choices=How.choices)
+    processes = models.BooleanField()  # the state reached had live processes
+    count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "how", "processes"], name="materialization_unique")]
 
 
 class ToolStat(models.Model):

@@ -241,6 +241,13 @@ TVCACHE = {
     # Bash calls run through one session agent per container (sandboxes/backends/docker/agent.py):
     # about 6 to 14 ms a call against 53 to 60 ms by `docker exec` (bench_sandboxes --only calls).
     "DOCKER_SESSION": env.bool("TVCACHE_DOCKER_SESSION", default=True),
+    # The OCI runtime of docker sandboxes whose task names none, the runtimes a task may name
+    # (`"runtime": "runsc"`), and those whose snapshots are checkpoints keeping processes and memory
+    # (gVisor's runsc; runc only where CRIU works on the engine's kernel). runc stays the default:
+    # gVisor is slower (docs/operations/runtimes.md).
+    "DOCKER_RUNTIME": env("TVCACHE_DOCKER_RUNTIME", default="runc"),
+    "DOCKER_RUNTIMES": env.list("TVCACHE_DOCKER_RUNTIMES", default=["runc", "runsc"]),
+    "DOCKER_CHECKPOINT_RUNTIMES": env.list("TVCACHE_DOCKER_CHECKPOINT_RUNTIMES", default=["runsc"]),
     # Single flight (cache/services/flight.py), tool-server mode and the proxy: a rollout that misses on a call another rollout is executing in the same
     # state waits for that result at most this long, then executes it too.
     "SINGLE_FLIGHT_WAIT_S": env.float("TVCACHE_SINGLE_FLIGHT_WAIT_S", default=900.0),

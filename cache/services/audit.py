@@ -6,7 +6,9 @@ client's own environment in client mode (`node_audit`). A result that differs fr
 divergence: the node stops being served, and a tool with more than AUDIT_MAX_DIVERGENT divergent
 nodes in a task stops being cached for that task (written to the audit log). A sandbox
 materialized for a node whose state fingerprint differs from the node's is a divergence too
-(kind "state"); it says nothing about the node's result, so the node stays served.
+(kind "state"); it says nothing about the node's result, so the node stays served. A state that
+kept changing after its call returned (kind "drift": a process the call left running writes files)
+is not a function of the history: its node stops being served, as an audit's would.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from .tasks import task_version_move
 def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str, expected: Any, observed: Any,
                       rollout_id: str = "") -> Divergence:
     """Store a divergence. Kind "audit" also marks the node divergent (no longer served) and,
-    past the task's limit of divergent nodes for the tool, makes the tool uncacheable."""
+    past the task's limit of divergent nodes for the tool, makes the tool uncacheable. Kind "drift"
+    (the state the node's call left kept changing: it depends on timing) marks the node only."""
     if kind not in Divergence.Kind.values:
         raise ValueError(f"unknown divergence kind {kind!r}")
     with transaction.atomic():
@@ -42,9 +45,9 @@ def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str
             node_id = None  # evicted meanwhile: the divergence still happened
         divergence = Divergence.objects.create(task=task, node_id=node_id, tool=tool, kind=kind, expected=expected,
                                                observed=observed, rollout_id=rollout_id[:200])
-        if kind == Divergence.Kind.AUDIT and node_id is not None:
+        if kind in (Divergence.Kind.AUDIT, Divergence.Kind.DRIFT) and node_id is not None:
             marked = _mark(task, node_id)
-            limited = _limit_tool(task, tool)
+            limited = _limit_tool(task, tool) if kind == Divergence.Kind.AUDIT else None
             if marked or limited:
                 task_version_move(task)
                 task.save(update_fields=["version", "uncacheable_tools", "updated_at"])

@@ -90,19 +90,30 @@ ON CONFLICT (project_id, minute) DO UPDATE SET
 """
 
 
+# How tool-server misses materialized their sandboxes (cache.models.MaterializationStat).
+MATERIALIZED_SQL = """
+INSERT INTO cache_materializationstat (task_id, how, processes, count)
+SELECT t.task_id, t.how, t.processes, t.count
+FROM unnest(%s::text[], %s::text[], %s::bool[], %s::int[]) AS t(task_id, how, processes, count)
+JOIN cache_task ON cache_task.id = t.task_id
+ON CONFLICT (task_id, how, processes) DO UPDATE SET count = cache_materializationstat.count + EXCLUDED.count
+"""
+
+
 class Counts:
     """Lookup and request counts, as deltas."""
 
-    __slots__ = ("stats", "nodes", "rollouts", "requests")
+    __slots__ = ("stats", "nodes", "rollouts", "requests", "materialized")
 
     def __init__(self) -> None:
         self.stats: dict[tuple[str, int, str], list] = {}  # (task, epoch, tool) -> [calls, hits, oracle, saved_ms]
         self.nodes: dict[tuple[str, int], int] = {}  # (task, node id) -> hits
         self.rollouts: dict[tuple[str, str], list[int]] = {}  # (task, rollout) -> [calls, hits, epoch]
         self.requests: dict[int, list[int]] = {}  # project id -> [admitted, refused]
+        self.materialized: dict[tuple[str, str, bool], int] = {}  # (task, how, processes) -> misses
 
     def __bool__(self) -> bool:
-        return bool(self.stats or self.nodes or self.rollouts or self.requests)
+        return bool(self.stats or self.nodes or self.rollouts or self.requests or self.materialized)
 
     def merge(self, other: Counts) -> None:
         """Add `other`'s counts (rollout epochs: `other`'s, the newer, win)."""
@@ -121,6 +132,8 @@ class Counts:
             counts = self.requests.setdefault(project_id, [0, 0])
             counts[0] += admitted
             counts[1] += refused
+        for key, count in other.materialized.items():
+            self.materialized[key] = self.materialized.get(key, 0) + count
 
     def write(self) -> None:
         with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
@@ -142,6 +155,10 @@ class Counts:
             if self.requests:
                 cursor.execute(REQUESTS_SQL, [list(self.requests), [v[0] for v in self.requests.values()],
                                               [v[1] for v in self.requests.values()]])
+            if self.materialized:
+                keys = list(self.materialized)
+                cursor.execute(MATERIALIZED_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+                                                  list(self.materialized.values())])
 
 
 def _storable(task_id: str, epoch: int, tool: str, rollout_id: str) -> bool:
@@ -276,6 +293,17 @@ def replay_add(*, task_id: str, epoch: int, tool: str, ms: float) -> None:
         _ledger.started()
         stat = _ledger.fresh.stats.setdefault((task_id, epoch, tool), [0, 0, 0, 0.0])
         stat[3] -= ms
+
+
+def materialized_add(*, task_id: str, how: str, processes: bool) -> None:
+    """A tool-server miss got its sandbox to its history's state this way (MaterializationStat.How);
+    `processes`: that state had live processes."""
+    if not _storable(task_id, 0, how, ""):
+        return
+    with _ledger.lock:
+        _ledger.started()
+        key = (task_id, how, bool(processes))
+        _ledger.fresh.materialized[key] = _ledger.fresh.materialized.get(key, 0) + 1
 
 
 def request_add(*, project_id: int, admitted: bool) -> None:

@@ -78,9 +78,11 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
   AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = c.anchor_key
                                               AND n.call_digest = c.call_digest)"""
 
-# The history's state-changing nodes that exist, each with its live snapshot if it has one.
+# The history's state-changing nodes that exist, each with its live snapshot if it has one (and
+# whether that keeps processes) and the processes its state keeps running.
 _WRITES_SQL = """SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
-               SELECT json_build_array(s.id, s.ref) FROM cache_snapshot s WHERE s.node_id = w.id AND s.status = 'live')))
+               SELECT json_build_array(s.id, s.ref, s.keeps_processes) FROM cache_snapshot s
+               WHERE s.node_id = w.id AND s.status = 'live'), w.live_processes))
            FROM cache_node w
            WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))"""
 
@@ -324,8 +326,9 @@ def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
 def _node_refs(rows) -> dict[str, NodeRef]:
     return {
         state_key: NodeRef(node_id=node_id, state_key=state_key, depth=depth, cum_exec_ms=cum,
-                           snapshot_id=snapshot[0] if snapshot else None, snapshot_ref=snapshot[1] if snapshot else None)
-        for node_id, state_key, depth, cum, snapshot in rows
+                           snapshot_id=snapshot[0] if snapshot else None, snapshot_ref=snapshot[1] if snapshot else None,
+                           processes=processes or 0, snapshot_keeps_processes=bool(snapshot and snapshot[2]))
+        for node_id, state_key, depth, cum, snapshot, processes in rows
     }
 
 

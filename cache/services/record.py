@@ -33,11 +33,12 @@ WITH parent AS (
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
-                            first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times)
+                            first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times,
+                            live_processes)
     VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
             %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
             coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
-            %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb)
+            %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s)
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms
 ), stat AS (
@@ -75,10 +76,13 @@ class RecordOutcome:
 
 
 def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str] = ("", "", ""),
-                file_times: Mapping[str, int] | None = None) -> RecordOutcome:
+                file_times: Mapping[str, int] | None = None, processes: int = 0,
+                keeps_processes: bool = False) -> RecordOutcome:
     """`state`: the sandbox's state fingerprint after the call, (full, shape, order), where the service
     ran it: what a sandbox materialized for this node is checked against. `file_times`: the
-    modification times of what the call changed there, written back after each replay of it."""
+    modification times of what the call changed there, written back after each replay of it.
+    `processes`: how many processes the sandbox kept running after it; a snapshot of such a state
+    is wanted only where it would keep them (`keeps_processes`)."""
     task = task_handle(task_id=task_id)
     context = record.context
     task.check_fingerprint(context.env_fingerprint)
@@ -109,6 +113,7 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
         "shape": state[1],
         "order": state[2],
         "file_times": json.dumps(dict(file_times)) if file_times is not None else None,
+        "processes": processes if plan.mutates else 0,
     }
     with connection.cursor() as cursor:
         cursor.execute(INSERT_SQL, params)
@@ -128,7 +133,8 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
             cursor.execute(NEAREST_SNAPSHOT_SQL, [plan.state_key, task.task_id, [step.state_key for step in chain.writes]])
             nearest_cum, has_own = cursor.fetchone()
             wanted = not has_own and snapshot_wanted(
-                mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend)
+                mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend),
+                live_processes=processes, keeps_processes=keeps_processes,
             )
     return RecordOutcome(node_id=node_id, created=created, mutates=node_mutates, snapshot_wanted=wanted,
                          evicted=recently_evicted_refs(task_id=task.task_id))

@@ -64,7 +64,9 @@ def recently_evicted_refs(*, task_id: str) -> list[str]:
 
 def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, engine: str = "",
                       size_bytes: int | None = None, create_ms: float | None = None,
-                      owner: str = Snapshot.Owner.CLIENT) -> tuple[Snapshot, list[str]]:
+                      owner: str = Snapshot.Owner.CLIENT, keeps_processes: bool = False) -> tuple[Snapshot, list[str]]:
+    """`keeps_processes`: the snapshot holds the sandbox's processes (a checkpoint), so that it may
+    be forked for the node's state when that has live processes."""
     with transaction.atomic():
         node = Node.objects.select_for_update().defer("file_times").filter(pk=node_id, task_id=task_id).first()
         if node is None:
@@ -80,7 +82,8 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, eng
             raise Conflict(f"Snapshot ref '{ref}' is already registered.", code="duplicate_ref")
         _snapshot_bytes_granted(task_id, size_bytes)
         snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, engine=engine, ref=ref,
-                                           owner=owner, size_bytes=size_bytes, create_ms=create_ms)
+                                           owner=owner, size_bytes=size_bytes, create_ms=create_ms,
+                                           keeps_processes=keeps_processes)
         ledger.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
     if create_ms is not None:
         _cost_sample(backend, snapshot_ms=create_ms)

@@ -5,7 +5,10 @@ state-changing call. Read-only calls leave the key as it is, so their order betw
 does not matter. Each stored node sits under (anchor state key, digest of its call); a
 state-changing node also names the state key it leads to. LPM asks the store which of the
 chain's state keys exist (one query) and picks, here, the deepest one, the deepest one with a
-live snapshot, and the state-changing calls to replay from that snapshot.
+live snapshot that can stand in for its state, and the state-changing calls to replay from that
+snapshot. A snapshot of a state with live processes stands in for it only if it keeps them (a
+checkpoint): a copy of the files alone would bring the state up without its servers and daemons,
+and replaying from it would not start them again (docs/design/state.md).
 """
 
 from __future__ import annotations
@@ -89,6 +92,13 @@ class NodeRef:
     cum_exec_ms: float = 0.0
     snapshot_id: int | None = None
     snapshot_ref: str | None = None
+    processes: int = 0  # the processes the state keeps running (Node.live_processes)
+    snapshot_keeps_processes: bool = False  # its snapshot holds them (a checkpoint)
+
+    @property
+    def resumable(self) -> bool:
+        """It has a snapshot that can stand in for its state."""
+        return self.snapshot_id is not None and (not self.processes or self.snapshot_keeps_processes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +120,7 @@ def longest_prefix_match(chain: StateChain, found: Mapping[str, NodeRef]) -> Mat
     resume_index = 0
     for index in range(deepest, 0, -1):
         ref = found.get(writes[index - 1].state_key)
-        if ref is not None and ref.snapshot_id is not None:
+        if ref is not None and ref.resumable:
             resume_index = index
             break
     matched = writes[deepest].position if deepest < len(writes) else len(chain.steps)

@@ -19,7 +19,7 @@ MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to t
 VERIFICATION_COST_PCT = 10.0  # target (terminal, tool-server mode): verification's cost on the median miss
 # A tool-server miss's phases as the service names them (Phases, sandboxes/services/materialize.py).
 PHASES = ("lookup", "wait", "background_wait", "snapshot_wait", "materialize", "replay", "verify", "exec", "fingerprint",
-          "record", "snapshot")
+          "processes", "record", "snapshot")
 VERIFICATION_PHASES = ("verify", "fingerprint")
 
 

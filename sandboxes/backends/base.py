@@ -129,6 +129,9 @@ class SnapshotInfo:
     ref: str
     size_bytes: int
     create_ms: float
+    # The snapshot holds the sandbox's processes and their memory (a checkpoint), not only its
+    # files: a fork of it comes up with them running.
+    keeps_processes: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,10 @@ class Sandbox(ABC):
     """One running sandbox. Calls on one sandbox are serialized by the sandbox itself."""
 
     sandbox_id: str
+    # Its snapshots hold its live processes and their memory (SnapshotInfo.keeps_processes). A
+    # snapshot that does not is never taken of, nor forked for, a state with live processes
+    # (docs/design/state.md).
+    keeps_processes: bool = False
 
     @abstractmethod
     def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,6 +170,17 @@ class Sandbox(ABC):
         (hostfs.StateDigest: in full for a fork, in shape for a replay). None where the backend
         cannot tell: nothing is then verified against it."""
         return None
+
+    def observed_ms(self) -> float:
+        """How long, in all, the sandbox has spent observing the processes it keeps running (ms):
+        the service's timings set it apart from the calls'."""
+        return 0.0
+
+    def state_drifted(self) -> bool:
+        """Whether, before its last observed call, the sandbox's state had changed on its own since
+        the call before it ended (a process it left running wrote files, or started or ended): the
+        state that call left depended on timing. False where the backend cannot tell."""
+        return False
 
     def restore_file_times(self, times: Mapping[str, int]) -> None:
         """Give the paths the modification times (ns) a live run of a call left them

@@ -61,6 +61,13 @@ class DockerConfig:
     # Run bash calls through one session agent per container (docker/agent.py) rather than a
     # `docker exec` each. A caller that stands for a trainer's own `docker exec` asks for False.
     session: bool = True
+    # The OCI runtime of sandboxes whose task names none, and the runtimes a task may name
+    # (`"runtime": "runsc"`: gVisor); each must be configured in the engine (docs/operations/runtimes.md).
+    runtime: str = "runc"
+    runtimes: tuple[str, ...] = ("runc", "runsc")
+    # Runtimes whose snapshots are checkpoints, keeping processes and memory (docker/checkpoint.py):
+    # runsc checkpoints by itself; runc only where CRIU works on the engine's kernel (`criu check`).
+    checkpoint_runtimes: tuple[str, ...] = ("runsc",)
 
 
 @dataclass(frozen=True)

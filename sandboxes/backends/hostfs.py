@@ -168,6 +168,12 @@ class StateDigest:
     # state carries the times the live one did. None when not asked for or not kept (more than
     # MAX_CHANGED_TIMES entries or MAX_CHANGED_PATH_BYTES of paths, a name that is not UTF-8).
     times: Mapping[str, int] | None = field(default=None, compare=False)
+    # How many processes the sandbox keeps running (its own: not the service's), part of all three
+    # digests. A filesystem snapshot never stands in for a state that has some (docs/design/state.md).
+    processes: int = 0
+    # False when the state kept changing after the call that left it (a process the call started
+    # writes files): it depends on timing, and no other sandbox can be checked against it.
+    settled: bool = field(default=True, compare=False)
 
 
 class StateFingerprint:
@@ -184,6 +190,7 @@ class StateFingerprint:
         self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
         self._changed: dict[str, int] = {}  # mtimes of the entries changed since `changed_since_ns` (ctime)
         self._session: list[bytes] = []
+        self._processes: list[bytes] = []
         self._read = 0
 
     def add_tree(self, root: str, paths: set[str]) -> None:
@@ -205,6 +212,11 @@ class StateFingerprint:
     def add_session(self, name: str, content: bytes) -> None:
         self._session.append(name.encode() + b"\0" + hashlib.sha256(content).digest())
 
+    def add_processes(self, lines: tuple[bytes, ...] | list[bytes]) -> None:
+        """The live processes, each as the line it is compared by (procs.LiveProcess.line): as a
+        multiset (sorted), since the order they started in is not compared."""
+        self._processes.extend(lines)
+
     def digests(self) -> StateDigest:
         times = sorted({mtime for _, _, _, mtime in self._entries if mtime >= 0})
         rank = {mtime: index for index, mtime in enumerate(times)}
@@ -224,8 +236,12 @@ class StateFingerprint:
             full.update(session)
             shape.update(session)
             order.update(session)
+        if self._processes:  # a state without any digests as it did before processes were observed
+            listed = b"processes\0" + b"\n".join(sorted(self._processes))
+            for digest in (full, shape, order):
+                digest.update(hashlib.sha256(listed).digest())
         return StateDigest(full=full.hexdigest(), shape=shape.hexdigest(), order=order.hexdigest(),
-                           times=self._kept_times())
+                           times=self._kept_times(), processes=len(self._processes))
 
     def _kept_times(self) -> dict[str, int] | None:
         """The changed entries' times by path, each path's bytes as Latin-1 text (any name, also one

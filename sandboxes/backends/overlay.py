@@ -4,9 +4,10 @@ An overlay2 container keeps everything it changed in its upper directory on the 
 modified file is there (copied up), a deleted one leaves a whiteout there. Any change to a file
 (content, mode, owner, links, xattrs) moves its ctime, which no program can set, so a listing of
 the upper directory with (name, mode, owner, size, inode, mtime, ctime) taken after each call
-changes exactly when the call changed the filesystem. The shell session's working directory and
-exported variables live in files that every call rewrites; their contents are compared instead.
-bind-mounted /etc/hosts, /etc/resolv.conf and /etc/hostname are listed too.
+changes exactly when the call changed the filesystem. bind-mounted /etc/hosts, /etc/resolv.conf
+and /etc/hostname are listed too. What the caller adds to a listing (`state(extra)`: the shell
+session, which the host keeps out of the sandbox, and the processes the sandbox keeps running) is
+compared with it.
 
 File times come from a coarse clock: two writes of the same file a clock tick apart or less can
 carry the same time. `settle` makes a call start more than a tick after the newest time seen,
@@ -26,8 +27,9 @@ Two more things live here, both about exactness across snapshots:
   says "up to date" where the original sandbox rebuilds. `restore_file_times` writes the exact
   times from the container's upper directory into the committed layer, once per snapshot.
 - `fingerprint`: what a call left behind (paths, types, modes, owners, sizes, content
-  digests, link targets, the order of file times, and the shell session), comparable across
-  sandboxes, so a fork or a replay can be checked against the state its node recorded.
+  digests, link targets, the order of file times, and what the caller adds: the shell session and
+  the live processes), comparable across sandboxes, so a fork or a replay can be checked against
+  the state its node recorded.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ def _coarse_tick_ns() -> int:
 TICK_NS = _coarse_tick_ns()
 
 
-_SESSION_MAX_BYTES = 1 << 20
 # The engine's own entry in a container's layer (`--init`), made when the container starts: its
 # time is the container's, not a call's, so a replay's order of times leaves it out.
 ENGINE_PATHS = frozenset({"sbin/docker-init", "usr/sbin/docker-init"})  # /sbin may be a link to /usr/sbin
@@ -79,26 +80,18 @@ class LayerTooLarge(Exception):
     """The layer holds more entries than a listing per call is worth."""
 
 
-class SessionTampered(Exception):
-    """The shell session's files are not regular files of sane size: the sandbox replaced them."""
-
-
 class LayerWatch:
     """Listing a layer costs about 10 us per entry here (0.3 ms for a small one, 14 ms at 2,000
     changed files, 210 ms at 20,000): past `max_entries` the sandbox is no longer observed."""
 
-    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], session: tuple[str, tuple[str, ...]],
-                 max_entries: int, lowers: tuple[str, ...] = ()):
+    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], max_entries: int,
+                 lowers: tuple[str, ...] = ()):
         self.upper, self.merged, self.host_files, self.max_entries = upper, merged, host_files, max_entries
-        self.session_dir, self.session_files = session
         self.lowers = lowers  # the layers under the upper one, top first (the init layer left out)
 
     @classmethod
-    def of(cls, container: Mapping[str, Any], *, session: tuple[str, tuple[str, ...]],
-           max_entries: int) -> LayerWatch | None:
-        """The watch for an inspected container, or None when its layer is out of reach.
-        `session`: the folder of the shell session's state (relative to the container's root),
-        left out of the listing, and its files that are compared by content."""
+    def of(cls, container: Mapping[str, Any], *, max_entries: int) -> LayerWatch | None:
+        """The watch for an inspected container, or None when its layer is out of reach."""
         driver = container.get("GraphDriver") or {}
         data = driver.get("Data") or {}
         upper, merged = data.get("UpperDir"), data.get("MergedDir")
@@ -108,15 +101,16 @@ class LayerWatch:
             return None
         lowers = tuple(d for d in (data.get("LowerDir") or "").split(":") if d and not d.endswith("-init/diff"))
         host_files = tuple(p for p in (container.get(k) for k in ("HostsPath", "ResolvConfPath", "HostnamePath")) if p)
-        return cls(upper, merged, host_files, session, max_entries, lowers)
+        return cls(upper, merged, host_files, max_entries, lowers)
 
-    def state(self) -> LayerState:
+    def state(self, extra: bytes = b"") -> LayerState:
+        """The listing's digest, with `extra` (what the caller keeps of the state beyond the files)."""
         listing = hashlib.blake2b(digest_size=32)
         newest = 0
+        if not os.path.isdir(self.merged):  # the engine's own folder: the container stopped (unmounted)
+            raise FileNotFoundError(f"the container's root is not mounted: {self.merged}")
         try:
             for path, st in hostfs.walk(self.upper, max_entries=self.max_entries):
-                if path == self.session_dir or path.startswith(self.session_dir + "/"):
-                    continue
                 newest = max(newest, st.st_ctime_ns)
                 listing.update(_line(path, st))
         except hostfs.UnsafeEntry as exc:
@@ -125,46 +119,32 @@ class LayerWatch:
             st = os.stat(path, follow_symlinks=False)
             newest = max(newest, st.st_ctime_ns)
             listing.update(_line(path, st))
-        for name, content in self.session():
-            listing.update(name.encode() + b"\0" + content + b"\0")
+        listing.update(hashlib.sha256(extra).digest())
         return LayerState(listing.digest(), newest)
-
-    def session(self) -> list[tuple[str, bytes]]:
-        """The shell session's files, read without following the sandbox's links or blocking."""
-        try:
-            with hostfs.open_dir(self.merged, self.session_dir) as fd:
-                return [(name, hostfs.read_regular(fd, name, max_bytes=_SESSION_MAX_BYTES))
-                        for name in self.session_files]
-        except (hostfs.UnsafeEntry, NotADirectoryError, FileNotFoundError) as exc:
-            if not os.path.isdir(self.merged):  # the engine's own folder: the container stopped (unmounted)
-                raise FileNotFoundError(f"the container's root is not mounted: {self.merged}") from None
-            raise SessionTampered(f"the shell session's files were replaced: {exc}") from None
-        except OSError as exc:
-            if exc.errno == 40:  # ELOOP: a link where a folder or file was
-                raise SessionTampered(f"the shell session's files were replaced: {exc}") from None
-            raise
 
     @staticmethod
     def settle(state: LayerState) -> None:
         """Wait until a write would carry a later file time than any in `state`."""
         settle_after(state.newest_ns)
 
-    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int,
-                    changed_since_ns: int | None = None) -> hostfs.StateDigest:
+    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int, changed_since_ns: int | None = None,
+                    session: bytes = b"", processes: tuple[bytes, ...] = ()) -> hostfs.StateDigest:
         """The StateFingerprint of the sandbox: every path that a layer above the base image holds
-        (its snapshots' layers and its own), read in the merged view; with `changed_since_ns`, also
-        the times of the entries changed since (a call's start: StateDigest.times)."""
+        (its snapshots' layers and its own), read in the merged view, with the shell session and the
+        live processes (their lines) the caller keeps; with `changed_since_ns`, also the times of the
+        entries changed since (a call's start: StateDigest.times)."""
+        if not os.path.isdir(self.merged):
+            raise FileNotFoundError(f"the container's root is not mounted: {self.merged}")
         paths: set[str] = set()
         for layer in self.lowers:
             if layer not in base_layers:
                 paths |= _layer_paths(layer, self.max_entries)
         paths |= _listed_paths(self.upper, self.max_entries)
-        paths = {p for p in paths if p != self.session_dir and not p.startswith(self.session_dir + "/")}
         fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes, changed_since_ns=changed_since_ns,
                                               unordered=ENGINE_PATHS)
         fingerprint.add_tree(self.merged, paths)
-        for name, content in self.session():
-            fingerprint.add_session(name, content)
+        fingerprint.add_session("session", session)
+        fingerprint.add_processes(processes)
         return fingerprint.digests()
 
 

@@ -2,7 +2,10 @@
 
 The rollout's own sandbox is caught up by replaying the state-changing calls that hit since its
 last miss. A rollout without one takes a ready pre-fork of the resume snapshot, else forks it on
-the critical path, else takes a ready root (or starts one) and replays.
+the critical path, else takes a ready root (or starts one) and replays. A snapshot of a state with
+live processes is never forked unless it keeps them (a checkpoint): the longest-prefix match offers
+none (tcg.NodeRef.resumable), and the snapshot policy takes none (docs/design/state.md); a replay
+from a state without them starts them again, and the fingerprint, processes included, checks it.
 
 Verify, don't trust: a sandbox materialized for a node (a fork, a pre-fork, a replay) is compared
 with the state fingerprint the node's call left behind before the new call runs in it. A mismatch
@@ -21,11 +24,11 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from cache.inputs import CallContext
-from cache.models import Divergence, Node, Rollout, Snapshot, Task
+from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task
 from cache.selectors import replay_file_times
 from cache.services import (LookupMiss, backend_costs, divergence_record, history_catch_up, lease_grant, lease_release,
                             task_handle, tcg_lookup)
-from cache.services.ledger import replay_add
+from cache.services.ledger import materialized_add, replay_add
 from cache.tcg import Match, TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
@@ -48,7 +51,8 @@ class Phases:
     """Where a call's time goes: lookup, wait (single flight), background_wait (for the work on the
     rollout's sandbox after its previous answer: a snapshot, a catch-up), snapshot_wait (for a
     snapshot to fork rather than replay: resume_snapshotted), materialize (start or fork), replay,
-    verify (state fingerprints), exec, fingerprint (of the new state), record, snapshot (its
+    verify (state fingerprints), exec, fingerprint (of the new state), processes (observing the
+    processes the sandbox keeps running, taken out of exec and fingerprint), record, snapshot (its
     hand-off: it is taken after the answer)."""
 
     def __init__(self):
@@ -76,6 +80,7 @@ class Run:
     phases: Phases
     restore_ms: float | None = None  # set when it was forked from a snapshot on the critical path
     diverged: str = ""  # why the sandbox does not reach the recorded state (then nothing is recorded)
+    how: str = MaterializationStat.How.OWN  # how it got to the history's state (counted per task)
 
 
 def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases) -> Run:
@@ -99,17 +104,27 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
         if run is not None:
             pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
             if not pending or _caught_up(run, pending, context, _reached(answer, context)):
-                return run
+                return _counted(run, answer, context)
         else:
             with phases.timed("materialize"):
                 run = _materialize(task, backend, policy, rollout, answer, phases)
             replay = _replay_calls(answer, run)
             if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context,
                                                                                 _reached(answer, context)):
-                return run
-        return _from_root(task, backend, policy, rollout, context, answer, phases)
+                return _counted(run, answer, context)
+        return _counted(_from_root(task, backend, policy, rollout, context, answer, phases), answer, context)
     except SandboxError as exc:
         raise as_application_error(exc) from None
+
+
+def _counted(run: Run, answer, context: CallContext) -> Run:
+    """Counts how the miss got its sandbox, and whether the state it reached had live processes
+    (MaterializationStat; the dashboard shows them)."""
+    node = answer.match.node
+    processes = bool(node is not None and answer.match.matched == len(context.history) and node.processes)
+    how = MaterializationStat.How.UNCACHED if run.diverged else run.how
+    materialized_add(task_id=run.task.pk, how=how, processes=processes)
+    return run
 
 
 def catch_up_after_answer(task_id: str, rollout: Rollout, history: tuple[ToolCall, ...], node_id: int) -> None:
@@ -257,6 +272,7 @@ def _from_root(task, backend, policy, rollout, context: CallContext, answer, pha
     if row is None:
         raise SandboxGone("could not start a fresh sandbox")
     run = _run(task, policy, rollout, row, phases)
+    run.how = MaterializationStat.How.REBUILT
     if answer.full_replay:
         try:
             _replay_verified(run, answer.full_replay, context, _reached(answer, context))
@@ -280,17 +296,25 @@ def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> Run:
     if resume is not None:
         snapshot = Snapshot.objects.filter(pk=resume.snapshot_id, owner=Snapshot.Owner.SERVICE,
                                            backend=backend.name).first()
+    if snapshot is not None and resume.processes and not snapshot.keeps_processes:
+        snapshot = None  # its files alone are not the state (tcg.NodeRef.resumable): a root replays it
     if snapshot is not None:
         row, restore_ms = sandbox_acquire(task_id=task.pk, snapshot_id=snapshot.pk, rollout_pk=rollout.pk), None
+        how = MaterializationStat.How.PREFORK
         if row is None:
             row = _start_leased(task, backend, rollout, snapshot)
             restore_ms = row.start_ms if row is not None else None
+            how = MaterializationStat.How.FORK
         if row is not None:
             prefork_if_room(task_id=task.pk, snapshot_id=snapshot.pk)  # keep a fork of a hot snapshot ready
-            return _run(task, policy, rollout, row, phases, restore_ms)
+            run = _run(task, policy, rollout, row, phases, restore_ms)
+            run.how = MaterializationStat.How.CHECKPOINT if snapshot.keeps_processes else how
+            return run
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
         task, backend, rollout, None)
-    return _run(task, policy, rollout, row, phases)
+    run = _run(task, policy, rollout, row, phases)
+    run.how = MaterializationStat.How.ROOT
+    return run
 
 
 def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:

@@ -1,9 +1,11 @@
-"""A tool-server miss executed in the rollout's sandbox, under the known-state rule (DESIGN.md).
+"""A tool-server miss run in the rollout's sandbox, under the known-state rule (docs/design/guarantees.md).
 
 A call that timed out, was killed, or after which the backend failed leaves the sandbox in an
-unknown state. A timeout (or a tampered session) detaches the rollout: it leaves the shared graph
-and its later calls run in its own sandbox, uncached and unrecorded, so nothing it sees is ever
-filed under a state key it may not have reached. A sandbox that died, or failed once the call
+unknown state. A timeout (or a call that broke the session agent running it) detaches the rollout:
+it leaves the shared graph and its later calls run in its own sandbox, uncached and unrecorded, so
+nothing it sees is ever filed under a state key it may not have reached. So does a state that
+changes on its own (a process the rollout left running writes files): it depends on timing
+(docs/design/state.md). A sandbox that died, or failed once the call
 may have run, is retired: the rollout goes on from its history in a fresh one. A sandbox is
 marked `executing` (committed) before a call runs in it; a rollout that finds its sandbox still
 marked (the server was killed mid-call) retires it, since it may be ahead of the history.
@@ -25,8 +27,9 @@ from django.db import transaction
 
 from cache.errors import Conflict, Forbidden
 from cache.inputs import CallContext, RecordInput
-from cache.models import Snapshot
-from cache.services import lease_release, node_record, rollout_detach, rollout_history_append, snapshot_register
+from cache.models import Divergence, Node, Snapshot
+from cache.services import (divergence_record, lease_release, node_record, rollout_detach, rollout_history_append,
+                            snapshot_register)
 from cache.services.background import job_enqueue
 from cache.tcg import ToolCall
 from observability import metrics
@@ -56,17 +59,21 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
         if answer.lease_id:
             lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
     _mark_executing(run)
+    observing = run.sandbox.observed_ms()
     try:
         with phases.timed("exec"):
             result, exec_ms, observed = _execute(run, context.call)
+        observing = _processes_phase(run, phases, "exec", observing)
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         retire(run.row, exc.message)
         raise as_application_error(exc) from None
     except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
-    except SandboxTampered as exc:  # the rollout's own doing: it leaves the graph, its sandbox retired
-        _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
+    except SandboxTampered as exc:  # the call broke what runs it (killed the session agent): its effects
+        # are unknown, so the rollout leaves the graph; its sandbox stays its own, as it would without
+        # tvcache, and its next calls run there uncached (a broken agent is replaced)
+        _detach(run, f"{exc.code}: {exc.message}")
         raise as_application_error(exc) from None
     except SandboxError as exc:  # failed once the call may have run (a broken stream, an engine restart):
         # the sandbox may be ahead of the history, so it is retired; the rollout, which got an error
@@ -76,16 +83,26 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     if result.get("timed_out") or run.diverged:
         _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")
         return result, None, True
+    if run.sandbox.state_drifted():  # the state the history reached kept changing: not a function of it
+        _drifted(run, answer, context)
+        return result, None, True
     try:
         mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
         with phases.timed("fingerprint"):
             state = run.sandbox.state_fingerprint() if mutates else None
+        _processes_phase(run, phases, "fingerprint", observing)
+        if state is not None and not state.settled:  # it changes on its own after the call: kept off shared keys
+            _detach(run, "the state the call left kept changing after it returned (a process it left running "
+                         "writes files): it depends on timing")
+            return result, None, True
         # One commit for the node, the sandbox's progress and the rollout's history (each commit
         # waits for the disk).
         with phases.timed("record"), transaction.atomic():
             outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
                                   state=(state.full, state.shape, state.order) if state else ("", "", ""),
-                                  file_times=state.times if state else None)
+                                  file_times=state.times if state else None,
+                                  processes=state.processes if state else 0,
+                                  keeps_processes=run.sandbox.keeps_processes)
             _executed(run, applied=len(context.history) + int(mutates))
             if mutates:
                 rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
@@ -103,6 +120,32 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
         retire(run.row, "failed after its call ran: its state is ahead of the rollout's history")
         raise
     return result, outcome.node_id, mutates
+
+
+def _processes_phase(run: Run, phases: Phases, phase: str, since: float) -> float:
+    """The time `phase` spent observing the sandbox's processes, moved to a phase of its own
+    ("processes": what observing them costs a miss, docs/design/state.md)."""
+    now = run.sandbox.observed_ms()
+    if now > since:
+        phases.ms[phase] = phases.ms.get(phase, 0.0) - (now - since)
+        phases.ms["processes"] = phases.ms.get("processes", 0.0) + (now - since)
+    return now
+
+
+def _drifted(run: Run, answer, context: CallContext) -> None:
+    """The sandbox's state changed on its own between the rollout's last call and this one (a process
+    it keeps running writes files, or started or ended): the state the node of its history recorded
+    depended on timing. That node stops being served (rollouts that reach it run its call live, each
+    at its own time) and the rollout leaves the shared graph; this call's answer is its own sandbox's."""
+    node = answer.match.node
+    reached = node.node_id if node is not None and answer.match.matched == len(context.history) else None
+    if reached is not None:
+        tool = Node.objects.filter(pk=reached).values_list("tool", flat=True).first() or context.call.tool
+        divergence_record(task_id=run.task.pk, node_id=reached, tool=tool, kind=Divergence.Kind.DRIFT,
+                          expected=None, observed={"sandbox": run.row.pool, "why": "the state changed between calls"},
+                          rollout_id=run.rollout.rollout_id)
+    _detach(run, "the state the history reached kept changing between calls (a process left running writes "
+                 "files): it depends on timing")
 
 
 def _mark_executing(run: Run) -> None:
@@ -152,7 +195,8 @@ def _snapshot(run: Run, node_id: int) -> None:
     try:
         snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
                                               backend=run.backend.name, engine=run.row.engine, size_bytes=info.size_bytes,
-                                              create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE)
+                                              create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE,
+                                              keeps_processes=info.keeps_processes)
     except (Conflict, Forbidden) as exc:  # another rollout's snapshot of the same node won, or over the project's bytes
         if isinstance(exc, Forbidden):
             log.info("snapshot of node %s not kept: %s", node_id, exc.message)

@@ -61,7 +61,9 @@ def sandbox_config() -> SandboxConfig:
                             disk_mb=conf["DOCKER_DISK_MB"], disk_max_files=conf["DOCKER_DISK_MAX_FILES"],
                             disk_check_s=conf["DOCKER_DISK_CHECK_S"], **images,
                             observe_writes=conf["DOCKER_OBSERVE_WRITES"],
-                            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"], session=conf["DOCKER_SESSION"]),
+                            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"], session=conf["DOCKER_SESSION"],
+                            runtime=conf["DOCKER_RUNTIME"], runtimes=tuple(conf["DOCKER_RUNTIMES"]),
+                            checkpoint_runtimes=tuple(conf["DOCKER_CHECKPOINT_RUNTIMES"])),
         directory=DirectoryConfig(max_total_bytes=conf["DIRECTORY_MAX_MB"] * 2**20),
         sqlite=SqliteConfig(max_value_bytes=conf["SQLITE_MAX_VALUE_BYTES"], max_db_bytes=conf["SQLITE_MAX_DB_MB"] * 2**20),
     )
@@ -236,6 +238,20 @@ class PlacedSandbox(Sandbox):
     def state_fingerprint(self) -> StateDigest | None:
         with engine_loss(self.engine):
             return self.sandbox.state_fingerprint()
+
+    def restore_file_times(self, times: Mapping[str, int]) -> None:
+        with engine_loss(self.engine):
+            self.sandbox.restore_file_times(times)
+
+    def state_drifted(self) -> bool:
+        return self.sandbox.state_drifted()
+
+    def observed_ms(self) -> float:
+        return self.sandbox.observed_ms()
+
+    @property
+    def keeps_processes(self) -> bool:
+        return self.sandbox.keeps_processes
 
     def snapshot(self, *, labels: Mapping[str, str] | None = None) -> SnapshotInfo:
         with engine_loss(self.engine):

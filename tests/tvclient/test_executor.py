@@ -814,3 +814,50 @@ def test_an_outage_mid_rollout_replays_the_hits_and_goes_on_uncached(service, cl
     assert executor.execute(call("append", key="a", value="3")) == {"value": "23"}
     assert executor.execute(call("get", key="a")) == {"value": "23"}
     assert executor.offline and executor.replayed == 1 and service.requests("record") == []
+
+
+class Serving(InMemoryEnvironment):
+    """Keys named server:* stand for processes a call left running (a server, a daemon); its forks
+    copy the keys only, as a filesystem snapshot copies files."""
+
+    def live_processes(self):
+        return [key for key in self.data if key.startswith("server:")]
+
+
+def test_a_state_with_live_processes_is_not_snapshotted_when_forks_would_lose_them(service, client):
+    forks: list[InMemoryEnvironment] = []
+
+    class Forking(Serving):
+        def fork(self) -> InMemoryEnvironment:
+            forks.append(super().fork())
+            return forks[-1]
+
+    store = SnapshotStore()
+    executor = ToolCallExecutor(client, TASK, Forking, snapshots=store)
+    start, note = call("set", key="server:http", value="8080"), call("set", key="notes", value="x")
+    service.script("lookup", miss(replay=[], snapshot_after_ms=0.0))  # likely wanted: not frozen ahead either
+    service.script("record", {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []})
+    executor.execute(start)
+    executor.flush()
+    assert forks == [] and service.requests("snapshot") == [] and len(store) == 0
+    # A state without processes is snapshotted as before.
+    plain = ToolCallExecutor(client, TASK, Forking, snapshots=store)
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 6, "created": True, "snapshot": "wanted", "evicted": []})
+    plain.execute(note)
+    plain.close()
+    executor.close()
+    (registration,) = service.requests("snapshot")
+    assert registration.path.endswith("/nodes/6/snapshots") and len(forks) == 1
+
+    class Checkpointing(Serving):  # its forks keep processes: its snapshots stand in for such a state
+        keeps_processes = True
+
+    kept = ToolCallExecutor(client, TASK, Checkpointing, snapshots=store)
+    service.script("lookup", miss(replay=[]))
+    service.script("record", {"node_id": 7, "created": True, "snapshot": "wanted", "evicted": []})
+    kept.execute(start)
+    kept.close()
+    checkpoint = service.requests("snapshot")[-1]
+    assert checkpoint.path.endswith("/nodes/7/snapshots")
+    assert store.get(checkpoint.body["ref"]).data == {"server:http": "8080"}

@@ -36,6 +36,7 @@ from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken, Lease, Rollout, Snapshot, Task
 from cache.services import node_record, snapshot_register, task_put
 from cache.tcg import ToolCall
+from lab.figures import median_p95
 from lab.bench import sandboxes as bench
 from lab.server import service_running
 from sandboxes import services
@@ -330,12 +331,6 @@ def bash_call(command: str) -> dict[str, Any]:
     return {"call": bench.bash(command)}
 
 
-def _ms(figure: dict[str, Any] | None) -> str:
-    if not figure or figure.get("median_ms") is None:
-        return "-"
-    return f"{figure['median_ms']:g} / {figure['p95_ms']:g}"
-
-
 def render_markdown(figures: dict[str, Any]) -> str:
     """The tables (median / P95 in ms unless said otherwise)."""
     meta = figures["meta"]
@@ -351,24 +346,24 @@ def render_markdown(figures: dict[str, Any]) -> str:
             e, s = c["exec"], c["session"]
             for command in bench.CALL_COMMANDS:
                 plain, observed = f"{command} (plain)", f"{command} (observed)"
-                lines.append(f"| {c['image']} | `{command}` | {_ms(e[plain])} | {_ms(s[plain])} | {_ms(e[observed])} "
-                             f"| {_ms(s[observed])} |")
-            lines.append(f"| {c['image']} | first call of a sandbox | {_ms(e['first'])} | {_ms(s['first'])} | | |")
+                lines.append(f"| {c['image']} | `{command}` | {median_p95(e[plain])} | {median_p95(s[plain])} | {median_p95(e[observed])} "
+                             f"| {median_p95(s[observed])} |")
+            lines.append(f"| {c['image']} | first call of a sandbox | {median_p95(e['first'])} | {median_p95(s['first'])} | | |")
         lines.append("")
     if "handover" in figures:
         h = figures["handover"]
         lines += ["Hand-over of a READY pre-fork (services in process), median / P95 ms:", "",
                   "| acquire | attach handle | hand-over (acquire + attach) | hand-over, handle cached | first exec | hand-over + first exec | warming the fork (worker) |",
                   "|---|---|---|---|---|---|---|",
-                  f"| {_ms(h['acquire'])} | {_ms(h['attach'])} | {_ms(h['handover'])} | {_ms(h['handover_handle_cached'])} "
-                  f"| {_ms(h['first_exec'])} | {_ms(h['handover_and_first_exec'])} | {_ms(h['warm_fork_in_worker'])} |", ""]
+                  f"| {median_p95(h['acquire'])} | {median_p95(h['attach'])} | {median_p95(h['handover'])} | {median_p95(h['handover_handle_cached'])} "
+                  f"| {median_p95(h['first_exec'])} | {median_p95(h['handover_and_first_exec'])} | {median_p95(h['warm_fork_in_worker'])} |", ""]
     if "first_miss" in figures and "ready_prefork" in figures["first_miss"]:
         lines += ["A rollout's first miss after a hit on the snapshotted setup, over HTTP (tool-server mode), median / P95 ms:", "",
                   "| | first miss (client) | first miss (server) | second miss (same sandbox) | took a ready pre-fork |",
                   "|---|---|---|---|---:|"]
         for mode, title in (("ready_prefork", "ready pre-fork"), ("no_prefork", "no pre-fork: fork on the critical path")):
             f = figures["first_miss"][mode]
-            lines.append(f"| {title} | {_ms(f['first_miss'])} | {_ms(f['first_miss_server'])} | {_ms(f['second_miss'])} "
+            lines.append(f"| {title} | {median_p95(f['first_miss'])} | {median_p95(f['first_miss_server'])} | {median_p95(f['second_miss'])} "
                          f"| {f['took_ready_prefork']} / {f['rounds']} |")
         lines.append("")
     if "cold_fork" in figures:
@@ -376,20 +371,20 @@ def render_markdown(figures: dict[str, Any]) -> str:
                   "| image | commit | fork (create + start) | first exec | fork + first exec | again, 2nd fork of the snapshot |",
                   "|---|---|---|---|---|---|"]
         for c in figures["cold_fork"]:
-            lines.append(f"| {c['image']} | {_ms(c['snapshot_commit'])} | {_ms(c['fork'])} | {_ms(c['first_exec'])} "
-                         f"| {_ms(c['fork_and_first_exec'])} | {_ms(c['second_fork_and_first_exec'])} |")
+            lines.append(f"| {c['image']} | {median_p95(c['snapshot_commit'])} | {median_p95(c['fork'])} | {median_p95(c['first_exec'])} "
+                         f"| {median_p95(c['fork_and_first_exec'])} | {median_p95(c['second_fork_and_first_exec'])} |")
         lines.append("")
     if "snapshot_size" in figures:
         lines += ["Snapshot cost against what the sandbox wrote (busybox, 3 samples each), median / P95 ms:", "",
                   "| written MB | commit ms | snapshot size MB | fork + first exec ms |", "|---:|---|---:|---|"]
         for s in figures["snapshot_size"]:
-            lines.append(f"| {s['written_mb']} | {_ms(s['commit'])} | {s['size_mb']} | {_ms(s['fork_and_first_exec'])} |")
+            lines.append(f"| {s['written_mb']} | {median_p95(s['commit'])} | {s['size_mb']} | {median_p95(s['fork_and_first_exec'])} |")
         lines.append("")
     if "starts" in figures:
         lines += ["Container starts (create + start + shell session), 8 callers at once:", "",
                   "| max concurrent starts | starts | starts/s | one start, median / P95 ms |", "|---:|---:|---:|---|"]
         for s in figures["starts"]:
-            lines.append(f"| {s['max_concurrent_starts']} | {s['starts']} | {s['starts_per_s']} | {_ms(s['start'])} |")
+            lines.append(f"| {s['max_concurrent_starts']} | {s['starts']} | {s['starts_per_s']} | {median_p95(s['start'])} |")
         lines.append("")
     if "toolserver" in figures:
         t = figures["toolserver"]
@@ -400,10 +395,10 @@ def render_markdown(figures: dict[str, Any]) -> str:
                   "|---:|---:|---:|---|---|---|---|---|---:|"]
         for e in t["epochs"]:
             w, d = e["with_cache"], e["without_cache"]
-            lines.append(f"| {e['epoch']} | {w['calls']} | {w['hit_rate']:.0%} | {_ms(w['call'])} | {_ms(d['call'])} "
-                         f"| {_ms(w['hit'])} / {_ms(w['miss'])} | {w['step_s']} / {d['step_s']} "
+            lines.append(f"| {e['epoch']} | {w['calls']} | {w['hit_rate']:.0%} | {median_p95(w['call'])} | {median_p95(d['call'])} "
+                         f"| {median_p95(w['hit'])} / {median_p95(w['miss'])} | {w['step_s']} / {d['step_s']} "
                          f"| {w.get('containers', '-')} / {d['containers']} | {w['error_count']} |")
-        lines += ["", f"Snapshots taken: {t['snapshots_taken']} (commit {_ms(t['snapshot_commit'])} ms); "
+        lines += ["", f"Snapshots taken: {t['snapshots_taken']} (commit {median_p95(t['snapshot_commit'])} ms); "
                   f"leases granted {t['leases_granted']}, still open after every rollout ended "
                   f"{t['open_leases_after_rollouts_ended']}; "
                   f"hit rate per task and epoch: {[e['per_task_hit_rate'] for e in t['epochs']]}; "

@@ -26,9 +26,9 @@ from ..base import (
 )
 from ..config import DockerConfig
 from .images import SNAPSHOT_REF, image_name
-from .session import STATE_DIR
 
-_ENV_KEYS = frozenset({"backend", "image", "network", "limits", "workdir", "user"})
+# "runtime" and "keep_processes" are read by checkpoint.py.
+_ENV_KEYS = frozenset({"backend", "image", "network", "limits", "workdir", "user", "runtime", "keep_processes"})
 _LIMIT_KEYS = frozenset({"memory_mb", "cpus", "pids"})
 _USER = re.compile(r"(\d{1,9})(?::(\d{1,9}))?")
 # A non-root user's home and default working directory, made by the service in a fresh container.
@@ -126,12 +126,12 @@ class DockerEnv:
         )
 
     def user_folders(self) -> bytes:
-        """A tar of the folders a non-root user needs in a fresh container: the shell session's
-        state and its home. Fixed times: every sandbox of a task starts alike."""
+        """A tar of the folder a non-root user needs in a fresh container: its home. Fixed times:
+        every sandbox of a task starts alike."""
         uid, gid = (int(part) for part in self.user.split(":"))
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for name, mode in ((STATE_DIR.lstrip("/"), 0o700), (HOME.lstrip("/"), 0o755)):
+            for name, mode in ((HOME.lstrip("/"), 0o755),):
                 info = tarfile.TarInfo(name)
                 info.type, info.mode, info.uid, info.gid, info.mtime = tarfile.DIRTYPE, mode, uid, gid, 0
                 tar.addfile(info)

@@ -1,5 +1,6 @@
 """The images the docker backend runs and makes: image names, snapshot images (commits of a
-sandbox, tagged tvcache/snapshot:<hex>), the labels that tell our containers and images from
+sandbox, tagged tvcache/snapshot:<hex>, with a checkpoint of the same name where the sandbox's
+runtime keeps processes: checkpoint.py), the labels that tell our containers and images from
 whatever else shares the engine, and the base layers under a sandbox's snapshots."""
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from ..base import OWNER, OWNER_LABEL, OwnedResource
 
 SHELL_LABEL = "tvcache.shell"
 KIND_LABEL = "tvcache.kind"
+# On checkpoint snapshots (checkpoint.py): the checkpoint's name in the store, and the runtime that
+# took it (a fork runs under the same one).
+CHECKPOINT_LABEL = "tvcache.checkpoint"
+RUNTIME_LABEL = "tvcache.runtime"
 SNAPSHOT_REPOSITORY = "tvcache/snapshot"
 SNAPSHOT_REF = re.compile(re.escape(SNAPSHOT_REPOSITORY) + r":[0-9a-f]{32}")
 
@@ -29,6 +34,14 @@ def image_name(image: str) -> str:
 
 def is_snapshot(image: Mapping[str, Any]) -> bool:
     return (image["Config"].get("Labels") or {}).get(KIND_LABEL) == "snapshot"
+
+
+def checkpoint_of(image: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(checkpoint name, runtime) of a checkpoint snapshot's image; None for any other image."""
+    labels = image["Config"].get("Labels") or {}
+    if not is_snapshot(image) or not labels.get(CHECKPOINT_LABEL):
+        return None
+    return labels[CHECKPOINT_LABEL], labels.get(RUNTIME_LABEL, "")
 
 
 def container_labels(image: dict[str, Any], labels: Mapping[str, str]) -> dict[str, str]:

@@ -1,13 +1,17 @@
 """A docker sandbox: one running container. Its calls run one at a time in the shell session
-(session.py), each started by the container's session agent (agent.py) or, where that agent cannot
-take it, by a `docker exec` of its own (both run it alike), observed from the container's layer on the host where it is in reach (overlay.py),
-and a call that outlives its timeout is killed from the host (procs.py). Snapshots are commits
-without pausing, with the exact file times the commit rounded written back."""
+(session.py, kept by the host), each started by the container's session agent (agent.py) or, where
+that agent cannot take it, by a `docker exec` of its own (both run it alike), observed from the
+container's layer and the processes it keeps running, on the host where they are in reach
+(overlay.py, procs.py), and a call that outlives its timeout is killed from the host (procs.py).
+Snapshots are commits without pausing, with the exact file times the commit rounded written back
+and the session in their labels."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
@@ -28,7 +32,6 @@ from ..base import (
     SandboxError,
     SandboxGone,
     SandboxOverQuota,
-    SandboxTampered,
     SnapshotInfo,
     check_labels,
     require_str,
@@ -39,17 +42,38 @@ from ..overlay import (
     LayerState,
     LayerTooLarge,
     LayerWatch,
-    SessionTampered,
     restore_file_times,
     settle_after,
 )
-from ..procs import host_sees, kill_call_tree, sessions_below
-from .agent import ProtocolError, SessionAgent, SessionBroken, SessionUnavailable
+from ..procs import (
+    INSIDE_SCAN,
+    LiveProcess,
+    engine_processes,
+    host_sees,
+    inside_processes,
+    kill_call_tree,
+    live_processes,
+    sessions_below,
+)
+from .agent import ExecFrames, ProtocolError, SessionAgent, SessionBroken, SessionUnavailable
+from .checkpoint import CheckpointFailed, SandboxRuntime, checkpoint_commit, kill_calls_inside
+from .confinement import KEEPALIVE
 from .engine import ENGINE_DOWN, engine_errors
 from .execstream import ExecStream, Output, Stop
-from .images import KIND_LABEL, SHELL_LABEL, SNAPSHOT_REPOSITORY
+from .images import CHECKPOINT_LABEL, KIND_LABEL, RUNTIME_LABEL, SHELL_LABEL, SNAPSHOT_REPOSITORY
 from .quota import DiskQuota
-from .session import CALL_SCRIPT, MAX_COMMAND_BYTES, SESSION_FILES, STATE_DIR, call_argv
+from .session import (
+    CALL_SCRIPT,
+    MAX_COMMAND_BYTES,
+    MAX_SESSION_BYTES,
+    SESSION_LABEL,
+    SessionRecord,
+    exec_argv,
+    initial_session,
+    labelled_session,
+    session_label,
+    sessions,
+)
 
 if TYPE_CHECKING:
     from .backend import DockerBackend
@@ -65,9 +89,11 @@ _UNSET = object()
 
 
 class DockerSandbox(Sandbox):
-    def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_size: int):
+    def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_size: int,
+                 runtime: SandboxRuntime = SandboxRuntime("runc", checkpoints=False)):
         self.sandbox_id = container_id
         self._backend = backend
+        self.runtime = runtime  # its snapshots are checkpoints where runtime.checkpoints (checkpoint.py)
         self._shell = shell
         self._image_size = image_size  # snapshots report only what the sandbox added to its image
         # One shell session: calls run one at a time, and a snapshot never lands mid-call.
@@ -77,44 +103,93 @@ class DockerSandbox(Sandbox):
         self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
         self._last_start_ns: int | None = None  # when the last call started (its changes' times are kept)
         self._stopped = False
+        self._session: bytes | None = None  # the shell session (session.py), as far as this process knows
+        self._stamp: tuple[int, int] | None = None  # of the SessionStore's record this process read or wrote
+        self._live: tuple[LiveProcess, ...] | None = None  # the processes it kept running after its last call
+        self._drifted = False  # its state changed on its own before the last observed call
+        self._init_pid = 0
+        self._observed_ms = 0.0  # spent observing processes (observed_ms)
         self._agent: SessionAgent | None = None  # this process's session agent in the container (agent.py)
         self._agent_failures = 0 if backend.config.session else _SESSION_MAX_FAILURES
         self._quota = DiskQuota(backend.config)
         if self._quota.limit_bytes:
             backend.disk_watch.add(self)
 
+    @property
+    def keeps_processes(self) -> bool:
+        return self.runtime.checkpoints
+
     def execute(self, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
         command, timeout_s = self._parse(tool, args)
         with self._lock, engine_errors():
-            self._layer = None  # not observed: the next observed call lists the layer before it runs
-            return self._run(command, timeout_s)
+            self._session_synced()
+            self._layer, self._live = None, None  # not observed: the next observed call lists the state first
+            try:
+                return self._run(command, timeout_s)
+            finally:
+                self._session_keep()
 
     def execute_observed(self, tool: str, args: Mapping[str, Any]) -> tuple[dict[str, Any], bool | None]:
-        """Observed from the container's layer on the host (overlay.py), when it is in reach."""
+        """Observed from the container's layer and processes on the host (overlay.py, procs.py),
+        when they are in reach. A state that had live processes after the last call is listed again
+        before this one: if it changed meanwhile, it drifted (`state_drifted`)."""
         command, timeout_s = self._parse(tool, args)
         with self._lock:
-            before = self._layer or self._layer_state()
+            with engine_errors():
+                self._session_synced()
+            before, self._drifted = self._layer, False
+            if before is None or self._live is None or self._live:
+                started = time.perf_counter()
+                now = self._layer_state()
+                if before is not None:  # listed again only because processes ran meanwhile
+                    self._observed_ms += (time.perf_counter() - started) * 1000
+                self._drifted = before is not None and now is not None and now.digest != before.digest
+                before = now
             self._layer = None  # unknown until the call is over
             if before is not None:
                 LayerWatch.settle(before)
-            with engine_errors():
-                result = self._run(command, timeout_s)
+            try:
+                with engine_errors():
+                    result = self._run(command, timeout_s)
+                if before is not None:
+                    self._layer = self._layer_state()
+            finally:
+                self._session_keep()
             if before is None:
                 return result, None
-            self._layer = self._layer_state()
             return result, None if self._layer is None else self._layer.digest != before.digest
 
+    def state_drifted(self) -> bool:
+        return self._drifted
+
+    def observed_ms(self) -> float:
+        return self._observed_ms
+
     def state_fingerprint(self) -> StateDigest | None:
+        """With the shell session and the live processes. A state with live processes is listed
+        again once fingerprinted: one that changed since the call's end is not settled."""
         with self._lock:
             watch = self._layer_watch()
             if watch is None:
                 return None
             since = None if self._last_start_ns is None else self._last_start_ns - TICK_NS
             try:
-                return watch.fingerprint(self._backend.base_layers(self.sandbox_id),
-                                         max_bytes=self._backend.config.fingerprint_max_bytes, changed_since_ns=since)
-            except SessionTampered as exc:
-                raise SandboxTampered(str(exc)) from None
+                with engine_errors():
+                    session = self._session_synced()
+                    live = self._processes()
+                if live is None:  # processes out of view: a state is not vouched for without them
+                    return None
+                digest = watch.fingerprint(self._backend.base_layers(self.sandbox_id),
+                                           max_bytes=self._backend.config.fingerprint_max_bytes,
+                                           changed_since_ns=since, session=session,
+                                           processes=tuple(p.line() for p in live))
+                if live and self._layer is not None:
+                    started = time.perf_counter()
+                    now = watch.state(self._extra(session, live))
+                    self._observed_ms += (time.perf_counter() - started) * 1000
+                    if now.digest != self._layer.digest:
+                        digest = dataclasses.replace(digest, settled=False)
+                return digest
             except (LayerTooLarge, OSError):  # too large to fingerprint, or the container is going
                 return None
 
@@ -125,6 +200,7 @@ class DockerSandbox(Sandbox):
             if watch is None or not times:
                 return
             self._layer = None
+            self._session_keep()
             try:
                 watch.set_file_times(times)
             except OSError as exc:
@@ -134,21 +210,103 @@ class DockerSandbox(Sandbox):
                 self._last_end_ns = time.time_ns()
 
     def _layer_state(self) -> LayerState | None:
-        """The layer as it is now; None when it is not observed: out of reach, gone (the container
-        is being removed), or too large to list per call (then never again). A sandbox that
-        replaced its session files with links or FIFOs raises SandboxTampered."""
+        """The layer, the session and the live processes as they are now (`_live` set to those);
+        None when they are not observed: out of reach, gone (the container is being removed), or
+        too large to list per call (then never again)."""
         watch = self._layer_watch()
         if watch is None:
             return None
         try:
-            return watch.state()
-        except SessionTampered as exc:
-            raise SandboxTampered(str(exc)) from None
+            with engine_errors():
+                self._live = self._processes()
+            if self._live is None:
+                return None
+            return watch.state(self._extra(self._session or b"", self._live))
         except LayerTooLarge:
             self._watch = None
         except OSError:
             pass
         return None
+
+    @staticmethod
+    def _extra(session: bytes, live: tuple[LiveProcess, ...]) -> bytes:
+        """What a layer's listing is compared with besides its files."""
+        return b"session\0" + session + b"\0processes\0" + b"\n".join(sorted(p.line() for p in live))
+
+    # --- the processes it keeps running (procs.py) ----------------------------------------------
+
+    def _processes(self) -> tuple[LiveProcess, ...] | None:
+        started = time.perf_counter()
+        try:
+            return self._processes_now()
+        finally:
+            self._observed_ms += (time.perf_counter() - started) * 1000
+
+    def _processes_now(self) -> tuple[LiveProcess, ...] | None:
+        """The sandbox's own live processes: from the host's /proc where it sees them, else as the
+        engine lists them (`docker top`), or under a runtime with its own kernel as its own /proc
+        does (procs.INSIDE_SCAN); None where none can tell."""
+        if not self.runtime.host_sees_processes:
+            try:
+                exec_id = self._gone_if_missing(self._backend.api.exec_create, self.sandbox_id,
+                                                [self._shell, "-c", INSIDE_SCAN])["Id"]
+                out, _ = self._backend.api.exec_start(exec_id, demux=True)
+            except (SandboxError, docker.errors.APIError):
+                return None
+            return inside_processes(out or b"", tuple(KEEPALIVE))
+        if self.runtime.host_sees_processes:
+            for _ in range(2):  # the container's init changes when it is restored from a checkpoint
+                if not self._init_pid:
+                    self._init_pid = self._gone_if_missing(self._backend.api.inspect_container,
+                                                           self.sandbox_id)["State"].get("Pid") or 0
+                found = live_processes(self.sandbox_id, self._init_pid, tuple(KEEPALIVE)) if self._init_pid else None
+                if found is not None:
+                    return found
+                self._init_pid = 0
+        try:
+            top = self._gone_if_missing(self._backend.api.top, self.sandbox_id)
+        except SandboxError:
+            return None
+        return engine_processes(top, self._init_pid, tuple(KEEPALIVE))
+
+    # --- the shell session (session.py) ---------------------------------------------------------
+
+    def _session_synced(self) -> bytes:
+        """The session (and the state the last call left) as whichever process ran the last call
+        kept it: this one's, or the SessionStore's when another wrote it since; a container no call
+        of this host's service has run in starts from its image's (a fork's snapshot carries it)."""
+        store = sessions()
+        stamp = store.stamp(self.sandbox_id)
+        if self._session is not None and (stamp is None or self._stamp is None or stamp == self._stamp):
+            return self._session
+        found = store.get(self.sandbox_id) if stamp is not None else None
+        if found is not None:
+            record, self._stamp = found
+            self._session = record.session
+            self._layer = LayerState(record.layer, record.newest_ns) if record.layer is not None else None
+            self._live = () if record.layer is not None and not record.live else None
+            return self._session
+        self._session, self._layer, self._live = self._image_session(), None, None
+        self._session_keep()
+        return self._session
+
+    def _image_session(self) -> bytes:
+        container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
+        image = self._backend.api.inspect_image(container["Image"])
+        found = labelled_session(image["Config"].get("Labels"))
+        if found is None:
+            found = self._gone_if_missing(initial_session, self._backend.api, self.sandbox_id)[1]
+        return found
+
+    def _session_keep(self) -> None:
+        """After a call: the session, and the state the call left, for the next call of whichever
+        process (a store that cannot write leaves this process's own copy the one it trusts)."""
+        if self._session is None:
+            return
+        layer, live = self._layer, self._live
+        record = SessionRecord(self._session, layer.digest if layer else None, layer.newest_ns if layer else 0,
+                               len(live) if live is not None else 0)
+        self._stamp = sessions().put(self.sandbox_id, record)
 
     def _parse(self, tool: str, args: Mapping[str, Any]) -> tuple[str, float]:
         self._backend.tool_spec(tool)
@@ -166,8 +324,7 @@ class DockerSandbox(Sandbox):
                 return None
             with engine_errors():
                 container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
-            self._watch = LayerWatch.of(container, session=(STATE_DIR.lstrip("/"), SESSION_FILES),
-                                        max_entries=config.observe_max_entries)
+            self._watch = LayerWatch.of(container, max_entries=config.observe_max_entries)
         return self._watch
 
     def _timeout(self, args: Mapping[str, Any]) -> float:
@@ -196,23 +353,28 @@ class DockerSandbox(Sandbox):
         config = self._backend.config
         api = self._backend.api
         deadline = time.monotonic() + timeout_s
-        argv = call_argv(self._shell, command)
+        nonce = secrets.token_hex(16)
+        argv = exec_argv(self._shell, nonce, command, self._session or b"")
         try:
             exec_id = self._gone_if_missing(api.exec_create, self.sandbox_id, argv)["Id"]
         except ENGINE_DOWN as exc:  # nothing ran yet
             raise EngineUnreachable(f"docker engine unreachable: {exc}") from exc
         stream = ExecStream(self._gone_if_missing(api.exec_start, exec_id, socket=True))
         output = Output(config.output_cap_bytes)
+        frames = ExecFrames(output, nonce)
         try:
-            stop = stream.pump(output, deadline, config.output_kill_bytes)
+            stop = stream.pump(frames, deadline, config.output_kill_bytes)
             if stop is not Stop.EOF:
                 self._kill_call(exec_id)
-                stream.pump(output, time.monotonic() + _KILL_GRACE_S, float("inf"))
+                stream.pump(frames, time.monotonic() + _KILL_GRACE_S, float("inf"))
         except OSError as exc:  # the hijacked connection broke: engine or container went away
             self._raise_if_gone()
             raise EngineUnavailable(f"exec stream broke: {exc}") from exc
         finally:
             stream.close()
+            frames.end()
+        if frames.session is not None and len(frames.session) <= MAX_SESSION_BYTES:
+            self._session = frames.session
         return self._result(output, stop, self._exit_code(exec_id, time.monotonic() + _KILL_GRACE_S))
 
     def _result(self, output: Output, stop: Stop, exit_code: int | None) -> dict[str, Any]:
@@ -240,7 +402,8 @@ class DockerSandbox(Sandbox):
         deadline = time.monotonic() + timeout_s
         agent = self._agent_started()
         output = Output(config.output_cap_bytes)
-        frames = agent.send(command, output)
+        sent = self._session or b""
+        frames = agent.send(command, output, sent)
         try:
             # A healthy agent starts the call at once; one that does not is never waited for long.
             started = self._pump(agent, frames, time.monotonic() + _SESSION_START_S, float("inf"),
@@ -268,6 +431,11 @@ class DockerSandbox(Sandbox):
             self._agent_end()
             self._raise_if_gone()
             raise EngineUnavailable(f"the session's stream broke: {exc}") from exc
+        if frames.session_done:  # the agent now holds the session it was handed back, else the one it was sent
+            handed = frames.session
+            if handed is not None and len(handed) <= MAX_SESSION_BYTES:
+                self._session = handed
+            agent.holds = handed if handed is not None else (None if frames.session_dropped else sent)
         return self._result(output, stop, frames.exit_code)
 
     def _agent_started(self) -> SessionAgent:
@@ -312,6 +480,9 @@ class DockerSandbox(Sandbox):
         """Kills the call the agent runs, from the host: the session below the agent (procs.py). A
         call still starting is looked for a moment; one that ended meanwhile leaves nothing to kill.
         One never found (it left the agent's tree) dies with the agent's tree if it does not end."""
+        if not self.runtime.host_sees_processes:
+            self._kill_inside(agent=False)
+            return
         grace = time.monotonic() + _SESSION_FIND_S
         while not frames.finished:
             pid = agent.pid()
@@ -332,12 +503,27 @@ class DockerSandbox(Sandbox):
             agent.close()
 
     def _agent_kill(self, agent: SessionAgent) -> None:
+        if not self.runtime.host_sees_processes:
+            self._kill_inside(agent=True)
+            return
         try:
             pid = agent.live_pid()
         except docker.errors.APIError:
             pid = 0
         if pid:
             kill_call_tree(pid, self.sandbox_id)
+
+    def _kill_inside(self, *, agent: bool) -> None:
+        """A runtime with a kernel of its own (gVisor): the call is killed from the sandbox's own
+        process table (checkpoint.kill_calls_inside); where that fails, the container is killed."""
+        try:
+            self._gone_if_missing(kill_calls_inside, self._backend.api, self.sandbox_id, self._shell, agent=agent)
+        except SandboxGone:
+            raise
+        except (SandboxError, docker.errors.APIError) as exc:
+            log.warning("container %s: its call could not be killed inside (%s); killing the container",
+                        self.sandbox_id[:12], exc)
+            self._gone_if_missing(self._backend.api.kill, self.sandbox_id)
 
     def _host_sees(self) -> bool:
         init_pid = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
@@ -348,6 +534,9 @@ class DockerSandbox(Sandbox):
         processes are out of this host's view (a remote engine), the container is killed instead:
         nothing inside it is trusted to do the killing."""
         api = self._backend.api
+        if not self.runtime.host_sees_processes:
+            self._kill_inside(agent=False)
+            return
         init_pid = self._gone_if_missing(api.inspect_container, self.sandbox_id)["State"].get("Pid") or 0
         if host_sees(self.sandbox_id, init_pid):
             pid = self._exec_pid(exec_id, time.monotonic() + _KILL_GRACE_S)
@@ -427,6 +616,7 @@ class DockerSandbox(Sandbox):
         self._backend.disk_watch.discard(self)
         self._backend.remove_sandbox(self.sandbox_id)
         self._stopped = True
+        sessions().drop(self.sandbox_id)
         raise SandboxOverQuota(f"sandbox removed: {self._quota.breach}", details=self._quota.details())
 
     def layer_dir(self) -> str | None:
@@ -450,16 +640,56 @@ class DockerSandbox(Sandbox):
             SHELL_LABEL: self._shell,  # forks run calls under the same shell without probing
         }
         with self._lock, engine_errors():
+            snapshot_labels[SESSION_LABEL] = session_label(self._session_synced())  # a fork resumes it
             started = time.perf_counter()
-            # pause=False: the sandbox keeps running; calls are held off by the lock instead.
-            self._gone_if_missing(
-                self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag, pause=False, conf={"Labels": snapshot_labels}
-            )
+            checkpoint = self.runtime.checkpoints and self._backend.checkpoint_store().reachable(self.sandbox_id)
+            if checkpoint:
+                kept = self._checkpoint(ref, {**snapshot_labels, CHECKPOINT_LABEL: tag, RUNTIME_LABEL: self.runtime.name})
+            else:
+                kept = 0
+                # pause=False: the sandbox keeps running; calls are held off by the lock instead.
+                self._gone_if_missing(self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag,
+                                      pause=False, conf={"Labels": snapshot_labels})
             image = self._backend.api.inspect_image(ref)
             self._restore_file_times(image)
             create_ms = (time.perf_counter() - started) * 1000
             size = image["Size"]
-        return SnapshotInfo(ref=ref, size_bytes=max(size - self._image_size, 0), create_ms=create_ms)
+        return SnapshotInfo(ref=ref, size_bytes=max(size - self._image_size, 0) + kept, create_ms=create_ms,
+                            keeps_processes=checkpoint)
+
+    def _checkpoint(self, ref: str, labels: Mapping[str, str]) -> int:
+        """A checkpoint snapshot (checkpoint.py); the sandbox goes on restored from it. Its session
+        agent ends first, so that no fork carries one. A sandbox that could not be restored is gone."""
+        agent = self._agent
+        self._agent_end()
+        if agent is not None:
+            self._agent_exited(agent)
+        # The engine rewrites its own files (hosts, hostname, resolv.conf) when it restores a
+        # container: the state the next call is compared with is taken again after the restore,
+        # unless it had changed since the last call already (that stays a drift).
+        settled = self._layer is not None and getattr(self._layer_state(), "digest", None) == self._layer.digest
+        try:
+            kept = self._gone_if_missing(checkpoint_commit, self._backend.api, self._backend.checkpoint_store(),
+                                         self.sandbox_id, ref, labels)
+        except CheckpointFailed as exc:
+            if not self.alive():
+                raise SandboxGone(exc.message) from None
+            raise
+        if settled:
+            self._layer = self._layer_state()
+            self._session_keep()
+        return kept
+
+    def _agent_exited(self, agent: SessionAgent) -> None:
+        """Until the closed agent's shell has read its end of input and exited (a moment)."""
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                if not self._backend.api.exec_inspect(agent.exec_id).get("Running"):
+                    return
+            except docker.errors.APIError:
+                return
+            time.sleep(0.01)
 
     def _restore_file_times(self, image: Mapping[str, Any]) -> None:
         """The commit kept whole seconds of every file time (overlay.restore_file_times): write
@@ -481,6 +711,7 @@ class DockerSandbox(Sandbox):
         if not self._stopped:
             self._backend.remove_sandbox(self.sandbox_id)
             self._stopped = True
+        sessions().drop(self.sandbox_id)
 
     def alive(self) -> bool:
         with engine_errors():

@@ -132,7 +132,8 @@ def test_a_call_past_the_disk_quota_removes_the_sandbox(docker_client, test_labe
 def test_a_background_writer_is_stopped_between_calls(test_labels, busybox_image):
     backend = make_docker_backend(disk_mb=4, disk_check_s=0.2)
     sandbox = backend.start(ENV, labels=test_labels)
-    bash(sandbox, "(sleep 0.5; while true; do dd if=/dev/zero bs=1024 count=1024 2>/dev/null; done > /grow) "
+    # A file each round: the fsize ulimit keeps any one file under the quota.
+    bash(sandbox, "(sleep 2; i=0; while true; do i=$((i + 1)); dd if=/dev/zero bs=1024 count=1024 of=/grow$i; done) "
                   "> /dev/null 2>&1 &")
     deadline = time.monotonic() + 30
     while sandbox.alive() and time.monotonic() < deadline:
@@ -160,7 +161,7 @@ def _processes(sandbox: DockerSandbox) -> str:
 
 def test_a_timeout_kills_the_call_whatever_the_sandbox_wrote_in_its_pid_file(sandbox_with_busybox):
     sandbox = sandbox_with_busybox
-    result = bash(sandbox, "echo 99999 > /.tvcache/pid; sleep 60", timeout_s=0.5)
+    result = bash(sandbox, "mkdir -p /.tvcache; echo 99999 > /.tvcache/pid; sleep 60", timeout_s=0.5)
     assert result["timed_out"] is True and result["exit_code"] is not None
     assert "sleep 60" not in _processes(sandbox)
 

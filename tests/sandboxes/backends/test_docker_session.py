@@ -81,13 +81,20 @@ PARITY = [
 ]
 
 
+def observed(sandbox: DockerSandbox, args: dict) -> tuple[dict, bool | None]:
+    """A call's result, and whether the state changed since the last call ended: during the call,
+    or before it by a process the last one left (the straggler below writes at either moment)."""
+    result, changed = sandbox.execute_observed("bash", args)
+    return result, changed or sandbox.state_drifted()
+
+
 def test_session_and_exec_give_the_same_results(docker_client, test_labels, image):
     by_session, by_exec = make_docker_backend(), make_docker_backend(session=False)
     env = {**ENV, "image": image}
     one, two = by_session.start(env, labels=test_labels), by_exec.start(env, labels=test_labels)
     for command in PARITY:
         args = {"command": command, "timeout_s": 1}
-        got, expected = one.execute_observed("bash", args), two.execute_observed("bash", args)
+        got, expected = observed(one, args), observed(two, args)
         assert got == expected, command
     assert one.state_fingerprint().shape == two.state_fingerprint().shape
     assert len(agents(docker_client, one)) == 1 and agents(docker_client, two) == []
@@ -225,10 +232,12 @@ def frames_of(*chunks: tuple[int, bytes]) -> CallFrames:
 def test_markers_split_across_frames_are_found_and_the_output_kept_whole():
     mark = b"\0TVC" + NONCE.encode()
     stream = [(1, b"out\0TV"), (2, mark[:10]), (2, mark[10:] + b" start\nerr"), (1, b"C"), (1, mark[:7]),
-              (1, mark[7:] + b" c3\nmore"), (1, mark + b" end o0 e0 \n"), (2, mark + b" end\n")]
+              (1, mark[7:] + b" c3\nmore"), (1, mark + b" s\nexport A='1'\n" + mark[:5]), (1, mark[5:] + b" end o0 e0 \n"),
+              (2, mark + b" end\n")]
     frames = frames_of(*stream)
     assert frames.finished and frames.relays_ok and frames.exit_code == 3
     assert frames.output.text(1) == "out\0TVCmore" and frames.output.text(2) == "err"
+    assert frames.session == b"export A='1'\n"  # the session the call's shell handed back, out of the output
 
 
 @pytest.mark.parametrize("chunks", [
@@ -236,6 +245,8 @@ def test_markers_split_across_frames_are_found_and_the_output_kept_whole():
     [(2, b"\0TVC" + NONCE.encode() + b" start\n"), (1, b"\0TVC" + NONCE.encode() + b" end o0 e0 \n")],  # no status
     [(2, b"\0TVC" + NONCE.encode() + b" start\n"), (2, b"\0TVC" + NONCE.encode() + b" end\nafter the end")],
     [(1, b"\0TVC" + NONCE.encode() + b" c0\n\0TVC" + NONCE.encode() + b" c1\n")],
+    [(1, b"\0TVC" + NONCE.encode() + b" c0\n\0TVC" + NONCE.encode() + b" end o0 e0 \n")],  # no session block
+    [(1, b"\0TVC" + NONCE.encode() + b" s\n")],  # a session before the call's status
 ])
 def test_anything_out_of_protocol_is_refused(chunks):
     with pytest.raises(ProtocolError):
@@ -244,13 +255,15 @@ def test_anything_out_of_protocol_is_refused(chunks):
 
 def test_a_failed_relay_is_seen():
     mark = b"\0TVC" + NONCE.encode()
-    frames = frames_of((2, mark + b" start\n"), (1, mark + b" c0\n" + mark + b" end e137 o0 \n"), (2, mark + b" end\n"))
-    assert frames.finished and not frames.relays_ok
+    frames = frames_of((2, mark + b" start\n"), (1, mark + b" c0\n" + mark + b" s\n" + mark + b" end e137 o0 \n"),
+                       (2, mark + b" end\n"))
+    assert frames.finished and not frames.relays_ok and frames.session is None
 
 
 def test_a_request_carries_the_command_whole():
-    assert encode_request("ab", "echo 1\necho 2\n") == b"ab\necho 1\necho 2\n\0"
-    assert encode_request("ab", "") == b"ab\n\0"
+    assert encode_request("ab", "echo 1\necho 2\n", None) == b"ab\necho 1\necho 2\n\0.\n"
+    assert encode_request("ab", "", b"export A='1'\n") == b"ab\n\0" + b"1\nexport A='1'\n\0"
+    assert encode_request("ab", "", b"x" * 70_000).count(b"\0") == 3  # the command, and the session in two chunks
 
 
 def test_a_long_command_of_many_lines_runs_in_the_agent(docker_client, sandbox):

@@ -22,6 +22,9 @@ def test_snapshot_only_when_replay_costs_more_than_snapshot_plus_restore():
     assert snapshot_wanted(mutates=True, replay_cost_ms=151, costs=costs)
     assert not snapshot_wanted(mutates=True, replay_cost_ms=150, costs=costs)
     assert not snapshot_wanted(mutates=False, replay_cost_ms=10_000, costs=costs)
+    # A state with live processes: only a snapshot that keeps them is worth taking.
+    assert not snapshot_wanted(mutates=True, replay_cost_ms=10_000, costs=costs, live_processes=1)
+    assert snapshot_wanted(mutates=True, replay_cost_ms=10_000, costs=costs, live_processes=1, keeps_processes=True)
 
 
 def test_snapshot_after_ms_is_the_run_time_past_which_the_call_is_snapshotted():

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 from cache.tcg import NodeRef, ToolCall, catch_up, env_fingerprint, longest_prefix_match, state_chain
 
 from .toy import POLICY
@@ -61,3 +63,24 @@ def test_nothing_to_plan_without_every_write_node_or_once_caught_up():
     assert catch_up(chain, refs(chain, [0, 1], cum=[5.0, 10.0]), applied=2, restore_ms=0.0) is None
     plan = catch_up(chain, refs(chain, [0, 1], cum=[5.0, 10.0]), applied=0, restore_ms=0.0)
     assert (plan.replay_ms, plan.fork) == (10.0, None)  # no snapshot to fork
+
+
+def test_a_snapshot_of_a_state_with_live_processes_is_resumed_only_if_it_keeps_them():
+    chain = state_chain(FP, [W1, W2, W3], POLICY)
+    found = refs(chain, [0, 1, 2], snapshots=[0, 1])
+    # W2 left a server running: its snapshot holds only files, so the match resumes from W1's and
+    # replays W2 (which starts the server again) and W3.
+    found[chain.writes[1].state_key] = replace(found[chain.writes[1].state_key], processes=1)
+    match = longest_prefix_match(chain, found)
+    assert (match.resume.node_id, match.replay) == (1, (W2, W3))
+    # A checkpoint keeps them: it stands in for the state.
+    found[chain.writes[1].state_key] = replace(found[chain.writes[1].state_key], snapshot_keeps_processes=True)
+    assert longest_prefix_match(chain, found).resume.node_id == 2
+    # The server still runs at W1's state too: no snapshot stands in, a fresh sandbox replays all.
+    found[chain.writes[0].state_key] = replace(found[chain.writes[0].state_key], processes=2)
+    found[chain.writes[1].state_key] = replace(found[chain.writes[1].state_key], snapshot_keeps_processes=False)
+    match = longest_prefix_match(chain, found)
+    assert (match.resume, match.replay) == (None, (W1, W2, W3))
+    # A sandbox behind catches up by replaying rather than forking such a snapshot.
+    costly = {key: replace(ref, cum_exec_ms=1000.0 * ref.depth) for key, ref in found.items()}
+    assert catch_up(chain, costly, applied=0, restore_ms=0.0).fork is None

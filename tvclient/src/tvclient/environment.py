@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .results import Call, ToolResult
 
@@ -18,6 +18,9 @@ class ToolExecutionEnvironment(ABC):
     # Sent with every snapshot this environment registers; the service keeps snapshot and
     # restore costs per backend.
     backend: str = "external"
+    # Whether `fork()` copies the processes alive in the sandbox with their memory (a checkpoint),
+    # not only its files. See `live_processes`.
+    keeps_processes: bool = False
 
     @abstractmethod
     def start(self) -> None:
@@ -56,6 +59,19 @@ class ToolExecutionEnvironment(ABC):
         """After a replayed call: give the paths the modification times (ns) that the call's live
         run left them (what `file_times` answered there). A path that is not there is skipped.
         The default does nothing (and the executor then does not ask the service for them)."""
+
+    def live_processes(self) -> Sequence[str] | None:
+        """The processes alive in the sandbox apart from the environment's own (a server, a
+        daemon, a watcher a call left running), each described by what a later call can see of
+        it (its command line, say); None (the default) where the environment cannot tell.
+
+        Processes are state: a later call can talk to them. A sandbox forked from a copy of its
+        files alone comes up without them, so when this reports some and `keeps_processes` is
+        False, the executor takes no snapshot of that state and a rollout that needs it replays
+        the calls that started them instead. An environment that cannot tell is trusted as
+        before: its snapshots are taken and forked whatever ran in it.
+        """
+        return None
 
     @abstractmethod
     def fork(self) -> ToolExecutionEnvironment:

@@ -128,6 +128,19 @@ def _restores_file_times(env: ToolExecutionEnvironment) -> bool:
     return type(env).restore_file_times is not ToolExecutionEnvironment.restore_file_times
 
 
+def _forks_lose_processes(env: ToolExecutionEnvironment) -> bool:
+    """A fork of the environment now would come up without processes that run in it (it reports
+    some, and its forks copy files only): no snapshot of this state is taken."""
+    if env.keeps_processes:
+        return False
+    try:
+        live = env.live_processes()
+    except Exception as exc:  # noqa: BLE001 - a snapshot not taken only costs its reuse
+        logger.warning("could not list the environment's processes: %s", exc)
+        return True
+    return bool(live)
+
+
 class ToolCallExecutor:
     """Runs one rollout's tool calls through the cache, in environments the trainer owns.
 
@@ -181,6 +194,12 @@ class ToolCallExecutor:
     with no lookup and no record, so nothing it sees is filed under a state it may not have
     reached, and no snapshot is taken of it. A failure to open the environment (a fork or a
     start) runs no call, so the rollout stays on the graph and the next miss tries again.
+
+    Processes (environments that implement `live_processes`): a state in which the environment
+    reports processes running is never snapshotted unless its forks keep them
+    (`keeps_processes`), so no rollout forks a copy of its files alone for it: a rollout that
+    needs it replays the calls that started them from an earlier snapshot or a fresh start. An
+    environment that cannot tell is trusted as before.
 
     File times (environments that implement `file_times` and `restore_file_times`): a call
     that ran live is recorded with the modification times of what it changed, read from the
@@ -472,7 +491,8 @@ class ToolCallExecutor:
         claimed, env = lookup.claim == "granted", self._env
         previous = self._background[-1] if self._background else None
         background = _Background(call)
-        # Likely to be asked for a snapshot: freeze it before the record rather than after.
+        # Likely to be asked for a snapshot: freeze it before the record rather than after (the
+        # freeze itself checks that a fork would keep the environment's processes).
         early = (lookup.snapshot_after_ms is not None and executed.mutated is not False
                  and executed.exec_ms > lookup.snapshot_after_ms)
         background.run(
@@ -699,7 +719,10 @@ class ToolCallExecutor:
         env: ToolExecutionEnvironment, env_free: threading.Event
     ) -> tuple[ToolExecutionEnvironment, float] | None:
         """A snapshot of `env` frozen before the record answers whether it is wanted; None if
-        freezing failed (the record's answer then decides, as without it)."""
+        freezing failed, or would lose processes running in it (the record's answer then decides,
+        as without it)."""
+        if _forks_lose_processes(env):
+            return None
         started = time.perf_counter()
         try:
             frozen = env.fork()
@@ -717,6 +740,10 @@ class ToolCallExecutor:
         early: tuple[ToolExecutionEnvironment, float] | None = None,
     ) -> None:
         if early is None:
+            if _forks_lose_processes(env):  # no fork of it could stand in for this state
+                if env_free is not None:
+                    env_free.set()
+                return
             started = time.perf_counter()
             frozen = env.fork()
             create_ms = _elapsed_ms(started)
