@@ -5,8 +5,16 @@ service over its HTTP API only; a service it starts itself (lab.server) it also 
 cleans up (command.py).
 
     command.py   what the replay_* commands share: options, the service, the report and plots
-    harness.py   arms, the epoch loop, measurements, the exactness check
-    faults.py    the fault arm (--faults): seeded timeouts, errors, sandbox deaths, restarts
+    harness.py   Replay: the epoch loop over the parts below
+    workload.py  the interface of a workload: its tasks and seeded rollouts
+    arms.py      the arms (nocache, client, server, budgets) and their tasks on the service
+    plans.py     what every arm issues: rollouts, step labels, each rollout's fault
+    rollouts.py  how each arm runs a rollout, measured as samples (samples.py, metering.py)
+    pacing.py    the policy's thinking before each call; the referee's paces
+    exactness/   the exactness referee of the replays and the property tests
+    stats.py     the service's own figures: per epoch, sandboxes, per tool, divergences
+    faults.py    the fault arm (--faults): seeded timeouts, errors, sandbox deaths
+    restarts.py  the fault arm's service restart, and the requests sent again
     report.py    the JSON report, the headline table, the targets
     plots.py     PNG plots (matplotlib)
     terminal.py  docker tasks in the spirit of terminal-bench

@@ -34,7 +34,7 @@ from typing import Any
 
 from tvclient import ToolExecutionEnvironment
 
-from .harness import Call, ReplayTask, Workload
+from .workload import Call, ReplayTask, Workload
 
 DATA = Path(__file__).with_name("data")
 EFFECTS_PATH = DATA / "bfcl_tool_effects.json"

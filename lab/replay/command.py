@@ -12,9 +12,12 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from .arms import Arm
 from .faults import FaultPlan
-from .harness import Arm, Replay, ReplayConfig, TimedClient, Workload
+from .harness import Replay, ReplayConfig
+from .metering import TimedClient
 from .report import breakdown, build_report, fault_headline, headline, write_report
+from .workload import Workload
 
 DEFAULT_OUT = Path(settings.BASE_DIR) / "artifacts" / "replay"
 
@@ -94,7 +97,7 @@ class ReplayCommand(BaseCommand):
                         replay.run()
                     finally:
                         if service is not None:
-                            self._release(replay.server_task_ids())
+                            self._release(replay.arm_tasks.server_ids())
                     report = build_report(replay, workload=self.workload_name, config=config, started_at=started_at,
                                           seconds=time.perf_counter() - began,
                                           server={"url": url, "started_here": service is not None})

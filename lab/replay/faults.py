@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tvclient import TVCacheClient
 
-    from .harness import Call, Workload
+    from .workload import Call, Workload
 
 log = logging.getLogger("tvcache.replay")
 
@@ -54,6 +54,7 @@ KIND_MODES = {
     "timeout_after": ("client",),
     "sandbox_death": ("server",),
 }
+ENV_FAULTS = ("error_after", "timeout_after")  # the kinds the rollout's own environment injects
 RESTART_SHARE = (0.3, 0.6)  # of the middle epoch's calls done when the service is restarted
 
 

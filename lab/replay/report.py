@@ -11,7 +11,11 @@ from typing import Any
 
 from lab.figures import percentile
 
-from .harness import EXACT_KEYS, VERIFY_STEP, Arm, CallSample, EpochRun, Replay, mean
+from .arms import Arm
+from .exactness import EXACT_KEYS
+from .harness import Replay
+from .samples import CallSample, EpochRun, mean
+from .workload import VERIFY_STEP
 
 HIT_VS_ORACLE_POINTS = 0.5  # target: |hit rate - oracle hit rate| below this many points (no budget)
 MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at least this much
@@ -280,7 +284,7 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "met": all(a["exact"]["hits_mismatches"] == 0 for a in cached.values()),
         "hits_checked": sum(a["exact"]["hits_checked"] for a in cached.values()),
         "mismatches": sum(a["exact"]["hits_mismatches"] for a in cached.values()),
-        # answers a fresh execution of the same history also gave (harness.REPRODUCE_TRIES)
+        # answers a fresh execution of the same history also gave (exactness.REPRODUCE_TRIES)
         "nondeterministic": sum(a["exact"].get("hits_nondeterministic", 0) for a in cached.values()),
     }
     out["zero_mismatched_misses"] = {

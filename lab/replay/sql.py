@@ -25,7 +25,7 @@ from tvclient import ToolExecutionEnvironment
 from sandboxes.backends.config import SqliteConfig
 from sandboxes.backends.sqlite import run_execute, run_query
 
-from .harness import Call, ReplayTask, Workload
+from .workload import Call, ReplayTask, Workload
 
 SCHEMA_SQL = """
 CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL, tier TEXT NOT NULL);

@@ -23,7 +23,7 @@ from tvclient import ToolExecutionEnvironment
 from sandboxes.backends import backend_for
 from sandboxes.services.runtime import sandbox_config
 
-from .harness import VERIFY_STEP, Call, ReplayTask, Workload
+from .workload import VERIFY_STEP, Call, ReplayTask, Workload
 
 IMAGE = "tvcache/debian:bookworm"
 LABELS = {"tvcache.replay": "terminal"}

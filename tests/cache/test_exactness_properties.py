@@ -3,8 +3,9 @@
 Hypothesis drives random rollouts of a directory task through POST .../rollouts/{r}/calls, with
 faults injected into the service's own sandboxes: a call that times out or fails after running
 none, part or all of its work, a sandbox that dies, each on the call itself or on a replay it
-causes; and nondeterministic tools. `tests/cache/exactness.py` holds the referee (a fresh sandbox
-per rollout and the pure ToolCallGraph) and the meaning of each property.
+causes; and nondeterministic tools. `tests/cache/exactness.py` holds the scenarios;
+`lab/replay/exactness/` the referee (a fresh sandbox per rollout and the pure ToolCallGraph)
+and the meaning of each property.
 
 The faults come from a subclass of the directory backend that stands in for the process's
 directory backend in the registry's cache (`sandboxes.backends.backend_for`) while a test runs:
@@ -24,14 +25,15 @@ import sandboxes.backends as registry
 from cache.models import Rollout, Task
 import cache.services.record as record
 from cache.tcg.snapshots import SnapshotCosts
+from lab.replay.exactness import Outcome, Referee, Step
 from sandboxes.backends.base import EngineUnavailable, SandboxGone, ToolSpec
 from sandboxes.backends.directory import DirectoryBackend, DirectorySandbox
 from sandboxes.services.runtime import sandbox_config
 
 from .exactness import (FAULTS, READ_A, call, READ_C, SAMPLE, SEED_FILES, SLOW_CALL_S, SNAPSHOT_COSTS, STAMP, TASK_SETTINGS,
-                        WRITE_A, WRITE_C, Fault, Outcome, Referee, Step, any_calls, deterministic_calls, folder_files,
-                        is_slow, partial_args, play, scenarios, snapshotted_nodes, steer, store_violations,
-                        stored_nodes, stored_snapshots, timed_out_result, token)
+                        WRITE_A, WRITE_C, Fault, any_calls, deterministic_calls, folder_files, is_slow, partial_args,
+                        play, scenario_referee, scenarios, snapshotted_nodes, steer, stored_nodes, stored_snapshots,
+                        timed_out_result, token)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -133,16 +135,16 @@ def drive(api, oracle_backend, steps: list[Step]) -> Referee:
     response = api.put(f"/api/v1/tasks/{task}", {"env": {"backend": "directory", "files": SEED_FILES}, **TASK_SETTINGS},
                        format="json")
     assert response.status_code == 201, response.content
-    referee = Referee(lambda: DirectoryOracle(oracle_backend), retired=("gone", "error"))
+    referee = scenario_referee(lambda: DirectoryOracle(oracle_backend), retired=("gone", "error"))
     play(task, steps, referee, lambda step: _call(api, task, step))
-    referee.violations["exact"] += _store_violations(api, task, lambda: DirectoryOracle(oracle_backend))
+    referee.violations["exact"] += _store_violations(api, task, referee)
     for rollout in {step.rollout for step in steps}:
         api.delete(f"/api/v1/tasks/{task}/rollouts/r{rollout}")
     referee.finish(snapshotted_nodes(task))
     return referee
 
 
-def _store_violations(api, task: str, fresh) -> list[str]:
+def _store_violations(api, task: str, referee: Referee) -> list[str]:
     backend = registry.backend_for("directory", sandbox_config())
 
     def served(history, c):
@@ -155,10 +157,10 @@ def _store_violations(api, task: str, fresh) -> list[str]:
     def snapshot_files(ref):
         return folder_files(backend.snapshots.path(ref) / "files")
 
-    return store_violations(fingerprint=Task.objects.get(pk=task).env_fingerprint,
-                            histories=list(Rollout.objects.filter(task_id=task).values_list("history", flat=True)),
-                            nodes=stored_nodes(task), snapshots=stored_snapshots(task, snapshot_files), served=served,
-                            fresh=fresh)
+    return referee.store_violations(
+        fingerprint=Task.objects.get(pk=task).env_fingerprint,
+        histories=list(Rollout.objects.filter(task_id=task).values_list("history", flat=True)),
+        nodes=stored_nodes(task), snapshots=stored_snapshots(task, snapshot_files), served=served)
 
 
 def _call(api, task: str, step: Step) -> Outcome:

@@ -4,8 +4,8 @@ the known-state rule marks a rollout's calls, and what the oracle lets them hit.
 from __future__ import annotations
 
 from lab.replay.faults import FaultPlan, divergence_count
-from lab.replay.harness import CallSample, EpochRun, mark_unknown_state
 from lab.replay.report import issued_oracle
+from lab.replay.samples import CallSample, EpochRun, mark_unknown_state
 from lab.replay.sql import SqlWorkload
 from lab.replay.terminal import TerminalWorkload
 

@@ -1,4 +1,4 @@
-"""The replay's exactness referee (harness.Replay._check_exactness), on samples made by hand over
+"""The replay's exactness referee (exactness.ReplayReferee), on samples made by hand over
 a toy environment: a cached answer that differs from the no-cache arm's execution is a mismatch
 unless a fresh execution of the rollout's own history, paced otherwise, gives it too; then the
 call is nondeterministic and counted apart."""
@@ -9,7 +9,12 @@ import itertools
 
 from tvclient import ToolExecutionEnvironment
 
-from lab.replay.harness import Arm, CallSample, EpochRun, Replay, ReplayConfig, ReplayTask, Workload, digest
+from lab.replay.arms import Arm
+from lab.replay.exactness import ReplayReferee
+from lab.replay.pacing import Pacing
+from lab.replay.plans import RolloutPlans
+from lab.replay.samples import CallSample, EpochRun, digest
+from lab.replay.workload import ReplayTask, Workload
 
 WRITE, READ = {"tool": "write", "args": {}}, {"tool": "read", "args": {}}
 ANSWERS = itertools.cycle(["a", "b"])  # the read answers "a", then "b", then "a"...
@@ -49,13 +54,12 @@ def sample(arm_cached: bool | None, rollout: int, answer: str) -> CallSample:
 
 
 def check(cached_answer: str, fresh_answers: tuple[str, str]) -> dict:
-    replay = Replay(Toy(), client=None, config=ReplayConfig(epochs=1, arms=[Arm("nocache", "nocache"),
-                                                                            Arm("server", "server")],
-                                                            concurrency=1, seed=1, run_tag="t"))
-    plans = {("t", 0): Toy().rollouts(None, 0)}
+    toy = Toy()
+    plans = RolloutPlans(toy, toy.tasks(), [Arm("nocache", "nocache"), Arm("server", "server")], epochs=1, faults=None)
+    referee = ReplayReferee(toy.tasks(), plans, Pacing(seed=1))
     runs = {"nocache": EpochRun("nocache", 0, calls=[sample(None, r, fresh_answers[r]) for r in (0, 1)]),
             "server": EpochRun("server", 0, calls=[sample(True, 0, cached_answer)])}
-    replay._check_exactness(runs, plans, 0)
+    referee.check(runs, 0)
     return runs["server"].exact
 
 

@@ -1,8 +1,9 @@
 """The report's miss-phase, verification and verify-step figures, on samples made by hand: what
 they count, as report.py defines them (the replay tests check them on live runs)."""
 
-from lab.replay.harness import VERIFY_STEP, CallSample, EpochRun
 from lab.replay.report import arm_summary, issued_oracle
+from lab.replay.samples import CallSample, EpochRun
+from lab.replay.workload import VERIFY_STEP
 
 
 def sample(rollout: int, position: int, latency_ms: float, cached: bool | None, *, step: str | None = None,

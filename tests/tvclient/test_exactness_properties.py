@@ -4,8 +4,8 @@ tvcache server on PostgreSQL, and the trainer's own folder environments.
 Hypothesis drives random rollouts through one ToolCallExecutor per rollout. The environments are
 tvclient's FolderEnvironment with faults injected (a call that answers `timed_out` or raises after
 running none, part or all of its work, on the call itself or on the first call the executor runs
-for it, a replay) and two nondeterministic tools. `tests/cache/exactness.py` holds the referee
-and the meaning of each property.
+for it, a replay) and two nondeterministic tools. `tests/cache/exactness.py` holds the scenarios,
+`lab/replay/exactness/` the referee and the meaning of each property.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from tvclient import FolderEnvironment, ReplayFailed, SnapshotStore, TVCacheClie
 import cache.services.record as record
 from cache.models import Task
 from cache.tcg.snapshots import SnapshotCosts
+from lab.replay.exactness import Outcome, Referee, Step
 from tests.cache.exactness import (FAULTS, POLICY, READ_A, READ_C, SAMPLE, SEED_FILES, SLOW_CALL_S, SNAPSHOT_COSTS,
-                                   STAMP, TASK_SETTINGS, WRITE_A, WRITE_C, Fault, Outcome, Referee, Step, any_calls,
-                                   deterministic_calls, folder_files, is_slow, partial_args, play, scenarios,
-                                   snapshotted_nodes, steer, store_violations, stored_nodes, stored_snapshots,
-                                   timed_out_result, token)
+                                   STAMP, TASK_SETTINGS, WRITE_A, WRITE_C, Fault, any_calls, deterministic_calls,
+                                   folder_files, is_slow, partial_args, play, scenario_referee, scenarios,
+                                   snapshotted_nodes, steer, stored_nodes, stored_snapshots, timed_out_result, token)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -127,7 +127,7 @@ def drive(client: RecordingClient, root, steps: list[Step]) -> Referee:
     response = client.api.put(f"/api/v1/tasks/{task}", {"env": {"backend": "external", "props": task}, **TASK_SETTINGS},
                               format="json")
     assert response.status_code == 201, response.content
-    referee = Referee(lambda: FolderOracle(root))
+    referee = scenario_referee(lambda: FolderOracle(root))
     store = SnapshotStore()
     executors: dict[int, ToolCallExecutor] = {}
     def run(step: Step) -> Outcome:
@@ -138,7 +138,7 @@ def drive(client: RecordingClient, root, steps: list[Step]) -> Referee:
 
     try:
         play(task, steps, referee, run)
-        referee.violations["exact"] += _store_violations(client, task, root, store, executors)
+        referee.violations["exact"] += _store_violations(client, task, referee, store, executors)
         referee.finish(snapshotted_nodes(task))
     finally:
         for executor in executors.values():
@@ -168,7 +168,7 @@ def _execute(client: RecordingClient, executor: ToolCallExecutor, step: Step) ->
                    mutates=len(executor.history) > history and POLICY.for_tool(step.call["tool"]).mutates_state)
 
 
-def _store_violations(client, task: str, root, store: SnapshotStore, executors) -> list[str]:
+def _store_violations(client, task: str, referee: Referee, store: SnapshotStore, executors) -> list[str]:
     def served(history, c):
         answer = client.lookup(task, history, c, resume=False)
         return answer.result if answer.hit else None
@@ -177,10 +177,10 @@ def _store_violations(client, task: str, root, store: SnapshotStore, executors) 
         env = store.get(ref)
         return folder_files(env.path) if env is not None and env.path is not None else None
 
-    return store_violations(fingerprint=Task.objects.get(pk=task).env_fingerprint,
-                            histories=[list(executor.history) for executor in executors.values()],
-                            nodes=stored_nodes(task), snapshots=stored_snapshots(task, frozen_files), served=served,
-                            fresh=lambda: FolderOracle(root))
+    return referee.store_violations(
+        fingerprint=Task.objects.get(pk=task).env_fingerprint,
+        histories=[list(executor.history) for executor in executors.values()],
+        nodes=stored_nodes(task), snapshots=stored_snapshots(task, frozen_files), served=served)
 
 
 deterministic = scenarios(deterministic_calls(patches=False), KINDS)
