@@ -53,24 +53,14 @@ def role_allows(role: str, *, write: bool) -> bool:
     return not write or role == MAINTAINER
 
 
-def owner_check(*, principal, project: str, write: bool = False, what: str = "object") -> None:
-    """The one ownership rule, for anything a project owns (tasks, rollouts, leases, snapshots,
-    upstreams): another project's object answers NotFound (404; a 403 would tell that it exists),
-    and a change that needs the maintainer role answers Forbidden `maintainer_required` to a
-    trainer. `principal` is an API principal (`cache.api.auth.Principal`): its `project` and
-    `role`. Callers that filter their queries by the principal's project need only the role part
-    (`role_check`)."""
-    if principal.project != project:
-        raise NotFound(f"Unknown {what}.", code=f"unknown_{what}")
-    if write:
-        role_check(principal=principal, action=f"change this {what}")
-
-
 def role_check(*, principal, action: str) -> None:
     """Forbidden unless the principal's token has the maintainer role."""
     if not role_allows(principal.role, write=True):
-        raise Forbidden(f"Only a maintainer token may {action}; this token is a trainer's.",
-                        code="maintainer_required", details={"role": principal.role, "needs": MAINTAINER})
+        raise Forbidden(
+            f"Only a maintainer token may {action}; this token is a trainer's.",
+            code="maintainer_required",
+            details={"role": principal.role, "needs": MAINTAINER},
+        )
 
 
 def unknown_task(key: str) -> NotFound:
@@ -81,5 +71,8 @@ def unknown_task(key: str) -> NotFound:
 
 def unknown_node(key: str, node_id: int) -> NotFound:
     task_id = task_public_id(key)
-    return NotFound(f"Task '{task_id}' has no node {node_id}.", code="unknown_node",
-                    details={"task_id": task_id, "node_id": node_id})
+    return NotFound(
+        f"Task '{task_id}' has no node {node_id}.",
+        code="unknown_node",
+        details={"task_id": task_id, "node_id": node_id},
+    )

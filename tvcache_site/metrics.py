@@ -13,7 +13,6 @@ import ipaddress
 import logging
 
 import redis
-from django.apps import apps
 from django.conf import settings
 from django.db.models import Count
 from django.http import HttpResponse
@@ -23,7 +22,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from cache.api.errors import error_response
 from cache.errors import Forbidden, MethodNotAllowed
-from cache.models import Snapshot
+from cache.models import Divergence, Snapshot
 from observability import metrics
 from sandboxes.models import Sandbox
 from tvcache_site.celery import app
@@ -59,8 +58,9 @@ def metrics_view(request):
         response["Allow"] = "GET, HEAD"
         return response
     if not address_allowed(request.META.get("REMOTE_ADDR", ""), settings.METRICS_ALLOW):
-        return error_response(Forbidden("Metrics are readable from TVCACHE_METRICS_ALLOW's addresses only.",
-                                        code="permission_denied"))
+        return error_response(
+            Forbidden("Metrics are readable from TVCACHE_METRICS_ALLOW's addresses only.", code="permission_denied")
+        )
     return HttpResponse(_exposition(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
@@ -95,39 +95,44 @@ class _ServiceState:
 
 
 def _sandboxes() -> GaugeMetricFamily:
-    family = GaugeMetricFamily("tvcache_sandboxes", "Managed sandboxes that are not stopped, by pool and state.",
-                               labels=["backend", "pool", "state"])
-    rows = (Sandbox.objects.exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
-            .values("backend", "pool", "state").annotate(n=Count("id")).order_by())
+    family = GaugeMetricFamily(
+        "tvcache_sandboxes",
+        "Managed sandboxes that are not stopped, by pool and state.",
+        labels=["backend", "pool", "state"],
+    )
+    rows = (
+        Sandbox.objects.exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
+        .values("backend", "pool", "state")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
     for row in rows:
         family.add_metric([row["backend"], row["pool"], row["state"]], row["n"])
     return family
 
 
 def _snapshots() -> GaugeMetricFamily:
-    family = GaugeMetricFamily("tvcache_snapshots", "Live snapshots, by backend and owner (client or service).",
-                               labels=["backend", "owner"])
-    rows = (Snapshot.objects.filter(status=Snapshot.Status.LIVE)
-            .values("backend", "owner").annotate(n=Count("id")).order_by())
+    family = GaugeMetricFamily(
+        "tvcache_snapshots", "Live snapshots, by backend and owner (client or service).", labels=["backend", "owner"]
+    )
+    rows = (
+        Snapshot.objects.filter(status=Snapshot.Status.LIVE)
+        .values("backend", "owner")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
     for row in rows:
         family.add_metric([row["backend"], row["owner"]], row["n"])
     return family
 
 
 def _divergences() -> CounterMetricFamily:
-    """Divergent results found (verification of materialized sandboxes, the determinism audit), per
-    tool when the rows name one. Read from the Divergence model's table; 0 while there is none."""
-    model = next((m for m in apps.get_models() if m.__name__ == "Divergence"), None)
-    by_tool = model is not None and any(f.name == "tool" for f in model._meta.get_fields())
-    family = CounterMetricFamily("tvcache_divergences", "Divergences found (a result that did not repeat).",
-                                 labels=["tool"] if by_tool else None)
-    if model is None:
-        family.add_metric([], 0)
-    elif by_tool:
-        for row in model.objects.values("tool").annotate(n=Count("pk")).order_by():
-            family.add_metric([row["tool"]], row["n"])
-    else:
-        family.add_metric([], model.objects.count())
+    """Divergent results found (verification of materialized sandboxes, the determinism audit), per tool."""
+    family = CounterMetricFamily(
+        "tvcache_divergences", "Divergences found (a result that did not repeat).", labels=["tool"]
+    )
+    for row in Divergence.objects.values("tool").annotate(n=Count("pk")).order_by():
+        family.add_metric([row["tool"]], row["n"])
     return family
 
 
@@ -139,8 +144,9 @@ def _queues():
     queue = app.conf.task_default_queue
     up = GaugeMetricFamily("tvcache_broker_up", "1 if the Celery broker (Redis) answered this scrape.")
     try:
-        client = _redis_clients.get(url) or _redis_clients.setdefault(url, redis.Redis.from_url(
-            url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S))
+        client = _redis_clients.get(url) or _redis_clients.setdefault(
+            url, redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        )
         with client.pipeline(transaction=False) as pipe:
             for suffix in KOMBU_PRIORITY_SUFFIXES:
                 pipe.llen(queue + suffix)
