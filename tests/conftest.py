@@ -42,13 +42,20 @@ def _background_snapshots_settled():
     assert settle(), "background snapshots still running"
 
 
-@pytest.fixture(autouse=True)
-def _counters_flushed_on_read():
-    """The ledger's thread writes no counters in tests: they are written when stats are read,
-    and none leak from one test into the next."""
+@pytest.fixture(scope="session", autouse=True)
+def _counters_written_on_read():
+    """The ledger's thread of the test process writes no counters: they are written when stats are
+    read (servers the tests start flush as configured)."""
     from django.conf import settings
 
-    settings.TVCACHE["COUNTER_FLUSH_S"] = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(settings.TVCACHE, "COUNTER_FLUSH_S", 0)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _counters_flushed_on_read():
+    """None leak from one test into the next."""
     _ledger_counts_dropped()
     yield
     _ledger_counts_dropped()  # never written later into another database (the process's exit flush)
@@ -60,16 +67,13 @@ def _ledger_counts_dropped() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _hits_unaudited_unless_asked():
+def _hits_unaudited_unless_asked(monkeypatch):
     """Hits are sampled for the determinism audit at random (2 % by default), which would add
     `"audit": true` to one hit answer in fifty; tests that exercise the audit set the task's own
     `audit_rate`."""
     from django.conf import settings
 
-    default = settings.TVCACHE["DEFAULT_AUDIT_RATE"]
-    settings.TVCACHE["DEFAULT_AUDIT_RATE"] = 0.0
-    yield
-    settings.TVCACHE["DEFAULT_AUDIT_RATE"] = default
+    monkeypatch.setitem(settings.TVCACHE, "DEFAULT_AUDIT_RATE", 0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -116,8 +120,14 @@ def api(token) -> APIClient:
 
 @pytest.fixture
 def toy_task(api) -> str:
-    response = api.put("/api/v1/tasks/toy", {"env": {"backend": "external", "name": "toy"},
-                                            "tools": {"read": {"mutates_state": False}},
-                                            "sandbox_budget": 4}, format="json")
+    response = api.put(
+        "/api/v1/tasks/toy",
+        {
+            "env": {"backend": "external", "name": "toy"},
+            "tools": {"read": {"mutates_state": False}},
+            "sandbox_budget": 4,
+        },
+        format="json",
+    )
     assert response.status_code == 201, response.content
     return "toy"

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 from hypothesis import strategies as st
@@ -72,8 +73,9 @@ def is_slow(tool: str, args: Any) -> bool:
 def deterministic_calls(*, patches: bool) -> st.SearchStrategy[dict]:
     """Reads that see the writes (file contents) are drawn as often as writes."""
     read = st.builds(lambda p: call("read_file", path=p), st.sampled_from(PATHS))
-    write = st.builds(lambda p, c: call("write_file", path=p, content=c), st.sampled_from(PATHS),
-                      st.sampled_from(CONTENTS))
+    write = st.builds(
+        lambda p, c: call("write_file", path=p, content=c), st.sampled_from(PATHS), st.sampled_from(CONTENTS)
+    )
     other = [call("list_dir", path=".")] + ([call("apply_patch", patch=patch) for patch in PATCHES] if patches else [])
     return st.one_of(read, write, read, write, st.sampled_from(other))
 
@@ -92,21 +94,31 @@ class Fault:
 
 
 def faults(kinds: tuple[str, ...]) -> st.SearchStrategy[Fault]:
-    return st.builds(Fault, st.sampled_from(kinds), st.sampled_from(["none", "partial", "full"]),
-                     st.sampled_from(["call", "first"]))
+    return st.builds(
+        Fault, st.sampled_from(kinds), st.sampled_from(["none", "partial", "full"]), st.sampled_from(["call", "first"])
+    )
 
 
 @st.composite
-def scenarios(draw, calls: st.SearchStrategy[dict], fault_kinds: tuple[str, ...], rollouts: int = 3,
-              min_steps: int = 1, max_steps: int = 16) -> list[Step]:
+def scenarios(
+    draw,
+    calls: st.SearchStrategy[dict],
+    fault_kinds: tuple[str, ...],
+    rollouts: int = 3,
+    min_steps: int = 1,
+    max_steps: int = 16,
+) -> list[Step]:
     """Interleaved calls of a few rollouts, about half of them repeating what another rollout
     issued at the same point of its own run, now and then leaving out one of its calls (rollouts
     of a task start alike and part ways), and about one in three struck by a fault. A flat list,
     so that hypothesis shrinks it step by step."""
     maybe_fault = st.one_of(st.none(), st.none(), faults(fault_kinds))
     leader = st.one_of(st.none(), st.tuples(st.integers(0, rollouts - 1), st.sampled_from([0, 0, 0, 1])))
-    raw = draw(st.lists(st.tuples(st.integers(0, rollouts - 1), leader, calls, maybe_fault),
-                        min_size=min_steps, max_size=max_steps))
+    raw = draw(
+        st.lists(
+            st.tuples(st.integers(0, rollouts - 1), leader, calls, maybe_fault), min_size=min_steps, max_size=max_steps
+        )
+    )
     issued: dict[int, list[dict]] = {r: [] for r in range(rollouts)}
     cursor = dict.fromkeys(range(rollouts), 0)  # how far each rollout is into the others' runs
     steps = []
@@ -202,7 +214,8 @@ def stored_nodes(task_id: str) -> list[StoredNode]:
 def stored_snapshots(task_id: str, files: Callable[[str], dict[str, bytes] | None]) -> list[StoredSnapshot]:
     """Live snapshots with the files their ref holds (`files` answers None for a ref it cannot open)."""
     rows = Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list(
-        "node_id", "node__state_key", "ref")
+        "node_id", "node__state_key", "ref"
+    )
     return [StoredSnapshot(node_id, state, held) for node_id, state, ref in rows if (held := files(ref)) is not None]
 
 
@@ -215,4 +228,3 @@ def steer(referee: Referee) -> Referee:
     for label, score in referee.pressure.items():
         target(score, label=label)
     return referee
-

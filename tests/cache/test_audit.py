@@ -7,8 +7,7 @@ import pytest
 
 from cache.models import AuditEntry, Divergence, Node, Task
 from cache.services import divergence_record
-
-from .helpers import call, lookup, record
+from tests.support.api import call, lookup, record
 
 pytestmark = pytest.mark.django_db
 
@@ -18,9 +17,15 @@ ROLL = call("roll", sides=6)
 
 
 def put(api, task: str, **body):
-    return api.put(f"/api/v1/tasks/{task}", {"env": {"backend": "external", "name": task},
-                                             "tools": {"read": {"mutates_state": False},
-                                                       "roll": {"mutates_state": False}}, **body}, format="json")
+    return api.put(
+        f"/api/v1/tasks/{task}",
+        {
+            "env": {"backend": "external", "name": task},
+            "tools": {"read": {"mutates_state": False}, "roll": {"mutates_state": False}},
+            **body,
+        },
+        format="json",
+    )
 
 
 def audit(api, task: str, node_id: int, result, **extra):
@@ -152,15 +157,23 @@ def test_stats_report_divergences_per_tool_and_per_node(api):
     audit(api, "stats", roll, {"value": 2}, rollout_id="r2")
     audit(api, "stats", roll, {"value": 4}, rollout_id="r3")
     # A sandbox materialized for the write was not in its state: counted, the node stays served.
-    divergence_record(task_id="stats", node_id=write, tool="write", kind="state", expected={"digest": "a"},
-                      observed={"digest": "b"}, rollout_id="r4")
+    divergence_record(
+        task_id="stats",
+        node_id=write,
+        tool="write",
+        kind="state",
+        expected={"digest": "a"},
+        observed={"digest": "b"},
+        rollout_id="r4",
+    )
     assert Node.objects.get(pk=write).divergent is False
     divergences = api.get("/api/v1/tasks/stats/stats").json()["divergences"]
     assert divergences["count"] == 3 and divergences["divergent_nodes"] == 1
     assert divergences["uncacheable_tools"] == []
     assert divergences["per_tool"] == [
         {"tool": "roll", "count": 2, "audit": 2, "state": 0, "divergent_nodes": 1, "uncacheable": False},
-        {"tool": "write", "count": 1, "audit": 0, "state": 1, "divergent_nodes": 0, "uncacheable": False}]
+        {"tool": "write", "count": 1, "audit": 0, "state": 1, "divergent_nodes": 0, "uncacheable": False},
+    ]
     per_node = {row["node_id"]: row for row in divergences["per_node"]}
     assert per_node[roll]["count"] == 2 and per_node[roll]["divergent"] is True and per_node[roll]["call"] == ROLL
     assert per_node[write]["state"] == 1 and per_node[write]["divergent"] is False

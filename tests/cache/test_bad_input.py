@@ -10,8 +10,7 @@ from rest_framework.test import APIClient
 from cache.inputs import MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS
 from cache.models import Lease, Node, ToolStat
 from sandboxes.backends.hostfs import MAX_CHANGED_PATH_BYTES, MAX_CHANGED_TIMES
-
-from .helpers import call
+from tests.support.api import call
 
 W = call("write", path="f", content="1")
 
@@ -46,7 +45,10 @@ def test_missing_field(api, toy_task):
 
 
 def test_wrong_type_of_history(api, toy_task):
-    assert error(api.post("/api/v1/tasks/toy/lookup", {"history": "x", "call": W}, format="json"), 400) == "invalid_payload"
+    assert (
+        error(api.post("/api/v1/tasks/toy/lookup", {"history": "x", "call": W}, format="json"), 400)
+        == "invalid_payload"
+    )
 
 
 def test_wrong_type_of_epoch(api, toy_task):
@@ -55,15 +57,21 @@ def test_wrong_type_of_epoch(api, toy_task):
 
 
 def test_call_with_non_object_args(api, toy_task):
-    response = api.post("/api/v1/tasks/toy/record", {"history": [{"tool": "x", "args": [1]}], "call": W,
-                                                     "result": {}, "exec_ms": 1}, format="json")
+    response = api.post(
+        "/api/v1/tasks/toy/record",
+        {"history": [{"tool": "x", "args": [1]}], "call": W, "result": {}, "exec_ms": 1},
+        format="json",
+    )
     assert error(response, 400) == "invalid_call"
     assert response.json()["error"]["details"] == {"field": "history[0].args"}
     assert ToolStat.objects.count() == 0
 
 
 def test_call_without_tool(api, toy_task):
-    assert error(api.post("/api/v1/tasks/toy/lookup", {"history": [], "call": {"args": {}}}, format="json"), 400) == "invalid_call"
+    assert (
+        error(api.post("/api/v1/tasks/toy/lookup", {"history": [], "call": {"args": {}}}, format="json"), 400)
+        == "invalid_call"
+    )
 
 
 def test_negative_exec_ms(api, toy_task):
@@ -73,10 +81,14 @@ def test_negative_exec_ms(api, toy_task):
 
 
 def test_unknown_task(api):
-    assert error(api.post("/api/v1/tasks/nope/lookup", {"history": [], "call": W}, format="json"), 404) == "unknown_task"
+    assert (
+        error(api.post("/api/v1/tasks/nope/lookup", {"history": [], "call": W}, format="json"), 404) == "unknown_task"
+    )
 
 
-@override_settings(TVCACHE={"MAX_RESULT_BYTES": 100, "MAX_HISTORY": 10_000, "LEASE_TTL_S": 60, "DEFAULT_SANDBOX_BUDGET": 4})
+@override_settings(
+    TVCACHE={"MAX_RESULT_BYTES": 100, "MAX_HISTORY": 10_000, "LEASE_TTL_S": 60, "DEFAULT_SANDBOX_BUDGET": 4}
+)
 def test_result_over_the_size_cap(api, toy_task):
     body = {"history": [], "call": W, "result": {"stdout": "x" * 200}, "exec_ms": 1}
     assert error(api.post("/api/v1/tasks/toy/record", body, format="json"), 413) == "result_too_large"
@@ -106,13 +118,19 @@ def test_unknown_lease(api, toy_task):
 
 
 def test_missing_token(toy_task):
-    assert error(APIClient().post("/api/v1/tasks/toy/lookup", {"history": [], "call": W}, format="json"), 401) == "not_authenticated"
+    assert (
+        error(APIClient().post("/api/v1/tasks/toy/lookup", {"history": [], "call": W}, format="json"), 401)
+        == "not_authenticated"
+    )
 
 
 def test_wrong_token(toy_task):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION="Token wrong")
-    assert error(client.post("/api/v1/tasks/toy/lookup", {"history": [], "call": W}, format="json"), 401) == "invalid_token"
+    assert (
+        error(client.post("/api/v1/tasks/toy/lookup", {"history": [], "call": W}, format="json"), 401)
+        == "invalid_token"
+    )
 
 
 def test_unknown_backend(api):
@@ -130,7 +148,10 @@ def test_snapshot_of_unknown_node(api, toy_task):
 
 
 def test_snapshot_without_ref(api, toy_task):
-    assert error(api.post("/api/v1/tasks/toy/nodes/1/snapshots", {"backend": "external"}, format="json"), 400) == "invalid_payload"
+    assert (
+        error(api.post("/api/v1/tasks/toy/nodes/1/snapshots", {"backend": "external"}, format="json"), 400)
+        == "invalid_payload"
+    )
 
 
 def test_unknown_route_is_json_404(api):
@@ -154,14 +175,23 @@ def test_create_token_prints_a_key_that_authenticates(toy_task):
 def test_claim_release_refuses_bad_input(api, toy_task):
     path = "/api/v1/tasks/toy/claims/release"
     assert error(post(api, path, "{not json"), 400) == "malformed_json"
-    assert error(api.post(path, {"history": [], "call": {"args": {}}, "rollout_id": "r"}, format="json"), 400) == "invalid_call"
-    assert error(api.post("/api/v1/tasks/nope/claims/release", {"history": [], "call": W, "rollout_id": "r"},
-                          format="json"), 404) == "unknown_task"
+    assert (
+        error(api.post(path, {"history": [], "call": {"args": {}}, "rollout_id": "r"}, format="json"), 400)
+        == "invalid_call"
+    )
+    assert (
+        error(
+            api.post("/api/v1/tasks/nope/claims/release", {"history": [], "call": W, "rollout_id": "r"}, format="json"),
+            404,
+        )
+        == "unknown_task"
+    )
     body = {"history": [], "call": W, "claim": "yes", "rollout_id": "r"}
     assert error(api.post("/api/v1/tasks/toy/lookup", body, format="json"), 400) == "invalid_payload"
 
 
 # --- input validated at the edge (issue 16): NUL, lone surrogates, nesting, ranges, id lengths ---
+
 
 def nested(levels: int) -> str:
     """JSON text of `levels` nested arrays (built as text: encoders stop short of 600)."""
@@ -175,17 +205,25 @@ def raw(api, path, text: str):
 @pytest.mark.parametrize("endpoint", ["lookup", "record"])
 @pytest.mark.parametrize("where", ["args value", "args key", "tool", "history", "rollout_id"])
 def test_nul_anywhere_in_a_call_is_refused(api, toy_task, endpoint, where):
-    bad = {"args value": call("write", path="f\x00", content="1"), "args key": {"tool": "write", "args": {"p\x00": 1}},
-           "tool": call("wri\x00te", path="f")}
-    body = {"history": [bad["args value"]] if where == "history" else [],
-            "call": bad.get(where, W), "result": {}, "exec_ms": 1, **({"rollout_id": "r\x00"} if where == "rollout_id" else {})}
+    bad = {
+        "args value": call("write", path="f\x00", content="1"),
+        "args key": {"tool": "write", "args": {"p\x00": 1}},
+        "tool": call("wri\x00te", path="f"),
+    }
+    body = {
+        "history": [bad["args value"]] if where == "history" else [],
+        "call": bad.get(where, W),
+        "result": {},
+        "exec_ms": 1,
+        **({"rollout_id": "r\x00"} if where == "rollout_id" else {}),
+    }
     response = api.post(f"/api/v1/tasks/toy/{endpoint}", body, format="json")
     assert error(response, 400) == "invalid_string"
     assert Node.objects.count() == 0
 
 
 def test_a_lookup_with_nul_in_the_tool_name_does_not_lose_the_counters_of_others(api, toy_task):
-    from .helpers import lookup, record
+    from tests.support.api import lookup, record
 
     record(api, "toy", [], W, {"ok": True})
     bad = api.post("/api/v1/tasks/toy/lookup", {"history": [], "call": call("wri\x00te", path="f")}, format="json")
@@ -244,7 +282,7 @@ def test_an_epoch_beyond_its_column_is_refused(api, toy_task, epoch):
 
 
 def test_the_extreme_epochs_of_the_column_are_accepted(api, toy_task):
-    from .helpers import record
+    from tests.support.api import record
 
     for epoch in (2**31 - 1, -(2**31)):
         record(api, "toy", [], W, {"ok": True}, epoch=epoch)
@@ -261,8 +299,12 @@ def test_an_exec_time_beyond_the_cap_is_refused(api, toy_task, exec_ms):
 def test_numbers_that_jsonb_would_give_back_beyond_64_bits_are_refused(api, toy_task, number):
     text = '{"history": [], "call": {"tool": "write", "args": {"n": %s}}, "result": {}, "exec_ms": 1}' % number
     assert error(raw(api, "/api/v1/tasks/toy/record", text), 400) == "invalid_payload"
-    response = api.generic("PUT", "/api/v1/tasks/t", ('{"env": {"backend": "external", "n": %s}}' % number).encode(),
-                           content_type="application/json")
+    response = api.generic(
+        "PUT",
+        "/api/v1/tasks/t",
+        ('{"env": {"backend": "external", "n": %s}}' % number).encode(),
+        content_type="application/json",
+    )
     assert error(response, 400) == "invalid_payload"
 
 
@@ -288,8 +330,10 @@ def test_a_rollout_id_longer_than_its_column_is_refused(api, toy_task):
 
 
 def test_nul_in_a_task_env_or_tool_name_is_refused(api):
-    for body in ({"env": {"backend": "external", "x": "a\x00"}},
-                 {"env": {"backend": "external"}, "tools": {"b\x00sh": {"mutates_state": False}}}):
+    for body in (
+        {"env": {"backend": "external", "x": "a\x00"}},
+        {"env": {"backend": "external"}, "tools": {"b\x00sh": {"mutates_state": False}}},
+    ):
         assert error(api.put("/api/v1/tasks/t", body, format="json"), 400) == "invalid_string"
 
 
@@ -316,12 +360,13 @@ def test_node_ids_beyond_their_column_are_refused(api, toy_task):
 
 
 def test_snapshot_sizes_and_times_beyond_their_caps_are_refused(api, toy_task):
-    from .helpers import record
+    from tests.support.api import record
 
     node = record(api, "toy", [], W, {"ok": True})["node_id"]
     for extra in ({"size_bytes": 2**63}, {"size_bytes": 2**41}, {"create_ms": 1e300}):
-        response = api.post(f"/api/v1/tasks/toy/nodes/{node}/snapshots", {"ref": "r", "backend": "external", **extra},
-                            format="json")
+        response = api.post(
+            f"/api/v1/tasks/toy/nodes/{node}/snapshots", {"ref": "r", "backend": "external", **extra}, format="json"
+        )
         assert error(response, 400) == "invalid_payload"
 
 
@@ -331,20 +376,23 @@ def test_a_lease_release_with_an_impossible_restore_time_is_refused(api, toy_tas
     assert error(api.delete(path), 400) == "invalid_payload"
 
 
-@pytest.mark.parametrize("file_times, code", [
-    ([1], "invalid_payload"),  # not an object
-    ("f", "invalid_payload"),
-    ({"f": -1}, "invalid_payload"),  # before the epoch
-    ({"f": 2**63}, "invalid_payload"),  # beyond a 64-bit integer
-    ({"f": 1.5}, "invalid_payload"),  # not an integer
-    ({"f": True}, "invalid_payload"),
-    ({"f": "1"}, "invalid_payload"),
-    ({"f": None}, "invalid_payload"),
-    ({"": 1}, "invalid_payload"),  # no path
-    ({"x" * 4097: 1}, "invalid_payload"),  # longer than PATH_MAX
-    ({"f\x00": 1}, "invalid_string"),
-    ({f"f{i}": 1 for i in range(20_001)}, "invalid_payload"),  # more entries than a node keeps
-])
+@pytest.mark.parametrize(
+    "file_times, code",
+    [
+        ([1], "invalid_payload"),  # not an object
+        ("f", "invalid_payload"),
+        ({"f": -1}, "invalid_payload"),  # before the epoch
+        ({"f": 2**63}, "invalid_payload"),  # beyond a 64-bit integer
+        ({"f": 1.5}, "invalid_payload"),  # not an integer
+        ({"f": True}, "invalid_payload"),
+        ({"f": "1"}, "invalid_payload"),
+        ({"f": None}, "invalid_payload"),
+        ({"": 1}, "invalid_payload"),  # no path
+        ({"x" * 4097: 1}, "invalid_payload"),  # longer than PATH_MAX
+        ({"f\x00": 1}, "invalid_string"),
+        ({f"f{i}": 1 for i in range(20_001)}, "invalid_payload"),  # more entries than a node keeps
+    ],
+)
 def test_a_record_with_impossible_file_times_is_refused(api, toy_task, file_times, code):
     body = {"history": [], "call": W, "result": {}, "exec_ms": 1, "file_times": file_times}
     response = api.post("/api/v1/tasks/toy/record", body, format="json")
@@ -355,8 +403,13 @@ def test_a_record_with_impossible_file_times_is_refused(api, toy_task, file_time
 
 def test_a_record_with_more_than_4_mib_of_file_times_paths_is_refused(api, toy_task, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 8 << 20  # above the default body limit (2.5 MB)
-    body = {"history": [], "call": W, "result": {}, "exec_ms": 1,
-            "file_times": {f"{i}".rjust(4096, "x"): 1 for i in range(1_025)}}
+    body = {
+        "history": [],
+        "call": W,
+        "result": {},
+        "exec_ms": 1,
+        "file_times": {f"{i}".rjust(4096, "x"): 1 for i in range(1_025)},
+    }
     response = api.post("/api/v1/tasks/toy/record", body, format="json")
     assert error(response, 400) == "invalid_payload"
     assert response.json()["error"]["details"]["max_total"] == 4 << 20
@@ -376,6 +429,11 @@ def test_file_times_refuses_bad_input(api, toy_task):
     assert error(post(api, path, "{not json"), 400) == "malformed_json"
     assert error(api.post(path, {"history": [W], "call": W}, format="json"), 400) == "missing_field"
     assert error(api.post(path, {"history": [W], "call": W, "replay": W}, format="json"), 400) == "invalid_payload"
-    assert error(api.post(path, {"history": [W], "call": W, "replay": [{"args": {}}]}, format="json"), 400) == "invalid_call"
-    assert error(api.post("/api/v1/tasks/nope/file-times", {"history": [], "call": W, "replay": []}, format="json"),
-                 404) == "unknown_task"
+    assert (
+        error(api.post(path, {"history": [W], "call": W, "replay": [{"args": {}}]}, format="json"), 400)
+        == "invalid_call"
+    )
+    assert (
+        error(api.post("/api/v1/tasks/nope/file-times", {"history": [], "call": W, "replay": []}, format="json"), 404)
+        == "unknown_task"
+    )

@@ -17,7 +17,12 @@ def test_concurrent_records_of_the_same_path_yield_one_node(live_server):
     base = f"{live_server.url}/api/v1/tasks/race"
     assert httpx.put(base, json={"env": {"n": 1}}, headers=headers).status_code == 201
     history = [{"tool": "write", "args": {"i": i}} for i in range(3)]
-    body = {"history": history, "call": {"tool": "bash", "args": {"command": "make"}}, "result": {"ok": 1}, "exec_ms": 5}
+    body = {
+        "history": history,
+        "call": {"tool": "bash", "args": {"command": "make"}},
+        "result": {"ok": 1},
+        "exec_ms": 5,
+    }
 
     def record(_):
         with httpx.Client(headers=headers, timeout=30) as client:
@@ -38,8 +43,12 @@ def test_concurrent_puts_creating_the_same_task_all_succeed(live_server):
     token = token_create(name="put-race")
 
     def put(n):
-        response = httpx.put(f"{live_server.url}/api/v1/tasks/put-race", json={"env": {"backend": "external", "n": n}},
-                             headers={"Authorization": f"Token {token}"}, timeout=30)
+        response = httpx.put(
+            f"{live_server.url}/api/v1/tasks/put-race",
+            json={"env": {"backend": "external", "n": n}},
+            headers={"Authorization": f"Token {token}"},
+            timeout=30,
+        )
         return response.status_code
 
     with ThreadPoolExecutor(max_workers=8) as pool:

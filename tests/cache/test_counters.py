@@ -10,8 +10,7 @@ from django.db import OperationalError, connection
 from cache.models import Node, Rollout, ToolStat
 from cache.services import ledger
 from lab.server import database_url
-
-from .helpers import call, lookup, record
+from tests.support.api import call, lookup, record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -21,28 +21,55 @@ import uuid
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 
+import cache.services.record as record
 import sandboxes.backends as registry
 from cache.models import Rollout, Task
-import cache.services.record as record
 from cache.tcg.snapshots import SnapshotCosts
 from lab.replay.exactness import Outcome, Referee, Step
 from sandboxes.backends.base import EngineUnavailable, SandboxGone, ToolSpec
 from sandboxes.backends.directory import DirectoryBackend, DirectorySandbox
 from sandboxes.services.runtime import sandbox_config
 
-from .exactness import (FAULTS, READ_A, call, READ_C, SAMPLE, SEED_FILES, SLOW_CALL_S, SNAPSHOT_COSTS, STAMP, TASK_SETTINGS,
-                        WRITE_A, WRITE_C, Fault, any_calls, deterministic_calls, folder_files, is_slow, partial_args,
-                        play, scenario_referee, scenarios, snapshotted_nodes, steer, stored_nodes, stored_snapshots,
-                        timed_out_result, token)
+from .exactness import (
+    FAULTS,
+    READ_A,
+    READ_C,
+    SAMPLE,
+    SEED_FILES,
+    SLOW_CALL_S,
+    SNAPSHOT_COSTS,
+    STAMP,
+    TASK_SETTINGS,
+    WRITE_A,
+    WRITE_C,
+    Fault,
+    any_calls,
+    call,
+    deterministic_calls,
+    folder_files,
+    is_slow,
+    partial_args,
+    play,
+    scenario_referee,
+    scenarios,
+    snapshotted_nodes,
+    steer,
+    stored_nodes,
+    stored_snapshots,
+    timed_out_result,
+    token,
+)
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 KINDS = ("timeout", "error", "gone")
 # No explain phase: it reruns the failing example many times over, for little here.
-PROPERTY = settings(max_examples=int(os.environ.get("TVCACHE_PROPERTY_EXAMPLES", "25")), deadline=None,
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+PROPERTY = settings(
+    max_examples=int(os.environ.get("TVCACHE_PROPERTY_EXAMPLES", "25")),
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 class FaultySandbox(DirectorySandbox):
@@ -132,8 +159,9 @@ class DirectoryOracle:
 
 def drive(api, oracle_backend, steps: list[Step]) -> Referee:
     task = f"props-{uuid.uuid4().hex[:12]}"
-    response = api.put(f"/api/v1/tasks/{task}", {"env": {"backend": "directory", "files": SEED_FILES}, **TASK_SETTINGS},
-                       format="json")
+    response = api.put(
+        f"/api/v1/tasks/{task}", {"env": {"backend": "directory", "files": SEED_FILES}, **TASK_SETTINGS}, format="json"
+    )
     assert response.status_code == 201, response.content
     referee = scenario_referee(lambda: DirectoryOracle(oracle_backend), retired=("gone", "error"))
     play(task, steps, referee, lambda step: _call(api, task, step))
@@ -148,8 +176,9 @@ def _store_violations(api, task: str, referee: Referee) -> list[str]:
     backend = registry.backend_for("directory", sandbox_config())
 
     def served(history, c):
-        response = api.post(f"/api/v1/tasks/{task}/lookup", {"history": history, "call": c, "resume": False},
-                            format="json")
+        response = api.post(
+            f"/api/v1/tasks/{task}/lookup", {"history": history, "call": c, "resume": False}, format="json"
+        )
         assert response.status_code == 200, response.content
         body = response.json()
         return body["result"] if body["hit"] else None
@@ -160,7 +189,10 @@ def _store_violations(api, task: str, referee: Referee) -> list[str]:
     return referee.store_violations(
         fingerprint=Task.objects.get(pk=task).env_fingerprint,
         histories=list(Rollout.objects.filter(task_id=task).values_list("history", flat=True)),
-        nodes=stored_nodes(task), snapshots=stored_snapshots(task, snapshot_files), served=served)
+        nodes=stored_nodes(task),
+        snapshots=stored_snapshots(task, snapshot_files),
+        served=served,
+    )
 
 
 def _call(api, task: str, step: Step) -> Outcome:
@@ -170,11 +202,15 @@ def _call(api, task: str, step: Step) -> Outcome:
         return Outcome(fired=False, failure=f"500 {type(exc).__name__}: {exc}")
     if response.status_code != 200:
         clean = response.status_code < 500 or response.status_code == 503
-        return Outcome(fired=False, failure=f"{response.status_code} {response.content[:300]!r}",
-                       clean_failure=clean and "error" in response.json())
+        return Outcome(
+            fired=False,
+            failure=f"{response.status_code} {response.content[:300]!r}",
+            clean_failure=clean and "error" in response.json(),
+        )
     body = response.json()
-    return Outcome(fired=False, result=body["result"], cached=body["cached"], node_id=body["node_id"],
-                   mutates=body["mutates"])
+    return Outcome(
+        fired=False, result=body["result"], cached=body["cached"], node_id=body["node_id"], mutates=body["mutates"]
+    )
 
 
 deterministic = scenarios(deterministic_calls(patches=True), KINDS)
@@ -187,11 +223,19 @@ TIMEOUT_MIDWAY = [Step(0, WRITE_A, Fault("timeout", "partial", "call")), Step(0,
 # read after it is recorded under the root's state.
 ERROR_AFTER_RUNNING = [Step(0, WRITE_A, Fault("error", "full", "call")), Step(0, READ_A, None)]
 # r1's sandbox replays a write it hit; the replay times out and is taken as done.
-REPLAY_TIMES_OUT = [Step(0, WRITE_A, None), Step(1, READ_C, None), Step(1, WRITE_A, None),
-                    Step(1, READ_A, Fault("timeout", "none", "first"))]
+REPLAY_TIMES_OUT = [
+    Step(0, WRITE_A, None),
+    Step(1, READ_C, None),
+    Step(1, WRITE_A, None),
+    Step(1, READ_A, Fault("timeout", "none", "first")),
+]
 # The same replay fails with an engine error: a 500 (toolserver._rollout_sandbox lets it escape).
-REPLAY_FAILS = [Step(0, WRITE_A, None), Step(1, READ_C, None), Step(1, WRITE_A, None),
-                Step(1, READ_A, Fault("error", "none", "first"))]
+REPLAY_FAILS = [
+    Step(0, WRITE_A, None),
+    Step(1, READ_C, None),
+    Step(1, WRITE_A, None),
+    Step(1, READ_A, Fault("error", "none", "first")),
+]
 # A read times out; the rollout stays in the shared graph: r1 hits r0's later read, and r0's
 # later write is snapshotted.
 READ_TIMES_OUT = [Step(0, READ_A, Fault("timeout", "none", "call")), Step(0, READ_C, None), Step(1, READ_C, None)]
@@ -199,12 +243,18 @@ SNAPSHOT_AFTER_TIMEOUT = [Step(0, READ_A, Fault("timeout", "none", "call")), Ste
 # r1 hit r0's write; its next call's catch-up replay of that write times out. The service retires
 # that sandbox and rebuilds the state from the root: r1 stays on the shared graph, and what it
 # records after (and the snapshot of it) is exact.
-REPLAY_TIMES_OUT_THEN_REBUILT = [Step(0, WRITE_A, None), Step(1, WRITE_A, None),
-                                 Step(1, WRITE_C, Fault("timeout", "none", "first"))]
+REPLAY_TIMES_OUT_THEN_REBUILT = [
+    Step(0, WRITE_A, None),
+    Step(1, WRITE_A, None),
+    Step(1, WRITE_C, Fault("timeout", "none", "first")),
+]
 # A rollout detached by a timed-out write loses its own sandbox: its state is gone with it, and
 # its later calls answer 409 rollout_state_unknown.
-DETACHED_SANDBOX_DIES = [Step(0, WRITE_A, Fault("timeout", "none", "call")),
-                         Step(0, call("sample"), Fault("gone", "none", "call")), Step(0, READ_A, None)]
+DETACHED_SANDBOX_DIES = [
+    Step(0, WRITE_A, Fault("timeout", "none", "call")),
+    Step(0, call("sample"), Fault("gone", "none", "call")),
+    Step(0, READ_A, None),
+]
 
 
 @PROPERTY
@@ -239,8 +289,9 @@ def test_a_rollout_leaves_the_shared_graph_after_a_fault(api, faulty_backend, tm
 @given(steps=scenarios(any_calls(patches=True), KINDS))
 @example(steps=REPLAY_FAILS)
 @example(steps=DETACHED_SANDBOX_DIES)
-def test_nondeterministic_tools_and_faults_neither_crash_nor_corrupt_other_rollouts(api, faulty_backend,
-                                                                                   tmp_path, steps):
+def test_nondeterministic_tools_and_faults_neither_crash_nor_corrupt_other_rollouts(
+    api, faulty_backend, tmp_path, steps
+):
     referee = steer(drive(api, DirectoryBackend(tmp_path / "oracle"), steps))
     assert not referee.violations["crash"], referee.report("crash", steps)
     assert not referee.violations["exact"], referee.report("exact", steps)

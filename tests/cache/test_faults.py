@@ -20,8 +20,7 @@ from django.db import connection
 from cache.models import ToolStat
 from lab.server import ROOT, database_url, free_port, service_running
 from sandboxes.models import Sandbox
-
-from .helpers import call, record, wait_for, waiting_on_locks
+from tests.support.api import call, record, wait_for, waiting_on_locks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,8 +34,10 @@ def lookup_of(client: httpx.Client, c: dict = W) -> httpx.Response:
 def test_postgresql_dropping_its_connections_answers_503_and_the_service_recovers(api, toy_task, token):
     record(api, "toy", [], W, {"ok": True})
     db = settings.DATABASES["default"]
-    with service_running(db=db, workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
+    with (
+        service_running(db=db, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client,
+    ):
         assert lookup_of(client).json()["hit"] is True  # the lookup thread holds a connection now
         assert client.get("/api/v1/tasks/toy").status_code == 200
 
@@ -45,13 +46,17 @@ def test_postgresql_dropping_its_connections_answers_503_and_the_service_recover
         # miss: the hit above may be served again from the process's cache, without the database.
         with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(2) as pool:
             blocker.execute("LOCK TABLE cache_node, cache_task IN ACCESS EXCLUSIVE MODE")
-            in_flight = [pool.submit(lookup_of, client, call("write", path="g", content="2")),
-                         pool.submit(client.get, "/api/v1/tasks/toy")]
+            in_flight = [
+                pool.submit(lookup_of, client, call("write", path="g", content="2")),
+                pool.submit(client.get, "/api/v1/tasks/toy"),
+            ]
             wait_for(lambda: waiting_on_locks(db["NAME"]) == 2, what="two requests waiting")
             with connection.cursor() as cursor:
-                cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                               "WHERE datname = %s AND pid <> pg_backend_pid() AND pid <> %s",
-                               [db["NAME"], blocker.info.backend_pid])
+                cursor.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid() AND pid <> %s",
+                    [db["NAME"], blocker.info.backend_pid],
+                )
                 assert cursor.fetchone()[0] >= 2
             answers = [future.result() for future in in_flight]
             blocker.rollback()
@@ -70,17 +75,20 @@ def test_postgresql_dropping_its_connections_answers_503_and_the_service_recover
         # The counters' flush thread (its connection died too) writes them again by itself: no
         # request reads stats (that would flush them) from here on.
         served = 1 + seen[::2].count(200) + 10
-        wait_for(lambda: ToolStat.objects.get(task_id="toy", tool="write").calls == served, 30,
-                 f"{served} lookups counted")
+        wait_for(
+            lambda: ToolStat.objects.get(task_id="toy", tool="write").calls == served, 30, f"{served} lookups counted"
+        )
 
 
 def test_a_request_with_a_bad_token_is_refused_before_its_body_is_sent(toy_task, token):
     with service_running(db=settings.DATABASES["default"], workers=1) as service:
         port = int(service.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.sendall(b"POST /api/v1/tasks/toy/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                         b"Authorization: Token wrong\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 2097152\r\n\r\n" + b" " * 65536)  # 64 KiB of the 2 MiB declared
+            sock.sendall(
+                b"POST /api/v1/tasks/toy/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Authorization: Token wrong\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 2097152\r\n\r\n" + b" " * 65536
+            )  # 64 KiB of the 2 MiB declared
             answer = b""  # the rest of the body is never sent: the answer comes without it
             while b'"code"' not in answer:
                 chunk = sock.recv(65536)
@@ -89,8 +97,12 @@ def test_a_request_with_a_bad_token_is_refused_before_its_body_is_sent(toy_task,
         assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
         assert b'"code":"invalid_token"' in answer
         # A valid token this process has not verified yet is checked first as well, then served.
-        response = httpx.post(service.url + "/api/v1/tasks/toy/lookup", headers={"Authorization": f"Token {token}"},
-                              json={"history": [], "call": W}, timeout=30)
+        response = httpx.post(
+            service.url + "/api/v1/tasks/toy/lookup",
+            headers={"Authorization": f"Token {token}"},
+            json={"history": [], "call": W},
+            timeout=30,
+        )
         assert response.status_code == 200 and response.json()["hit"] is False
 
 
@@ -107,25 +119,31 @@ def docker_engine():
 
 
 @pytest.mark.docker
-def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_work_runs_in_process(
-        docker_engine, token):
+def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_work_runs_in_process(docker_engine, token):
     from sandboxes.services.runtime import backend_named, labels
 
     nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     task = "redis-down"
     try:
-        with service_running(db=settings.DATABASES["default"], redis_url=nowhere, workers=1) as service, \
-                httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+        with (
+            service_running(db=settings.DATABASES["default"], redis_url=nowhere, workers=1) as service,
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
+        ):
             put = client.put(f"/api/v1/tasks/{task}", json={"env": {"backend": "docker"}, "sandbox_budget": 8})
             assert put.status_code == 201, put.text
             # Slow enough to be snapshotted: the snapshot asks for a pre-fork, a job for a worker.
-            miss = client.post(f"/api/v1/tasks/{task}/rollouts/r1/calls",
-                               json={"call": {"tool": "bash", "args": {"command": "sleep 1; echo built > /artifact"}}})
+            miss = client.post(
+                f"/api/v1/tasks/{task}/rollouts/r1/calls",
+                json={"call": {"tool": "bash", "args": {"command": "sleep 1; echo built > /artifact"}}},
+            )
             assert miss.status_code == 200, miss.text
             assert miss.json()["cached"] is False and miss.json()["node_id"] is not None
             # The broker refused the job: the service ran it itself.
-            wait_for(lambda: Sandbox.objects.filter(task_id=task, pool="fork", state="ready").exists(), 120,
-                     "a pre-fork warmed in process")
+            wait_for(
+                lambda: Sandbox.objects.filter(task_id=task, pool="fork", state="ready").exists(),
+                120,
+                "a pre-fork warmed in process",
+            )
             assert client.delete(f"/api/v1/tasks/{task}/rollouts/r1").status_code == 204
     finally:
         backend = backend_named("docker")
@@ -136,8 +154,23 @@ def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_wor
 
 
 def serve(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application", "--host", "127.0.0.1",
-                           "--port", str(free_port())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "tvcache_site.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_without_a_secret_key_production_settings_refuse_to_start():
@@ -148,8 +181,9 @@ def test_without_a_secret_key_production_settings_refuse_to_start():
     check = [sys.executable, "manage.py", "check"]
     debug = subprocess.run(check, cwd=ROOT, env={**env, "DEBUG": "1"}, capture_output=True, text=True, timeout=60)
     assert debug.returncode == 0, debug.stderr  # development keeps its obvious development key
-    with_key = subprocess.run(check, cwd=ROOT, env={**env, "SECRET_KEY": "k" * 50}, capture_output=True, text=True,
-                              timeout=60)
+    with_key = subprocess.run(
+        check, cwd=ROOT, env={**env, "SECRET_KEY": "k" * 50}, capture_output=True, text=True, timeout=60
+    )
     assert with_key.returncode == 0, with_key.stderr
 
 
@@ -158,21 +192,28 @@ def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(ap
     within the client's 10 s (a publish to a dead broker took 6.6 s when it was on the path)."""
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
     db = settings.DATABASES["default"]
-    with service_running(db=db, redis_url=nowhere, workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=10) as client:
+    with (
+        service_running(db=db, redis_url=nowhere, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=10) as client,
+    ):
         lookup = client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W})
         assert lookup.status_code == 200 and lookup.json()["hit"] is False
-        recorded = client.post("/api/v1/tasks/toy/record", json={"history": [], "call": W, "result": {"ok": True},
-                                                                 "exec_ms": 60_000.0})
+        recorded = client.post(
+            "/api/v1/tasks/toy/record", json={"history": [], "call": W, "result": {"ok": True}, "exec_ms": 60_000.0}
+        )
         assert recorded.status_code == 200 and recorded.json()["snapshot"] == "wanted", recorded.text
-        registered = client.post(f"/api/v1/tasks/toy/nodes/{recorded.json()['node_id']}/snapshots",
-                                 json={"ref": "client-snap-1", "backend": "external"})
+        registered = client.post(
+            f"/api/v1/tasks/toy/nodes/{recorded.json()['node_id']}/snapshots",
+            json={"ref": "client-snap-1", "backend": "external"},
+        )
         assert registered.status_code in (200, 201), registered.text
         assert client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W}).json()["hit"] is True
         # Tool-server mode on folder sandboxes; every hit audited (a job for a worker), and a step
         # announced (warm-ups for a worker): with the broker down they run in process or are dropped.
-        put = client.put("/api/v1/tasks/folders", json={"env": {"backend": "directory"}, "audit_rate": 1.0,
-                                                        "tools": {"read_file": {"mutates_state": False}}})
+        put = client.put(
+            "/api/v1/tasks/folders",
+            json={"env": {"backend": "directory"}, "audit_rate": 1.0, "tools": {"read_file": {"mutates_state": False}}},
+        )
         assert put.status_code == 201, put.text
         write = {"tool": "write_file", "args": {"path": "a", "content": "1"}}
         read = {"tool": "read_file", "args": {"path": "a"}}
@@ -184,8 +225,11 @@ def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(ap
         assert answer.json()["result"]["output"] == "1"
         step = client.post("/api/v1/steps", json={"tasks": ["folders"], "rollouts_per_task": 2, "epoch": 1})
         assert step.status_code == 202, step.text
-        wait_for(lambda: Sandbox.objects.filter(task_id="folders", pool="root", state="ready").count() == 2, 60,
-                 "root sandboxes warmed in process")
+        wait_for(
+            lambda: Sandbox.objects.filter(task_id="folders", pool="root", state="ready").count() == 2,
+            60,
+            "root sandboxes warmed in process",
+        )
         assert client.delete("/api/v1/tasks/folders/rollouts/r1").status_code == 204
         stats = client.get("/api/v1/tasks/folders")
         assert stats.status_code == 200 and stats.json()["stats"]["hits"] == 2, stats.text
@@ -214,8 +258,10 @@ def test_sigkill_of_the_worker_then_of_the_server_mid_load_loses_no_acknowledged
             written = call("write", path=f"{index}-{n}", content="x")
             write = {"tool": "write_file", "args": {"path": f"f{n}", "content": str(n)}}
             try:
-                answer = client.post("/api/v1/tasks/toy/record", json={"history": [W], "call": written,
-                                                                       "result": {"ok": n}, "exec_ms": 1.0})
+                answer = client.post(
+                    "/api/v1/tasks/toy/record",
+                    json={"history": [W], "call": written, "result": {"ok": n}, "exec_ms": 1.0},
+                )
                 if answer.status_code == 200:
                     records.append((written, answer.json()["node_id"]))
                 answer = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls", json={"call": write})
@@ -227,8 +273,10 @@ def test_sigkill_of_the_worker_then_of_the_server_mid_load_loses_no_acknowledged
                 pass
 
     with service_running(db=db, workers=2, celery=True) as service:
-        clients = [httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30)
-                   for _ in range(4)]
+        clients = [
+            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30)
+            for _ in range(4)
+        ]
         threads = [threading.Thread(target=load, args=(client, i)) for i, client in enumerate(clients)]
         for thread in threads:
             thread.start()
@@ -245,15 +293,19 @@ def test_sigkill_of_the_worker_then_of_the_server_mid_load_loses_no_acknowledged
     assert len(nodes) == len(records)  # every acknowledged record is there
     for rollout, acknowledged_calls in calls.items():
         history = Rollout.objects.get(task_id="folders", rollout_id=rollout).history
-        assert history[:len(acknowledged_calls)] == acknowledged_calls  # and every acknowledged call, in order
+        assert history[: len(acknowledged_calls)] == acknowledged_calls  # and every acknowledged call, in order
         assert len(history) - len(acknowledged_calls) <= 1  # at most the one cut off
-    with service_running(db=db, workers=1, release_on_stop=True) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30) as client:
+    with (
+        service_running(db=db, workers=1, release_on_stop=True) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30) as client,
+    ):
         for written, node_id in records:
             hit = client.post("/api/v1/tasks/toy/lookup", json={"history": [W], "call": written}).json()
             assert hit["hit"] is True and hit["node_id"] == node_id
         for rollout, acknowledged_calls in calls.items():  # each rollout goes on where it was
             last = acknowledged_calls[-1]["args"]["path"]
-            read = client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
-                               json={"call": {"tool": "read_file", "args": {"path": last}}})
+            read = client.post(
+                f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
+                json={"call": {"tool": "read_file", "args": {"path": last}}},
+            )
             assert read.status_code == 200 and read.json()["result"]["output"] == last[1:], read.text

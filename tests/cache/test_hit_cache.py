@@ -26,8 +26,7 @@ from cache.services.hitcache import (
     version_move_wait_s,
 )
 from lab.server import service_running
-
-from .helpers import call, lookup, project_clients, record
+from tests.support.api import call, lookup, project_clients, record
 
 W = call("write", path="f", content="1")
 W2 = call("write", path="g", content="2")
@@ -75,7 +74,7 @@ def statements(api, task: str, history: list, c: dict, **extra) -> tuple[bytes, 
 def test_a_hit_is_served_again_without_a_statement_and_answers_the_same_bytes(api, hit_cache_window):
     hit_cache_window()
     assert api.put("/api/v1/tasks/cached", EXTERNAL, format="json").status_code == 201
-    node = record(api, "cached", [], W, {"ok": True, "text": "é \u2028 \"quoted\""})["node_id"]
+    node = record(api, "cached", [], W, {"ok": True, "text": 'é \u2028 "quoted"'})["node_id"]
     record(api, "cached", [W], R, {"output": "1"})
     first, read = statements(api, "cached", [W], R)  # the database's answer
     assert len(read) == 1 and "cache_node" in read[0]
@@ -84,8 +83,12 @@ def test_a_hit_is_served_again_without_a_statement_and_answers_the_same_bytes(ap
     writes, none = statements(api, "cached", [], W, rollout_id="r1", epoch=2)
     writes_again, none_again = statements(api, "cached", [], W, rollout_id="r1", epoch=2)
     assert len(none) == 1 and none_again == [] and writes_again == writes
-    assert lookup(api, "cached", [], W) == {"hit": True, "node_id": node, "mutates": True,
-                                           "result": {"ok": True, "text": "é \u2028 \"quoted\""}}
+    assert lookup(api, "cached", [], W) == {
+        "hit": True,
+        "node_id": node,
+        "mutates": True,
+        "result": {"ok": True, "text": 'é \u2028 "quoted"'},
+    }
     # Counted as hits, the node's too (the ledger, flushed when stats are read).
     stats = api.get("/api/v1/tasks/cached/stats").json()
     assert (stats["calls"], stats["hits"]) == (5, 5)
@@ -140,14 +143,20 @@ def test_a_change_in_this_process_is_seen_by_its_next_lookup(api, hit_cache_wind
     for _ in range(2):
         assert lookup(api, "moved", [W], R)["hit"] is True
     if change == "env":
-        assert api.put("/api/v1/tasks/moved", {**EXTERNAL, "env": {"backend": "external", "name": "other"}},
-                       format="json").status_code == 200
+        assert (
+            api.put(
+                "/api/v1/tasks/moved", {**EXTERNAL, "env": {"backend": "external", "name": "other"}}, format="json"
+            ).status_code
+            == 200
+        )
     elif change == "tools":
         assert api.put("/api/v1/tasks/moved", {**EXTERNAL, "tools": {}}, format="json").status_code == 200
     elif change == "flush":
         assert api.post("/api/v1/tasks/moved/flush").status_code == 200
     elif change == "evict":
-        assert api.post(f"/api/v1/tasks/moved/nodes/{written}/evict", {"subtree": True}, format="json").status_code == 200
+        assert (
+            api.post(f"/api/v1/tasks/moved/nodes/{written}/evict", {"subtree": True}, format="json").status_code == 200
+        )
     else:  # a read-only node, or the write above it (a divergent state: nothing below is served)
         node = read if change == "audit_read" else written
         answer = api.post(f"/api/v1/tasks/moved/nodes/{node}/audit", {"result": {"other": 1}}, format="json")
@@ -253,17 +262,21 @@ def test_no_process_serves_a_hit_that_a_change_answered_before_made_unservable()
     sent after the change answered must not be that hit. Each kind of change, several times."""
     token = token_create(name="hits")
     changes = ["audit_read", "audit_write", "divergence_here", "env", "flush", "evict"]
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=2) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30) as client:
+    with (
+        service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=2) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=30) as client,
+    ):
         for round_ in range(3):
             for change in changes:
                 task = f"race-{change.replace('_', '-')}-{round_}"
                 assert client.put(f"/api/v1/tasks/{task}", json=EXTERNAL).status_code == 201
                 base = f"/api/v1/tasks/{task}"
-                written = client.post(f"{base}/record", json={"history": [], "call": W, "result": {"w": task},
-                                                               "exec_ms": 5.0}).json()["node_id"]
-                read = client.post(f"{base}/record", json={"history": [W], "call": R, "result": {"r": task},
-                                                            "exec_ms": 5.0}).json()["node_id"]
+                written = client.post(
+                    f"{base}/record", json={"history": [], "call": W, "result": {"w": task}, "exec_ms": 5.0}
+                ).json()["node_id"]
+                read = client.post(
+                    f"{base}/record", json={"history": [W], "call": R, "result": {"r": task}, "exec_ms": 5.0}
+                ).json()["node_id"]
                 hammer = Hammer(service.url, token, task, [([W], R), ([], W)])
                 try:
                     hammer.until(lambda h=hammer: len(h.answers) > 200)
@@ -290,8 +303,14 @@ def _change(client: httpx.Client, base: str, task: str, change: str, written: in
     elif change == "evict":
         response = client.post(f"{base}/nodes/{written}/evict", json={"subtree": True})
     elif change == "divergence_here":  # in this process, through the service
-        divergence_record(task_id=task, node_id=read, tool="read", kind=Divergence.Kind.AUDIT, expected={"r": task},
-                          observed={"r": "other"})
+        divergence_record(
+            task_id=task,
+            node_id=read,
+            tool="read",
+            kind=Divergence.Kind.AUDIT,
+            expected={"r": task},
+            observed={"r": "other"},
+        )
         return change
     else:
         node = read if change == "audit_read" else written

@@ -15,9 +15,8 @@ from django.test import override_settings
 from cache.api.lean import HotPath, HotPathASGI
 from cache.api.views import LookupView, RecordView
 from sandboxes.api import RolloutCallView
+from tests.support.api import call
 from tvcache_site import asgi as asgi_module
-
-from .helpers import call
 
 # Transactions: the hot path checks the connection like request_started does (and under ASGI
 # answers on threads of its own), and a connection inside a test's atomic block looks obsolete.
@@ -27,8 +26,16 @@ W = call("write", path="f", content="1")
 R = call("read", path="f")
 
 
-def asgi(app, method: str, path: str, body: bytes = b"", token: str | None = None, host: str = "127.0.0.1:8000",
-         content_length: bool = True, request_id: str | None = "test-request-1"):
+def asgi(
+    app,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    token: str | None = None,
+    host: str = "127.0.0.1:8000",
+    content_length: bool = True,
+    request_id: str | None = "test-request-1",
+):
     headers = [(b"host", host.encode()), (b"content-type", b"application/json")]
     if content_length:
         headers.append((b"content-length", str(len(body)).encode()))
@@ -36,9 +43,20 @@ def asgi(app, method: str, path: str, body: bytes = b"", token: str | None = Non
         headers.append((b"authorization", token.encode()))
     if request_id is not None:
         headers.append((b"x-request-id", request_id.encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
     sent = []
 
     async def run():
@@ -98,7 +116,9 @@ def test_answers_equal_djangos(door, toy_task, auth):
         status, headers, answer = send(fast, method, path, content, **kwargs)
         if path.endswith(("/lookup", "/record", "/calls")) and method == "POST" and "host" not in kwargs:
             timing = [v for k, v in headers if k == "server-timing"]  # the hot path's own header
-            assert len(timing) == 1 and re.fullmatch(r"queue;dur=[\d.]+, app;dur=[\d.]+, db;dur=[\d.]+, total;dur=[\d.]+", timing[0])
+            assert len(timing) == 1 and re.fullmatch(
+                r"queue;dur=[\d.]+, app;dur=[\d.]+, db;dur=[\d.]+, total;dur=[\d.]+", timing[0]
+            )
             headers = [(k, v) for k, v in headers if k != "server-timing"]
         if ("connection", "close") in headers:  # the door refused the body unread, and closes
             assert status == 401 and content
@@ -108,7 +128,9 @@ def test_answers_equal_djangos(door, toy_task, auth):
 
     task = f"/api/v1/tasks/{toy_task}"
     for history, c, result in (([], W, {"ok": True}), ([W], R, {"output": "1"})):
-        first = send(fast, "POST", f"{task}/record", body(history=history, call=c, result=result, exec_ms=1.0), token=auth)
+        first = send(
+            fast, "POST", f"{task}/record", body(history=history, call=c, result=result, exec_ms=1.0), token=auth
+        )
         assert json.loads(first[2])["created"] is True
         again = both("POST", f"{task}/record", body(history=history, call=c, result=result, exec_ms=1.0), token=auth)
         assert json.loads(again[2])["node_id"] == json.loads(first[2])["node_id"]  # idempotent, like Django's answer
@@ -173,8 +195,14 @@ def in_thread(path: str, content: bytes, token: str) -> tuple[int, bytes]:
     count in django_assert_num_queries."""
     hot = HotPath([LookupView, RecordView, RolloutCallView])
     path_kwargs, view = hot.route("POST", path, "http", "127.0.0.1:8000", str(len(content)))
-    answer = hot.respond(view, path_kwargs=path_kwargs, authorization=token, read_body=lambda: content,
-                         request=lambda: None, incoming_id=None)
+    answer = hot.respond(
+        view,
+        path_kwargs=path_kwargs,
+        authorization=token,
+        read_body=lambda: content,
+        request=lambda: None,
+        incoming_id=None,
+    )
     return answer.status, answer.body
 
 
@@ -194,7 +222,9 @@ def test_an_unexpected_error_is_djangos_json_500(door, toy_task, auth, monkeypat
         raise RuntimeError("boom")
 
     monkeypatch.setattr(LookupView, "answer", staticmethod(broken))
-    status, headers, content = send(fast, "POST", f"/api/v1/tasks/{toy_task}/lookup", body(history=[], call=R), token=auth)
+    status, headers, content = send(
+        fast, "POST", f"/api/v1/tasks/{toy_task}/lookup", body(history=[], call=R), token=auth
+    )
     assert status == 500
     assert json.loads(content)["error"]["code"] == "internal_error"
     assert ("x-content-type-options", "nosniff") in headers
@@ -204,11 +234,24 @@ def test_an_unexpected_error_is_djangos_json_500(door, toy_task, auth, monkeypat
 def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(door, toy_task, authorization):
     fast = door[1]
     path = f"/api/v1/tasks/{toy_task}/lookup"
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-length", str(2 * 1024 * 1024).encode()),
-                         *([(b"authorization", authorization.encode())] if authorization else [])],
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1:8000"),
+            (b"content-length", str(2 * 1024 * 1024).encode()),
+            *([(b"authorization", authorization.encode())] if authorization else []),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
     sent = []
 
     async def receive():
@@ -220,4 +263,6 @@ def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(door
     asyncio.run(asyncio.wait_for(fast(scope, receive, collect), 30))
     status, body = sent[0]["status"], sent[1]["body"]
     assert status == 401
-    assert json.loads(body)["error"]["code"] == ("invalid_token" if authorization == "Token wrong" else "not_authenticated")
+    assert json.loads(body)["error"]["code"] == (
+        "invalid_token" if authorization == "Token wrong" else "not_authenticated"
+    )

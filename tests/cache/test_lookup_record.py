@@ -3,8 +3,7 @@ from django.db import connection
 
 from cache.models import Lease
 from cache.services import claims_clear, tables_vacuum
-
-from .helpers import call, lookup, record
+from tests.support.api import call, lookup, record
 
 W1, W2 = call("write", path="f", content="1"), call("write", path="f", content="2")
 R = call("read", path="f")
@@ -29,8 +28,9 @@ def test_a_miss_says_how_long_its_call_must_run_for_the_record_to_want_a_snapsho
     assert lookup(api, toy_task, [W1], w3)["snapshot_after_ms"] == 70.0
     assert record(api, toy_task, [W1], w3, {"ok": True}, exec_ms=69)["snapshot"] == "skipped"
     assert lookup(api, toy_task, [W1, w3, W1], W2)["snapshot_after_ms"] is None  # the history is not all in the graph
-    unbudgeted = api.put("/api/v1/tasks/toy0", {"env": {"backend": "external", "name": "toy"}, "sandbox_budget": 0},
-                         format="json")
+    unbudgeted = api.put(
+        "/api/v1/tasks/toy0", {"env": {"backend": "external", "name": "toy"}, "sandbox_budget": 0}, format="json"
+    )
     assert unbudgeted.status_code == 201, unbudgeted.content
     assert lookup(api, "toy0", [], W1)["snapshot_after_ms"] is None  # no snapshots at all
 
@@ -57,11 +57,18 @@ def test_read_only_calls_hit_in_any_order_between_the_same_writes(api, toy_task)
 
 def test_a_call_observed_to_change_nothing_is_recorded_read_only(api, toy_task):
     inspect = call("write", path="f", content="")  # a state-changing tool, observed to change nothing
-    node = api.post(f"/api/v1/tasks/{toy_task}/record", {"history": [W1], "call": inspect, "result": {"ok": True},
-                                                        "exec_ms": 5, "mutated": False}, format="json").json()
+    node = api.post(
+        f"/api/v1/tasks/{toy_task}/record",
+        {"history": [W1], "call": inspect, "result": {"ok": True}, "exec_ms": 5, "mutated": False},
+        format="json",
+    ).json()
     assert node["mutates"] is False
-    assert lookup(api, toy_task, [W1], inspect) == {"hit": True, "node_id": node["node_id"], "mutates": False,
-                                                    "result": {"ok": True}}
+    assert lookup(api, toy_task, [W1], inspect) == {
+        "hit": True,
+        "node_id": node["node_id"],
+        "mutates": False,
+        "result": {"ok": True},
+    }
     record(api, toy_task, [W1], W2, {"ok": True})
     # Later calls match without it in the history; a history that keeps it is keyed as if it
     # changed the state (safe: a miss; a client told `mutates: false` drops it).
@@ -70,16 +77,23 @@ def test_a_call_observed_to_change_nothing_is_recorded_read_only(api, toy_task):
 
 
 def test_mutated_must_be_a_boolean(api, toy_task):
-    response = api.post(f"/api/v1/tasks/{toy_task}/record", {"history": [], "call": W1, "result": {}, "exec_ms": 1,
-                                                             "mutated": "no"}, format="json")
+    response = api.post(
+        f"/api/v1/tasks/{toy_task}/record",
+        {"history": [], "call": W1, "result": {}, "exec_ms": 1, "mutated": "no"},
+        format="json",
+    )
     assert response.status_code == 400
-    assert response.json()["error"] == {"code": "invalid_payload", "message": "'mutated' must be a bool.",
-                                        "details": {"field": "mutated"}}
+    assert response.json()["error"] == {
+        "code": "invalid_payload",
+        "message": "'mutated' must be a bool.",
+        "details": {"field": "mutated"},
+    }
 
 
 def file_times(api, task, history, c, replay):
-    response = api.post(f"/api/v1/tasks/{task}/file-times", {"history": history, "call": c, "replay": replay},
-                        format="json")
+    response = api.post(
+        f"/api/v1/tasks/{task}/file-times", {"history": history, "call": c, "replay": replay}, format="json"
+    )
     assert response.status_code == 200, response.content
     return response.json()["file_times"]
 
@@ -118,8 +132,11 @@ def test_miss_resumes_from_the_deepest_snapshot_with_a_lease(api, toy_task):
     record(api, toy_task, [], W1, {"ok": True}, exec_ms=5000)
     n2 = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)
     assert n2["snapshot"] == "wanted"
-    reg = api.post(f"/api/v1/tasks/{toy_task}/nodes/{n2['node_id']}/snapshots",
-                   {"ref": "snap-2", "backend": "external", "size_bytes": 10, "create_ms": 30}, format="json")
+    reg = api.post(
+        f"/api/v1/tasks/{toy_task}/nodes/{n2['node_id']}/snapshots",
+        {"ref": "snap-2", "backend": "external", "size_bytes": 10, "create_ms": 30},
+        format="json",
+    )
     assert reg.status_code == 201, reg.content
     w3 = call("write", path="f", content="3")
     miss = lookup(api, toy_task, [W1, R, W2, w3], R)
@@ -136,8 +153,13 @@ def test_a_caller_that_follows_the_history_is_offered_no_snapshot_and_leases_non
     record(api, toy_task, [], W1, {"ok": True}, exec_ms=5000)
     node = record(api, toy_task, [W1], W2, {"ok": True}, exec_ms=5000)["node_id"]
     api.post(f"/api/v1/tasks/{toy_task}/nodes/{node}/snapshots", {"ref": "s", "backend": "external"}, format="json")
-    assert lookup(api, toy_task, [W1, W2], R, resume=False) == {"hit": False, "matched": 2, "resume": None,
-                                                                "replay": [W1, W2], "snapshot_after_ms": 100.0}
+    assert lookup(api, toy_task, [W1, W2], R, resume=False) == {
+        "hit": False,
+        "matched": 2,
+        "resume": None,
+        "replay": [W1, W2],
+        "snapshot_after_ms": 100.0,
+    }
     assert Lease.objects.count() == 0
     assert lookup(api, toy_task, [W1, W2], R, resume=True)["resume"]["snapshot_ref"] == "s"
     assert Lease.objects.count() == 1
@@ -161,8 +183,11 @@ def test_cheap_writes_are_not_snapshotted(api, toy_task):
 
 
 def test_non_cacheable_tool_always_misses(api):
-    api.put("/api/v1/tasks/clock", {"env": {}, "tools": {"now": {"cacheable": False, "mutates_state": False}}},
-            format="json")
+    api.put(
+        "/api/v1/tasks/clock",
+        {"env": {}, "tools": {"now": {"cacheable": False, "mutates_state": False}}},
+        format="json",
+    )
     record(api, "clock", [], call("now"), {"t": 1})
     assert lookup(api, "clock", [], call("now"))["hit"] is False
     stats = api.get("/api/v1/tasks/clock/stats").json()
@@ -171,12 +196,17 @@ def test_non_cacheable_tool_always_misses(api):
 
 def test_changing_the_environment_means_old_results_never_hit(api, toy_task):
     record(api, toy_task, [], W1, {"ok": True})
-    task = api.put(f"/api/v1/tasks/{toy_task}", {"env": {"backend": "external", "name": "toy-v2"},
-                                                 "tools": {"read": {"mutates_state": False}}}, format="json").json()
+    task = api.put(
+        f"/api/v1/tasks/{toy_task}",
+        {"env": {"backend": "external", "name": "toy-v2"}, "tools": {"read": {"mutates_state": False}}},
+        format="json",
+    ).json()
     assert lookup(api, toy_task, [], W1)["hit"] is False
-    stale = api.post(f"/api/v1/tasks/{toy_task}/record",
-                     {"history": [], "call": W1, "result": {}, "exec_ms": 1, "env_fingerprint": "0" * 64},
-                     format="json")
+    stale = api.post(
+        f"/api/v1/tasks/{toy_task}/record",
+        {"history": [], "call": W1, "result": {}, "exec_ms": 1, "env_fingerprint": "0" * 64},
+        format="json",
+    )
     assert stale.status_code == 409 and stale.json()["error"]["code"] == "env_changed"
     assert task["env_fingerprint"] != "0" * 64
 
@@ -238,7 +268,11 @@ def test_claimed_miss_makes_other_rollouts_wait_for_its_record(api, toy_task):
     assert "claim" not in lookup(api, toy_task, [], W1)  # a lookup that claims nothing is a plain miss
     node = record(api, toy_task, [], W1, {"ok": True}, rollout_id="r1")
     assert lookup(api, toy_task, [], W1, rollout_id="r2", claim=True) == {
-        "hit": True, "node_id": node["node_id"], "mutates": True, "result": {"ok": True}}
+        "hit": True,
+        "node_id": node["node_id"],
+        "mutates": True,
+        "result": {"ok": True},
+    }
     # Counted: r1's miss, the plain lookup and r2's hit, not the answers telling r2 to wait.
     stats = api.get(f"/api/v1/tasks/{toy_task}/stats").json()
     assert (stats["calls"], stats["hits"]) == (4, 1)
@@ -260,8 +294,11 @@ def test_claim_needs_a_rollout(api, toy_task):
 
 def test_a_rollout_whose_execution_failed_gives_its_claim_up(api, toy_task):
     def release(rollout_id):
-        response = api.post(f"/api/v1/tasks/{toy_task}/claims/release",
-                            {"history": [], "call": W1, "rollout_id": rollout_id}, format="json")
+        response = api.post(
+            f"/api/v1/tasks/{toy_task}/claims/release",
+            {"history": [], "call": W1, "rollout_id": rollout_id},
+            format="json",
+        )
         assert response.status_code == 200, response.content
         return response.json()["released"]
 
@@ -291,7 +328,6 @@ def test_the_task_list_comes_a_page_at_a_time_and_filters_by_id(api, toy_task):
     for bad in ("limit=0", "limit=1001", "limit=x", "offset=-1"):
         response = api.get(f"/api/v1/tasks?{bad}")
         assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_payload", bad
-
 
 
 def test_a_hit_answers_the_result_in_the_key_order_the_tool_gave(api, toy_task):
@@ -326,6 +362,9 @@ def test_a_replay_takes_its_time_off_what_the_hits_saved(api, toy_task):
     record(api, toy_task, [], W1, {"ok": True}, exec_ms=150, epoch=0, rollout_id="r2")  # a racing record: no replay
     stats = api.get(f"/api/v1/tasks/{toy_task}").json()["stats"]
     assert (stats["hits"], stats["saved_ms"], stats["executed_ms"]) == (1, 50, 250)
-    bad = api.post(f"/api/v1/tasks/{toy_task}/record", {"history": [], "call": W1, "result": {}, "exec_ms": 1,
-                                                         "replay": "yes"}, format="json")
+    bad = api.post(
+        f"/api/v1/tasks/{toy_task}/record",
+        {"history": [], "call": W1, "result": {}, "exec_ms": 1, "replay": "yes"},
+        format="json",
+    )
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_payload"

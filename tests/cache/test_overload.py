@@ -14,8 +14,7 @@ import pytest
 from django.conf import settings
 
 from lab.server import database_url, service_running
-
-from .helpers import call, record, wait_for, waiting_on_locks
+from tests.support.api import call, record, wait_for, waiting_on_locks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -24,14 +23,17 @@ W2 = call("write", path="g", content="2")
 
 
 def test_a_full_lane_answers_503_overloaded_at_once_and_the_queued_requests_are_served(
-        api, toy_task, token, monkeypatch):
+    api, toy_task, token, monkeypatch
+):
     record(api, "toy", [], W, {"ok": True})
     record(api, "toy", [], W2, {"ok": 2})
     monkeypatch.setenv("TVCACHE_HOT_PATH_THREADS", "1")
     monkeypatch.setenv("TVCACHE_LANE_QUEUE", "2")
     db = settings.DATABASES["default"]
-    with service_running(db=db, workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
+    with (
+        service_running(db=db, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client,
+    ):
 
         def lookup(c: dict = W) -> httpx.Response:
             return client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": c})
@@ -59,8 +61,10 @@ def test_a_flood_of_large_bodies_with_bad_tokens_never_holds_up_lookups(api, toy
     record(api, "toy", [], W, {"ok": True})
     monkeypatch.setenv("TVCACHE_LANE_QUEUE", "8")
     db = settings.DATABASES["default"]
-    with service_running(db=db, workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
+    with (
+        service_running(db=db, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client,
+    ):
         assert client.post("/api/v1/tasks/toy/lookup", json={"history": [], "call": W}).json()["hit"] is True
         port = int(service.url.rsplit(":", 1)[1])
 
@@ -68,8 +72,12 @@ def test_a_flood_of_large_bodies_with_bad_tokens_never_holds_up_lookups(api, toy
             """A 2 MiB body declared, 64 KiB of it sent; the answer comes without the rest."""
             token_header = b"Authorization: Token wrong\r\n" if index % 2 else b""
             with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-                sock.sendall(b"POST /api/v1/tasks/toy/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\n" + token_header
-                             + b"Content-Type: application/json\r\nContent-Length: 2097152\r\n\r\n" + b" " * 65536)
+                sock.sendall(
+                    b"POST /api/v1/tasks/toy/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    + token_header
+                    + b"Content-Type: application/json\r\nContent-Length: 2097152\r\n\r\n"
+                    + b" " * 65536
+                )
                 answer = b""
                 while b'"code"' not in answer:
                     chunk = sock.recv(65536)

@@ -26,15 +26,17 @@ from cache.api.auth import TOKEN_CACHE_TTL_S, principal_for_key, token_create
 from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.projects import task_key
 from cache.services.ledger import ledger_flush
-
-from .helpers import call, lookup, project_clients, record
+from tests.support.api import call, lookup, project_clients, record
 
 pytestmark = pytest.mark.django_db
 
 W = call("write", path="f", content="1")
 R = call("read", path="f")
-EXTERNAL = {"env": {"backend": "external", "name": "projects"}, "tools": {"read": {"mutates_state": False}},
-            "sandbox_budget": 4}
+EXTERNAL = {
+    "env": {"backend": "external", "name": "projects"},
+    "tools": {"read": {"mutates_state": False}},
+    "sandbox_budget": 4,
+}
 
 
 @pytest.fixture
@@ -50,8 +52,11 @@ def world(clients):
     assert alpha.put("/api/v1/tasks/only-alpha", EXTERNAL, format="json").status_code == 201
     write = record(alpha, "only-alpha", [], W, {"ok": True}, exec_ms=500.0, rollout_id="r1")["node_id"]
     read = record(alpha, "only-alpha", [W], R, {"output": "1"}, rollout_id="r1")["node_id"]
-    response = alpha.post(f"/api/v1/tasks/only-alpha/nodes/{write}/snapshots",
-                          {"ref": "alpha-snap", "backend": "external", "size_bytes": 10}, format="json")
+    response = alpha.post(
+        f"/api/v1/tasks/only-alpha/nodes/{write}/snapshots",
+        {"ref": "alpha-snap", "backend": "external", "size_bytes": 10},
+        format="json",
+    )
     assert response.status_code == 201, response.content
     miss = lookup(alpha, "only-alpha", [W], call("write", path="g", content="2"), rollout_id="r2")
     lease = miss["resume"]["lease_id"]
@@ -135,12 +140,18 @@ def test_the_owning_project_reaches_every_route_and_roles_split_the_changes(clie
     assert flushed.status_code == 200 and flushed.json()["details"]["nodes_deleted"] == 3
     assert not Node.objects.filter(task_id="alpha.only-alpha").exists()
     # Every maintainer action and every trainer refusal is in alpha's audit log, by token name.
-    log = list(AuditEntry.objects.filter(project__name="alpha").order_by("at", "id")
-               .values_list("actor_name", "action", "outcome"))
+    log = list(
+        AuditEntry.objects.filter(project__name="alpha")
+        .order_by("at", "id")
+        .values_list("actor_name", "action", "outcome")
+    )
     assert ("token:alpha-trainer", "task_flush", "refused") in log
     assert ("token:alpha-trainer", "node_pin", "refused") in log
-    assert log[-3:] == [("token:alpha-maintainer", "node_pin", "ok"), ("token:alpha-maintainer", "snapshot_evict", "ok"),
-                        ("token:alpha-maintainer", "task_flush", "ok")]
+    assert log[-3:] == [
+        ("token:alpha-maintainer", "node_pin", "ok"),
+        ("token:alpha-maintainer", "snapshot_evict", "ok"),
+        ("token:alpha-maintainer", "task_flush", "ok"),
+    ]
 
 
 def test_the_same_task_id_in_two_projects_holds_two_graphs(clients):
@@ -154,7 +165,9 @@ def test_the_same_task_id_in_two_projects_holds_two_graphs(clients):
     assert lookup(alpha, "task-0", [], W)["result"] == {"ok": "alpha"}
     assert lookup(beta, "task-0", [], W)["result"] == {"ok": "beta"}
     assert lookup(alpha, "task-0", [W], R)["hit"] is False
-    graphs = {name: client.get("/api/v1/tasks/task-0/graph").json() for name, client in (("alpha", alpha), ("beta", beta))}
+    graphs = {
+        name: client.get("/api/v1/tasks/task-0/graph").json() for name, client in (("alpha", alpha), ("beta", beta))
+    }
     assert (len(graphs["alpha"]["nodes"]), len(graphs["beta"]["nodes"])) == (1, 2)
     assert graphs["alpha"]["task_id"] == graphs["beta"]["task_id"] == "task-0"  # each answered by its own id
     assert {n["id"] for n in graphs["alpha"]["nodes"]}.isdisjoint({n["id"] for n in graphs["beta"]["nodes"]})
@@ -173,20 +186,28 @@ def test_a_trainer_creates_and_puts_again_but_cannot_change_env_tools_or_budget(
     record(trainer, "t", [], W, {"ok": True})
     assert trainer.put("/api/v1/tasks/t", EXTERNAL, format="json").status_code == 200  # as it is: no change
     assert trainer.put("/api/v1/tasks/t", {**EXTERNAL, "sandbox_budget": None}, format="json").status_code == 200
-    changes = {"env": {**EXTERNAL, "env": {"backend": "external", "name": "other"}},
-               "tools": {**EXTERNAL, "tools": {}},
-               "sandbox_budget": {**EXTERNAL, "sandbox_budget": 9}}
+    changes = {
+        "env": {**EXTERNAL, "env": {"backend": "external", "name": "other"}},
+        "tools": {**EXTERNAL, "tools": {}},
+        "sandbox_budget": {**EXTERNAL, "sandbox_budget": 9},
+    }
     for field, body in changes.items():
         response = trainer.put("/api/v1/tasks/t", body, format="json")
         assert response.status_code == 403, (field, response.content)
-        assert response.json()["error"]["code"] == "maintainer_required" and field in response.json()["error"]["message"]
+        assert (
+            response.json()["error"]["code"] == "maintainer_required" and field in response.json()["error"]["message"]
+        )
     assert lookup(trainer, "t", [], W)["hit"] is True  # the graph is as it was
     response = maintainer.put("/api/v1/tasks/t", changes["env"], format="json")
     assert response.status_code == 200
     assert lookup(trainer, "t", [], W)["hit"] is False  # a new environment: the graph was dropped
     entry = AuditEntry.objects.get(action="task_update")
     assert (entry.actor_name, entry.project.name, entry.details["changed"], entry.details["nodes_dropped"]) == (
-        "token:alpha-maintainer", "alpha", ["env"], 1)
+        "token:alpha-maintainer",
+        "alpha",
+        ["env"],
+        1,
+    )
     assert maintainer.put("/api/v1/tasks/t", {**changes["env"], "sandbox_budget": 9}, format="json").status_code == 200
     assert AuditEntry.objects.filter(action="task_update").count() == 2
 
@@ -197,19 +218,29 @@ def test_a_snapshot_past_the_projects_bytes_is_403(clients):
     client.put("/api/v1/tasks/t", EXTERNAL, format="json")
     first = record(client, "t", [], W, {"ok": 1})["node_id"]
     second = record(client, "t", [W], call("write", path="g", content="2"), {"ok": 2})["node_id"]
-    ok = client.post(f"/api/v1/tasks/t/nodes/{first}/snapshots", {"ref": "a", "backend": "external", "size_bytes": 60},
-                     format="json")
+    ok = client.post(
+        f"/api/v1/tasks/t/nodes/{first}/snapshots", {"ref": "a", "backend": "external", "size_bytes": 60}, format="json"
+    )
     assert ok.status_code == 201
-    refused = client.post(f"/api/v1/tasks/t/nodes/{second}/snapshots", {"ref": "b", "backend": "external",
-                                                                         "size_bytes": 60}, format="json")
+    refused = client.post(
+        f"/api/v1/tasks/t/nodes/{second}/snapshots",
+        {"ref": "b", "backend": "external", "size_bytes": 60},
+        format="json",
+    )
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "snapshot_quota_exceeded"
     assert refused.json()["error"]["details"]["live_bytes"] == 60
     # Beta has no such grant: its snapshots are not bounded by alpha's.
     beta = clients["beta", "trainer"]
     beta.put("/api/v1/tasks/t", EXTERNAL, format="json")
     node = record(beta, "t", [], W, {"ok": 1})["node_id"]
-    assert beta.post(f"/api/v1/tasks/t/nodes/{node}/snapshots", {"ref": "a", "backend": "external",
-                                                                  "size_bytes": 10**9}, format="json").status_code == 201
+    assert (
+        beta.post(
+            f"/api/v1/tasks/t/nodes/{node}/snapshots",
+            {"ref": "a", "backend": "external", "size_bytes": 10**9},
+            format="json",
+        ).status_code
+        == 201
+    )
 
 
 def test_the_rate_limit_answers_429_with_retry_after_on_hot_and_cold_routes(clients, settings):
@@ -290,7 +321,10 @@ def test_token_and_project_commands(django_user_model):
     assert token.key_digest != key and key not in token.key_digest  # only the digest is stored
     assert dt.timedelta(days=29) < token.expires_at - token.created_at <= dt.timedelta(days=30)
     call_command("create_token", "plain", stdout=io.StringIO())
-    assert ApiToken.objects.get(name="plain").role == "trainer" and ApiToken.objects.get(name="plain").project.name == "default"
+    assert (
+        ApiToken.objects.get(name="plain").role == "trainer"
+        and ApiToken.objects.get(name="plain").project.name == "default"
+    )
     with pytest.raises(CommandError):
         call_command("create_token", "ci", stdout=io.StringIO())
     listed = io.StringIO()
@@ -304,12 +338,32 @@ def test_token_and_project_commands(django_user_model):
         call_command("revoke_token", "ci", stdout=io.StringIO())
 
     django_user_model.objects.create_user("carol")
-    call_command("project_set", "newproj", "--network", "on", "--images", "tvcache/busybox:latest",
-                 "--max-memory-mb", "256", "--max-live-sandboxes", "3", "--max-snapshot-bytes", "2G",
-                 "--rate-limit", "50", "--member", "carol:maintainer", stdout=io.StringIO())
+    call_command(
+        "project_set",
+        "newproj",
+        "--network",
+        "on",
+        "--images",
+        "tvcache/busybox:latest",
+        "--max-memory-mb",
+        "256",
+        "--max-live-sandboxes",
+        "3",
+        "--max-snapshot-bytes",
+        "2G",
+        "--rate-limit",
+        "50",
+        "--member",
+        "carol:maintainer",
+        stdout=io.StringIO(),
+    )
     project = Project.objects.get(name="newproj")
     assert (project.network, project.images, project.max_memory_mb, project.max_live_sandboxes) == (
-        True, ["tvcache/busybox:latest"], 256, 3)
+        True,
+        ["tvcache/busybox:latest"],
+        256,
+        3,
+    )
     assert (project.max_snapshot_bytes, project.rate_limit) == (2 * 2**30, 50)
     assert Membership.objects.get(project=project, user__username="carol").role == "maintainer"
     call_command("project_set", "newproj", "--max-memory-mb", "none", "--remove-member", "carol", stdout=io.StringIO())

@@ -13,8 +13,7 @@ import pytest
 from django.conf import settings
 
 from lab.server import service_running
-
-from .helpers import call, lookup, record
+from tests.support.api import call, lookup, record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -49,14 +48,37 @@ values = ["r1"]
     report = tmp_path / "junit.xml"
     with service_running(db=settings.DATABASES["default"], workers=1) as service:
         run = subprocess.run(
-            [str(Path(sys.executable).with_name("schemathesis")), "--config-file", str(config), "run",
-             f"{service.url}/api/schema/", "--phases", "examples,coverage,fuzzing", "--checks", "not_a_server_error",
-             "--max-time", str(FUZZ_S), "--workers", str(WORKERS), "--header", f"Authorization: Token {token}",
-             "--report", "junit", "--report-junit-path", str(report)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=FUZZ_S + 25)  # its cache stays out of the repo
+            [
+                str(Path(sys.executable).with_name("schemathesis")),
+                "--config-file",
+                str(config),
+                "run",
+                f"{service.url}/api/schema/",
+                "--phases",
+                "examples,coverage,fuzzing",
+                "--checks",
+                "not_a_server_error",
+                "--max-time",
+                str(FUZZ_S),
+                "--workers",
+                str(WORKERS),
+                "--header",
+                f"Authorization: Token {token}",
+                "--report",
+                "junit",
+                "--report-junit-path",
+                str(report),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=FUZZ_S + 25,
+        )  # its cache stays out of the repo
     operations = ElementTree.parse(report).getroot().iter("testcase")
-    outcomes = {case.get("name"): [(o.tag, o.get("message")) for o in case if o.tag in ("failure", "error")]
-                for case in operations}
+    outcomes = {
+        case.get("name"): [(o.tag, o.get("message")) for o in case if o.tag in ("failure", "error")]
+        for case in operations
+    }
     assert len(outcomes) >= 10 and not any(outcomes.values()), (outcomes, run.stdout[-6000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "passed" in run.stdout and " generated" in run.stdout

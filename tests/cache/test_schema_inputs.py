@@ -36,8 +36,15 @@ OPERATIONS = {
     ("post", "/api/v1/tasks/{task_id}/file-times"): "FileTimesQuery",
 }
 # A value of each JSON type, and the schema types it is one of.
-SAMPLES = [("x", {"string"}), (1, {"integer", "number"}), (1.5, {"number"}), (True, {"boolean"}),
-           ({}, {"object"}), ([], {"array"}), (None, set())]
+SAMPLES = [
+    ("x", {"string"}),
+    (1, {"integer", "number"}),
+    (1.5, {"number"}),
+    (True, {"boolean"}),
+    ({}, {"object"}),
+    ([], {"array"}),
+    (None, set()),
+]
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +176,10 @@ def test_the_schema_and_the_parser_say_the_same(schema, component):
                     drift.append(f"{field}: {value!r} is accepted for a {kind}")
             for value, admitted in _bounds(prop):
                 if accepts(parse, at(valid, (*path, name), lambda _: value)) != admitted:
-                    drift.append(f"{field}: {str(value)[:20]!r} is {'refused' if admitted else 'accepted'} "
-                                 f"against the schema's bounds")
+                    drift.append(
+                        f"{field}: {str(value)[:20]!r} is {'refused' if admitted else 'accepted'} "
+                        f"against the schema's bounds"
+                    )
     assert drift == []
 
 
@@ -192,6 +201,9 @@ def _bounds(prop: dict) -> list[tuple[Any, bool]]:
     if kind == "string":
         shortest = prop.get("minLength", 0)
         probes += [("x" * shortest, True)] + ([("x" * (shortest - 1), False)] if shortest else [])
-        probes += [("x" * prop["maxLength"], True), ("x" * (prop["maxLength"] + 1), False)] if "maxLength" in prop \
+        probes += (
+            [("x" * prop["maxLength"], True), ("x" * (prop["maxLength"] + 1), False)]
+            if "maxLength" in prop
             else [("x" * 10_000, True)]
+        )
     return probes

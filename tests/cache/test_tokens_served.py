@@ -13,8 +13,7 @@ from django.conf import settings
 
 from cache.api.auth import TOKEN_CACHE_TTL_S, token_create, token_revoke
 from lab.server import _cpu_s, process_tree, service_running
-
-from .helpers import call
+from tests.support.api import call
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -28,8 +27,12 @@ def test_a_revoked_token_is_refused_within_five_seconds_by_every_process(api):
     other = token_create(name="other", project="beta", role="trainer")
     with service_running(db=settings.DATABASES["default"], workers=2) as service:
         # A connection per request: the kernel spreads them over both processes (checked below).
-        clients = [httpx.Client(base_url=service.url, headers={"Authorization": f"Token {k}", "Connection": "close"},
-                                timeout=30) for k in (key, other)]
+        clients = [
+            httpx.Client(
+                base_url=service.url, headers={"Authorization": f"Token {k}", "Connection": "close"}, timeout=30
+            )
+            for k in (key, other)
+        ]
         doomed, beta = clients
         for client in clients:
             assert client.put("/api/v1/tasks/t", json={"env": {"backend": "external"}}).status_code == 201
@@ -37,8 +40,11 @@ def test_a_revoked_token_is_refused_within_five_seconds_by_every_process(api):
         assert doomed.post("/api/v1/tasks/t/record", json=record_body).status_code == 200
         assert beta.post("/api/v1/tasks/t/lookup", json={"history": [], "call": W}).json()["hit"] is False
         # Every process has verified (and cached) the token: each serves it many times over.
-        workers = [pid for pid in process_tree(service.pid) if pid != service.pid
-                   and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        workers = [
+            pid
+            for pid in process_tree(service.pid)
+            if pid != service.pid and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
         assert len(workers) == 2
         cpu = [_cpu_s(pid) for pid in workers]
         for _ in range(60):
@@ -50,8 +56,10 @@ def test_a_revoked_token_is_refused_within_five_seconds_by_every_process(api):
         last_served = revoked_at
         while time.monotonic() - revoked_at < REFUSED_WITHIN_S + 2.0:
             sent = time.monotonic()
-            statuses = {doomed.post("/api/v1/tasks/t/lookup", json={"history": [], "call": W}).status_code,
-                        doomed.get("/api/v1/tasks/t").status_code}
+            statuses = {
+                doomed.post("/api/v1/tasks/t/lookup", json={"history": [], "call": W}).status_code,
+                doomed.get("/api/v1/tasks/t").status_code,
+            }
             assert statuses <= {200, 401}, statuses  # a process still serving it, another refusing it
             if 200 in statuses:
                 last_served = sent

@@ -15,8 +15,8 @@ from playwright.sync_api import expect, sync_playwright
 from cache.services.ledger import ledger_flush
 from lab.browser import chromium, collect_static, log_in
 from lab.server import service_running
-from tests.cache.helpers import call
-from tests.dashboard.conftest import CLONE, MAKE, PASSWORD, TEST, build_tree
+from tests.support.api import call
+from tests.support.graph import CLONE, MAKE, PASSWORD, TEST, build_tree
 
 SHOTS = Path(settings.BASE_DIR) / "artifacts" / "screenshots"
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -30,8 +30,9 @@ def static_collected():
 @pytest.fixture
 def server(transactional_db, static_collected, tmp_path):
     SHOTS.mkdir(parents=True, exist_ok=True)
-    with service_running(db=connection.settings_dict, redis_url=REDIS_URL, workers=1, log_dir=tmp_path,
-                         ready_path="/login/") as service:
+    with service_running(
+        db=connection.settings_dict, redis_url=REDIS_URL, workers=1, log_dir=tmp_path, ready_path="/login/"
+    ) as service:
         yield service.url
 
 
@@ -43,8 +44,9 @@ def node_point(page, node_id: int) -> tuple[float, float]:
     """Where a graph node is on the screen (once the viewport has stopped moving)."""
     page.wait_for_function("!tvGraph.cy.animated()")
     box = page.locator("#cy").bounding_box()
-    pos = page.evaluate("id => { const p = tvGraph.cy.getElementById(String(id)).renderedPosition();"
-                        " return [p.x, p.y]; }", node_id)
+    pos = page.evaluate(
+        "id => { const p = tvGraph.cy.getElementById(String(id)).renderedPosition(); return [p.x, p.y]; }", node_id
+    )
     return box["x"] + pos[0], box["y"] + pos[1]
 
 
@@ -103,8 +105,10 @@ def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
 
         # A node recorded now appears live under its (shown) parent.
         new = call("bash", command="pytest -q --lf")
-        recorded = rest.post(f"/api/v1/tasks/{toy_task}/record", json={
-            "history": [CLONE, MAKE, TEST], "call": new, "result": {"stdout": "ok"}, "exec_ms": 2500.0}).json()
+        recorded = rest.post(
+            f"/api/v1/tasks/{toy_task}/record",
+            json={"history": [CLONE, MAKE, TEST], "call": new, "result": {"stdout": "ok"}, "exec_ms": 2500.0},
+        ).json()
         page.wait_for_function(f"tvGraph.cy.getElementById('{recorded['node_id']}').nonempty()", timeout=5000)
 
         # Search finds a deep call by its text.

@@ -21,8 +21,15 @@ def graph_ids(api, task: str) -> set[int]:
 
 def control_urls(task: str, tree: dict[str, int]) -> list[str]:
     node = f"/tasks/{task}/nodes/{tree['test']}"
-    return [f"{node}/evict-subtree/", f"{node}/evict-snapshot/", f"{node}/pin/", f"{node}/unpin/",
-            f"/tasks/{task}/control/flush/", f"/tasks/{task}/control/budget/", "/pools/control/stop-sandbox/"]
+    return [
+        f"{node}/evict-subtree/",
+        f"{node}/evict-snapshot/",
+        f"{node}/pin/",
+        f"{node}/unpin/",
+        f"/tasks/{task}/control/flush/",
+        f"/tasks/{task}/control/budget/",
+        "/pools/control/stop-sandbox/",
+    ]
 
 
 def test_controls_need_staff(user_client, tree, toy_task):
@@ -55,8 +62,9 @@ def test_controls_are_csrf_protected(staff_user, tree, toy_task):
     # With the token from the confirmation page, the same post goes through.
     page = client.get(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/")
     token = page.context["csrf_token"]
-    response = client.post(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/",
-                           {"confirm": "yes", "csrfmiddlewaretoken": str(token)})
+    response = client.post(
+        f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/", {"confirm": "yes", "csrfmiddlewaretoken": str(token)}
+    )
     assert response.status_code == 302
     assert not Node.objects.filter(pk=tree["test"]).exists()
 
@@ -70,8 +78,10 @@ def test_nothing_happens_without_confirmation(staff_client, tree, toy_task):
 
 def test_evict_subtree_deletes_it_and_is_audited(staff_client, staff_user, api, tree, toy_task):
     before = graph_ids(api, toy_task)
-    response = staff_client.post(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/",
-                                 {"confirm": "yes", "next": f"/tasks/{toy_task}/graph/"})
+    response = staff_client.post(
+        f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/",
+        {"confirm": "yes", "next": f"/tasks/{toy_task}/graph/"},
+    )
     assert response.status_code == 302 and response["Location"] == f"/tasks/{toy_task}/graph/"
     gone = {tree["test"], tree["patch"], tree["retest"]}
     assert graph_ids(api, toy_task) == before - gone
@@ -83,8 +93,9 @@ def test_evict_subtree_deletes_it_and_is_audited(staff_client, staff_user, api, 
     audit = staff_client.get("/audit/")
     assert "Evict subtree" in audit.content.decode() and "alice" in audit.content.decode()
     # The evicted path is a miss again, and recording it anew works.
-    from tests.cache.helpers import lookup
-    from tests.dashboard.conftest import CLONE, MAKE, TEST
+    from tests.support.api import lookup
+    from tests.support.graph import CLONE, MAKE, TEST
+
     assert lookup(api, toy_task, [CLONE, MAKE], TEST)["hit"] is False
 
 
@@ -93,8 +104,9 @@ def test_a_leased_snapshot_blocks_subtree_eviction(staff_client, tree, toy_task)
     Lease.objects.create(snapshot=snapshot, rollout_id="r9", expires_at=timezone.now() + timedelta(minutes=5))
     page = staff_client.get(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/")
     assert page.context["subtree"]["leased"] == 1
-    response = staff_client.post(f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/", {"confirm": "yes"},
-                                 follow=True)
+    response = staff_client.post(
+        f"/tasks/{toy_task}/nodes/{tree['test']}/evict-subtree/", {"confirm": "yes"}, follow=True
+    )
     assert "refused" in response.content.decode()
     assert Node.objects.filter(task_id=toy_task).count() == 7
     entry = AuditEntry.objects.get()
@@ -137,7 +149,9 @@ def test_stop_sandbox_stops_a_real_sandbox(staff_client, toy_task):
 
     backend = backend_named("directory")
     sandbox = backend.start({"backend": "directory", "files": {}}, labels=labels(toy_task))
-    row = Sandbox.objects.create(task_id=toy_task, backend="directory", pool="root", state="ready", ref=sandbox.sandbox_id)
+    row = Sandbox.objects.create(
+        task_id=toy_task, backend="directory", pool="root", state="ready", ref=sandbox.sandbox_id
+    )
     response = staff_client.post("/pools/control/stop-sandbox/", {"confirm": "yes", "sandbox_id": str(row.pk)})
     assert response.status_code == 302
     row.refresh_from_db()

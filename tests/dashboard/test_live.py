@@ -19,8 +19,12 @@ from cache.services import ledger
 from tvcache_site.asgi import application
 
 # A prefix of the run's own: another tvcache on the same Redis (a replay, a demo) sends its events too.
-REDIS_LAYER = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                           "CONFIG": {"hosts": ["redis://127.0.0.1:6379/0"], "prefix": f"test-{uuid.uuid4().hex}"}}}
+REDIS_LAYER = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": ["redis://127.0.0.1:6379/0"], "prefix": f"test-{uuid.uuid4().hex}"},
+    }
+}
 
 
 @pytest.fixture
@@ -31,11 +35,27 @@ def redis_layer(settings):
     ledger._ledger.paused_until = 0.0
 
 
-def lookup(task_id: str, hit: bool, *, seen: bool | None = None, epoch: int = 0, tool: str = "",
-           node_id: int | None = None, saved_ms: float = 0.0) -> None:
+def lookup(
+    task_id: str,
+    hit: bool,
+    *,
+    seen: bool | None = None,
+    epoch: int = 0,
+    tool: str = "",
+    node_id: int | None = None,
+    saved_ms: float = 0.0,
+) -> None:
     """A lookup answered, as the lookup service counts it (`seen`: the oracle's hit; `hit` unless said)."""
-    ledger.lookup_add(task_id=task_id, epoch=epoch, tool=tool, rollout_id="", node_id=node_id, hit=hit,
-                      seen=hit if seen is None else seen, saved_ms=saved_ms)
+    ledger.lookup_add(
+        task_id=task_id,
+        epoch=epoch,
+        tool=tool,
+        rollout_id="",
+        node_id=node_id,
+        hit=hit,
+        seen=hit if seen is None else seen,
+        saved_ms=saved_ms,
+    )
 
 
 @pytest.fixture
@@ -102,10 +122,14 @@ def test_the_page_and_the_stats_count_the_same_lookups(redis_layer, staff_user, 
     async def scenario():
         socket = WebsocketCommunicator(application, f"/ws/dashboard/tasks/{task_id}/", headers=headers)
         assert (await socket.connect())[0]
-        answers = [await asyncio.to_thread(api.post, f"/api/v1/tasks/{task_id}/{path}", body, format="json")
-                   for path, body in [("lookup", {"history": [], "call": write}),
-                                      ("record", {"history": [], "call": write, "result": {"ok": 1}, "exec_ms": 5.0}),
-                                      *[("lookup", {"history": [], "call": write})] * 3]]
+        answers = [
+            await asyncio.to_thread(api.post, f"/api/v1/tasks/{task_id}/{path}", body, format="json")
+            for path, body in [
+                ("lookup", {"history": [], "call": write}),
+                ("record", {"history": [], "call": write, "result": {"ok": 1}, "exec_ms": 5.0}),
+                *[("lookup", {"history": [], "call": write})] * 3,
+            ]
+        ]
         assert [a.status_code for a in answers] == [200] * 5
         stats = (await asyncio.to_thread(api.get, f"/api/v1/tasks/{task_id}/stats")).json()  # writes them first
         ledger.flush_now()
@@ -156,11 +180,11 @@ def test_anonymous_and_cross_site_sockets_are_refused(redis_layer, staff_user):
     foreign_headers = session_headers(staff_user, origin=b"http://evil.example")
 
     async def scenario():
-        anonymous = WebsocketCommunicator(application, "/ws/dashboard/overview/",
-                                          headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")])
+        anonymous = WebsocketCommunicator(
+            application, "/ws/dashboard/overview/", headers=[(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")]
+        )
         assert (await anonymous.connect())[0] is False
-        foreign = WebsocketCommunicator(application, "/ws/dashboard/overview/",
-                                        headers=foreign_headers)
+        foreign = WebsocketCommunicator(application, "/ws/dashboard/overview/", headers=foreign_headers)
         assert (await foreign.connect())[0] is False
 
     async_to_sync(scenario)()
@@ -196,8 +220,9 @@ def test_events_of_a_rolled_back_change_are_never_sent(redis_layer, staff_user, 
 @pytest.mark.django_db(transaction=True)
 def test_redis_down_never_reaches_the_caller_and_recovery_is_automatic(settings, staff_user, task_id, monkeypatch):
     monkeypatch.setattr(ledger, "BACKOFF_S", 0.5)
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                                           "CONFIG": {"hosts": ["redis://127.0.0.1:9/0"]}}}  # nothing listens
+    settings.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": ["redis://127.0.0.1:9/0"]}}
+    }  # nothing listens
     ledger._ledger.paused_until = 0.0
     for _ in range(100):
         lookup(task_id, True)  # must not raise

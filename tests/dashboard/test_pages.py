@@ -7,14 +7,20 @@ import json
 import pytest
 from django.test import Client
 
-from tests.dashboard.conftest import PASSWORD
+from tests.support.graph import PASSWORD
 
 pytestmark = pytest.mark.django_db
 
 
 def page_urls(task: str, tree: dict[str, int]) -> list[str]:
-    return ["/", f"/tasks/{task}/", f"/tasks/{task}/graph/", f"/tasks/{task}/nodes/{tree['test']}/", "/pools/",
-            "/audit/"]
+    return [
+        "/",
+        f"/tasks/{task}/",
+        f"/tasks/{task}/graph/",
+        f"/tasks/{task}/nodes/{tree['test']}/",
+        "/pools/",
+        "/audit/",
+    ]
 
 
 def test_every_page_needs_a_login(tree, toy_task):
@@ -144,10 +150,15 @@ def test_graph_api_expands_searches_and_reveals(user_client, tree, toy_task):
     assert {n["id"]: n["parent"] for n in nodes} == {tree["ls"]: tree["clone"], tree["patch"]: tree["test"]}
 
 
-@pytest.mark.parametrize("url, code", [("/dashboard-api/tasks/toy/graph?root=x", 400),
-                                       ("/dashboard-api/tasks/toy/graph?root=99999999", 404),
-                                       ("/dashboard-api/tasks/nope/graph", 404),
-                                       ("/dashboard-api/tasks/toy/nodes?ids=a,b", 400)])
+@pytest.mark.parametrize(
+    "url, code",
+    [
+        ("/dashboard-api/tasks/toy/graph?root=x", 400),
+        ("/dashboard-api/tasks/toy/graph?root=99999999", 404),
+        ("/dashboard-api/tasks/nope/graph", 404),
+        ("/dashboard-api/tasks/toy/nodes?ids=a,b", 400),
+    ],
+)
 def test_graph_api_rejects_bad_input(user_client, tree, url, code):
     response = user_client.get(url)
     assert response.status_code == code
@@ -159,16 +170,24 @@ def test_pools_page_renders_the_sandboxes_apps_overview(user_client, tree, toy_t
     from sandboxes.models import Sandbox
 
     for state, count in (("warming", 1), ("ready", 3), ("leased", 2), ("stopping", 4), ("stopped", 5)):
-        Sandbox.objects.bulk_create([Sandbox(task_id=toy_task, backend="docker", pool="root", state=state)
-                                     for _ in range(count)])
-    snapshot = Snapshot.objects.create(task_id=toy_task, node_id=tree["retest"], ref="tvcache-snap:abc",
-                                       backend="docker", owner="service", size_bytes=734_003_200)
-    Sandbox.objects.create(task_id=toy_task, backend="docker", pool="fork", snapshot=snapshot, state="stopped",
-                           start_ms=85.0)
+        Sandbox.objects.bulk_create(
+            [Sandbox(task_id=toy_task, backend="docker", pool="root", state=state) for _ in range(count)]
+        )
+    snapshot = Snapshot.objects.create(
+        task_id=toy_task,
+        node_id=tree["retest"],
+        ref="tvcache-snap:abc",
+        backend="docker",
+        owner="service",
+        size_bytes=734_003_200,
+    )
+    Sandbox.objects.create(
+        task_id=toy_task, backend="docker", pool="fork", snapshot=snapshot, state="stopped", start_ms=85.0
+    )
     html = user_client.get("/pools/").content.decode()
     assert "healthy" in html
     assert "85 ms" in html and "700.0 MiB" in html and "tvcache-snap:abc" in html
-    row = html[html.index('id="pools-table"'):]
+    row = html[html.index('id="pools-table"') :]
     assert all(f'<td class="n">{n}</td>' in row for n in (1, 3, 2, 4))  # warming, ready, leased, stopping
     overview = user_client.get("/")
     assert next(t for t in overview.context["tasks"] if t["id"] == toy_task)["sandboxes"] == 6  # not the stopping ones
@@ -178,16 +197,20 @@ def test_task_and_node_pages_show_divergences_per_tool_and_per_node(user_client,
     from cache.services import divergence_record
 
     settings.TVCACHE = {**settings.TVCACHE, "AUDIT_MAX_DIVERGENT": 0}
-    response = api.post(f"/api/v1/tasks/{toy_task}/nodes/{tree['ls']}/audit",
-                        {"result": {"stdout": "other listing\n", "stderr": "", "exit_code": 0, "timed_out": False},
-                         "rollout_id": "r9"}, format="json")
+    response = api.post(
+        f"/api/v1/tasks/{toy_task}/nodes/{tree['ls']}/audit",
+        {"result": {"stdout": "other listing\n", "stderr": "", "exit_code": 0, "timed_out": False}, "rollout_id": "r9"},
+        format="json",
+    )
     assert response.json() == {"divergent": True}
-    divergence_record(task_id=toy_task, node_id=tree["make"], tool="bash", kind="state", expected={"files": 3},
-                      observed={"files": 4})
+    divergence_record(
+        task_id=toy_task, node_id=tree["make"], tool="bash", kind="state", expected={"files": 3}, observed={"files": 4}
+    )
 
     page = user_client.get(f"/tasks/{toy_task}/")
     assert page.context["divergences"]["per_tool"] == [
-        {"tool": "bash", "count": 2, "audit": 1, "state": 1, "divergent_nodes": 1, "uncacheable": True}]
+        {"tool": "bash", "count": 2, "audit": 1, "state": 1, "divergent_nodes": 1, "uncacheable": True}
+    ]
     rows = {row["node_id"]: row for row in page.context["divergences"]["per_node"]}
     assert rows[tree["ls"]]["label"] == "bash: ls -la" and rows[tree["ls"]]["divergent"] is True
     assert rows[tree["make"]]["state"] == 1 and rows[tree["make"]]["divergent"] is False

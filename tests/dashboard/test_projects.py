@@ -19,10 +19,10 @@ from cache.models import AuditEntry, Membership, Node, Project
 from cache.services import ledger
 from cache.services.projects import project_named
 from sandboxes.models import Sandbox
-from tests.cache.helpers import project_clients
+from tests.support.api import project_clients
+from tests.support.graph import build_tree
 from tvcache_site.asgi import application
 
-from .conftest import build_tree
 from .test_live import lookup, receive_json, session_headers
 
 ALPHA_TASK, BETA_TASK = "alpha.only-alpha", "beta.task-0"
@@ -48,21 +48,36 @@ def world(db, staff_user):
     alpha.put("/api/v1/tasks/only-alpha", EXTERNAL, format="json")
     tree = build_tree(alpha, "only-alpha")
     beta.put("/api/v1/tasks/task-0", EXTERNAL, format="json")
-    users = {"ann": member("ann", "alpha", "trainer"), "max": member("max", "alpha", "maintainer"),
-             "bea": member("bea", "beta", "maintainer"), "staff": staff_user}
+    users = {
+        "ann": member("ann", "alpha", "trainer"),
+        "max": member("max", "alpha", "maintainer"),
+        "bea": member("bea", "beta", "maintainer"),
+        "staff": staff_user,
+    }
     return {"tree": tree, "users": users, "clients": {name: logged_in(user) for name, user in users.items()}}
 
 
 def pages(task: str, node: int) -> list[str]:
-    return [f"/tasks/{task}/", f"/tasks/{task}/graph/", f"/tasks/{task}/nodes/{node}/",
-            f"/dashboard-api/tasks/{task}/graph", f"/dashboard-api/tasks/{task}/nodes?ids={node}",
-            f"/dashboard-api/tasks/{task}/search?q=make", f"/dashboard-api/tasks/{task}/reveal/{node}"]
+    return [
+        f"/tasks/{task}/",
+        f"/tasks/{task}/graph/",
+        f"/tasks/{task}/nodes/{node}/",
+        f"/dashboard-api/tasks/{task}/graph",
+        f"/dashboard-api/tasks/{task}/nodes?ids={node}",
+        f"/dashboard-api/tasks/{task}/search?q=make",
+        f"/dashboard-api/tasks/{task}/reveal/{node}",
+    ]
 
 
 def controls(task: str, node: int) -> list[str]:
-    return [f"/tasks/{task}/nodes/{node}/evict-subtree/", f"/tasks/{task}/nodes/{node}/evict-snapshot/",
-            f"/tasks/{task}/nodes/{node}/pin/", f"/tasks/{task}/nodes/{node}/unpin/",
-            f"/tasks/{task}/control/flush/", f"/tasks/{task}/control/budget/"]
+    return [
+        f"/tasks/{task}/nodes/{node}/evict-subtree/",
+        f"/tasks/{task}/nodes/{node}/evict-snapshot/",
+        f"/tasks/{task}/nodes/{node}/pin/",
+        f"/tasks/{task}/nodes/{node}/unpin/",
+        f"/tasks/{task}/control/flush/",
+        f"/tasks/{task}/control/budget/",
+    ]
 
 
 @pytest.mark.django_db
@@ -120,7 +135,10 @@ def test_pools_show_the_users_projects_and_sandboxes_of_others_cannot_be_stopped
     pools = world["clients"]["ann"].get("/pools/").context["pools"]
     assert {p["task_id"] for p in pools["pools"]} == {ALPHA_TASK}
     assert {s["project"] for s in pools["snapshots"]} == {"alpha"}
-    assert {p["task_id"] for p in world["clients"]["staff"].get("/pools/").context["pools"]["pools"]} == {ALPHA_TASK, BETA_TASK}
+    assert {p["task_id"] for p in world["clients"]["staff"].get("/pools/").context["pools"]["pools"]} == {
+        ALPHA_TASK,
+        BETA_TASK,
+    }
     stop = "/pools/control/stop-sandbox/"
     assert world["clients"]["ann"].get(stop).status_code == 403  # a trainer member controls nothing
     maintainer = world["clients"]["max"]
@@ -162,8 +180,12 @@ async def receive_all(socket) -> list[dict]:
 @pytest.mark.django_db(transaction=True)
 def test_the_websocket_sends_a_user_only_the_events_of_their_projects(settings, world):
     # A prefix of its own: another tvcache on the same Redis (a replay, a demo) sends its events too.
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                                           "CONFIG": {"hosts": [settings.REDIS_URL], "prefix": f"test-{uuid.uuid4().hex}"}}}
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [settings.REDIS_URL], "prefix": f"test-{uuid.uuid4().hex}"},
+        }
+    }
     ledger._ledger.paused_until = 0.0
     headers = {name: session_headers(user) for name, user in world["users"].items()}
 
@@ -189,7 +211,9 @@ def test_the_websocket_sends_a_user_only_the_events_of_their_projects(settings, 
         for key, messages in zip(sockets, received):
             seen[key] = set()
             for message in messages:
-                seen[key] |= set(message["tasks"]) if key[1] == "overview" else {e["task_id"] for e in message["events"]}
+                seen[key] |= (
+                    set(message["tasks"]) if key[1] == "overview" else {e["task_id"] for e in message["events"]}
+                )
         assert seen["ann", "overview"] == seen["ann", "pools"] == {ALPHA_TASK}
         assert seen["bea", "overview"] == seen["bea", "pools"] == {BETA_TASK}
         assert seen["staff", "overview"] == seen["staff", "pools"] == {ALPHA_TASK, BETA_TASK}
@@ -208,25 +232,49 @@ def test_the_django_admin_creates_tokens_revokes_them_and_edits_grants(staff_cli
     from cache.models import ApiToken
 
     project = project_named("gamma", create=True)
-    response = staff_client.post("/admin/cache/apitoken/add/", {"name": "from-admin", "project": project.pk,
-                                                                 "role": "maintainer", "expires_at_0": "", "expires_at_1": ""})
+    response = staff_client.post(
+        "/admin/cache/apitoken/add/",
+        {"name": "from-admin", "project": project.pk, "role": "maintainer", "expires_at_0": "", "expires_at_1": ""},
+    )
     assert response.status_code == 302, response.content
     shown = [str(m) for m in get_messages(response.wsgi_request)]
-    key = next(part for text in shown for part in text.replace("<", " ").replace(">", " ").split() if part.startswith("tvc_"))
+    key = next(
+        part for text in shown for part in text.replace("<", " ").replace(">", " ").split() if part.startswith("tvc_")
+    )
     principal = principal_for_key(key)
     assert (principal.project, principal.role, principal.token) == ("gamma", "maintainer", "from-admin")
     assert key not in ApiToken.objects.get(name="from-admin").key_digest
     token = ApiToken.objects.get(name="from-admin")
-    assert staff_client.post("/admin/cache/apitoken/", {"action": "revoke", "_selected_action": [token.pk]}).status_code == 302
+    assert (
+        staff_client.post("/admin/cache/apitoken/", {"action": "revoke", "_selected_action": [token.pk]}).status_code
+        == 302
+    )
     assert ApiToken.objects.get(name="from-admin").revoked_at is not None
     assert staff_client.get("/admin/cache/apitoken/").status_code == 200
     # Grants: within the service's maxima.
-    form = {"name": "gamma", "network": "on", "images": "[]", "max_memory_mb": "256", "max_cpus": "", "max_pids": "",
-            "max_live_sandboxes": "2", "max_snapshot_bytes": "", "rate_limit": "100", "rate_burst": "",
-            "memberships-TOTAL_FORMS": "0", "memberships-INITIAL_FORMS": "0", "memberships-MIN_NUM_FORMS": "0",
-            "memberships-MAX_NUM_FORMS": "1000"}
+    form = {
+        "name": "gamma",
+        "network": "on",
+        "images": "[]",
+        "max_memory_mb": "256",
+        "max_cpus": "",
+        "max_pids": "",
+        "max_live_sandboxes": "2",
+        "max_snapshot_bytes": "",
+        "rate_limit": "100",
+        "rate_burst": "",
+        "memberships-TOTAL_FORMS": "0",
+        "memberships-INITIAL_FORMS": "0",
+        "memberships-MIN_NUM_FORMS": "0",
+        "memberships-MAX_NUM_FORMS": "1000",
+    }
     assert staff_client.post(f"/admin/cache/project/{project.pk}/change/", form).status_code == 302
     project.refresh_from_db()
-    assert (project.network, project.max_memory_mb, project.max_live_sandboxes, project.rate_limit) == (True, 256, 2, 100)
+    assert (project.network, project.max_memory_mb, project.max_live_sandboxes, project.rate_limit) == (
+        True,
+        256,
+        2,
+        100,
+    )
     too_much = staff_client.post(f"/admin/cache/project/{project.pk}/change/", {**form, "max_memory_mb": "999999"})
     assert too_much.status_code == 200 and "service&#x27;s maximum" in too_much.content.decode()

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import itertools
 
-from tvclient import ToolExecutionEnvironment
-
 from lab.replay.arms import Arm
 from lab.replay.exactness import ReplayReferee
 from lab.replay.pacing import Pacing
 from lab.replay.plans import RolloutPlans
 from lab.replay.samples import CallSample, EpochRun, digest
 from lab.replay.workload import ReplayTask, Workload
+from tvclient import ToolExecutionEnvironment
 
 WRITE, READ = {"tool": "write", "args": {}}, {"tool": "read", "args": {}}
 ANSWERS = itertools.cycle(["a", "b"])  # the read answers "a", then "b", then "a"...
@@ -57,8 +56,10 @@ def check(cached_answer: str, fresh_answers: tuple[str, str]) -> dict:
     toy = Toy()
     plans = RolloutPlans(toy, toy.tasks(), [Arm("nocache", "nocache"), Arm("server", "server")], epochs=1, faults=None)
     referee = ReplayReferee(toy.tasks(), plans, Pacing(seed=1))
-    runs = {"nocache": EpochRun("nocache", 0, calls=[sample(None, r, fresh_answers[r]) for r in (0, 1)]),
-            "server": EpochRun("server", 0, calls=[sample(True, 0, cached_answer)])}
+    runs = {
+        "nocache": EpochRun("nocache", 0, calls=[sample(None, r, fresh_answers[r]) for r in (0, 1)]),
+        "server": EpochRun("server", 0, calls=[sample(True, 0, cached_answer)]),
+    }
     referee.check(runs, 0)
     return runs["server"].exact
 

@@ -17,16 +17,27 @@ from lab.replay.report import PHASES
 from lab.server import service_running
 from sandboxes.services import tasks_release
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-EPOCH_FIELDS = {"calls", "hits", "hit_rate", "latency_ms", "step_s", "slowest_rollout_s", "rollout_s", "sandboxes",
-                "exact", "tool_time_s"}
+EPOCH_FIELDS = {
+    "calls",
+    "hits",
+    "hit_rate",
+    "latency_ms",
+    "step_s",
+    "slowest_rollout_s",
+    "rollout_s",
+    "sandboxes",
+    "exact",
+    "tool_time_s",
+}
 
 
 @pytest.fixture
 def service(tmp_path):
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True,
-                         log_dir=tmp_path) as service:
+    with service_running(
+        db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True, log_dir=tmp_path
+    ) as service:
         yield service.url, token_create(name="replay")
         # The command got --url, so it leaves the service's sandboxes to the service: stop them here.
         tasks_release(task_ids=list(Task.objects.values_list("pk", flat=True)))
@@ -38,8 +49,7 @@ def replay(command: str, service, tmp_path, blocker, **options) -> dict:
     # With --url the replay talks to the service over HTTP only: a query on this process's
     # database, from any of its threads, fails the run.
     with blocker.block():
-        call_command(command, url=url, token=token, rollouts=2, epochs=2, out=str(out), seed=3, think_ms=10,
-                     **options)
+        call_command(command, url=url, token=token, rollouts=2, epochs=2, out=str(out), seed=3, think_ms=10, **options)
     [report] = out.glob("*.json")
     return json.loads(report.read_text())
 
@@ -71,10 +81,16 @@ def check(report: dict, workload: str, cached_arms: list[str], plots: bool = Fal
     assert report["targets"]["hit_rate_equals_oracle"]["met"]  # no budget: the cache reaches the oracle
     assert report["per_tool"].keys() == set(cached_arms)
     if "client" in cached_arms:  # a miss's lookup as the rollout saw it, and the service's share (Server-Timing)
-        lookups, served = report["summary"]["client"]["miss_lookup_ms"], report["summary"]["client"]["miss_lookup_server_ms"]
+        lookups, served = (
+            report["summary"]["client"]["miss_lookup_ms"],
+            report["summary"]["client"]["miss_lookup_server_ms"],
+        )
         assert lookups["n"] == served["n"] > 0 and 0 < served["p50"] <= lookups["p50"]
         # and the part of its overhead spent waiting for the previous miss's record and snapshot
-        waits, overheads = report["summary"]["client"]["miss_background_wait_ms"], report["summary"]["client"]["miss_overhead_ms"]
+        waits, overheads = (
+            report["summary"]["client"]["miss_background_wait_ms"],
+            report["summary"]["client"]["miss_overhead_ms"],
+        )
         assert waits["n"] == overheads["n"] and 0 <= waits["mean"] <= overheads["mean"]
     for name in cached_arms:
         summary = report["summary"][name]
@@ -118,8 +134,16 @@ def test_replay_terminal(service, tmp_path, django_db_blocker):
     docker.from_env().images.get("tvcache/debian:bookworm")  # a missing image fails the test
     # The lab's own containers (no cache, client mode) run calls through the session agent here;
     # the fault arm's test below runs them by docker exec, the default.
-    report = replay("replay_terminal", service, tmp_path, django_db_blocker, task_names="config-edit", arms="server,client",
-                    no_plots=True, direct_calls="session")
+    report = replay(
+        "replay_terminal",
+        service,
+        tmp_path,
+        django_db_blocker,
+        task_names="config-edit",
+        arms="server,client",
+        no_plots=True,
+        direct_calls="session",
+    )
     check(report, "terminal", ["server", "client"])
     assert report["workload_info"]["direct_calls"] == "session"
     assert report["epochs"][0]["arms"]["server"]["sandboxes"]["starts"] > 0
@@ -141,8 +165,20 @@ def test_replay_terminal(service, tmp_path, django_db_blocker):
 
 def replay_with_faults(command: str, tmp_path, **options) -> dict:
     out = tmp_path / "out"
-    call_command(command, **{"rollouts": 3, "epochs": 2, "out": str(out), "seed": 3, "think_ms": 10, "faults": True,
-                             "fault_rate": 1.0, "no_plots": True, **options})
+    call_command(
+        command,
+        **{
+            "rollouts": 3,
+            "epochs": 2,
+            "out": str(out),
+            "seed": 3,
+            "think_ms": 10,
+            "faults": True,
+            "fault_rate": 1.0,
+            "no_plots": True,
+            **options,
+        },
+    )
     [report] = out.glob("*.json")
     return json.loads(report.read_text())
 
@@ -162,16 +198,21 @@ def check_faults(report: dict, cached_arms: list[str], kinds: dict[str, set[str]
         # Requests the restart cut off were sent again: by tvclient itself within its retry budget,
         # or by the harness past it; none failed.
         restart = next(r for r in faults["restarts"] if r["arm"] == name)
-        assert arm["retried_calls"] + restart["client_retried_requests"] > 0 and arm["failed_calls"] == 0, \
-            (arm, restart)
+        assert arm["retried_calls"] + restart["client_retried_requests"] > 0 and arm["failed_calls"] == 0, (
+            arm,
+            restart,
+        )
         # The known-state rule only takes hits away.
         assert arm["no_fault_oracle_hit_rate"] >= arm["issued_oracle_hit_rate"]
         assert arm["cost_points"]["known_state_rule"] >= 0
         assert arm["divergences"] is None or arm["divergences"].get("count", 0) >= 0
     for name in cached_arms:  # what a user would notice: no answer differs from a fresh execution
         arm = faults["arms"][name]
-        assert (arm["wrong_hits"], arm["wrong_misses"], arm["forbidden_hits"], arm["timed_out_hits"]) == (0, 0, 0, 0), \
-            (name, arm, report["mismatch_examples"])
+        assert (arm["wrong_hits"], arm["wrong_misses"], arm["forbidden_hits"], arm["timed_out_hits"]) == (0, 0, 0, 0), (
+            name,
+            arm,
+            report["mismatch_examples"],
+        )
 
 
 def test_replay_sql_faults(tmp_path):
@@ -188,7 +229,8 @@ def test_replay_terminal_faults(tmp_path):
     docker.from_env().images.get("tvcache/debian:bookworm")  # a missing image fails the test
     # Seed 9: every kind among the 6 rollouts (timeouts, environment errors, sandbox deaths).
     report = replay_with_faults("replay_terminal", tmp_path, task_names="config-edit", arms="server,client", seed=9)
-    check_faults(report, ["server", "client"], {"server": {"timeout", "sandbox_death"},
-                                                "client": {"timeout", "error_after"}})
+    check_faults(
+        report, ["server", "client"], {"server": {"timeout", "sandbox_death"}, "client": {"timeout", "error_after"}}
+    )
     # The containers of the rollouts were removed, and the timed-out calls killed, the fresh executions' too.
     assert set(report["faults"]["arms"]["server"]["fired"]) == {"timeout", "sandbox_death"}

@@ -6,8 +6,16 @@ from lab.replay.samples import CallSample, EpochRun
 from lab.replay.workload import VERIFY_STEP
 
 
-def sample(rollout: int, position: int, latency_ms: float, cached: bool | None, *, step: str | None = None,
-           phases: dict[str, float] | None = None, epoch: int = 0) -> CallSample:
+def sample(
+    rollout: int,
+    position: int,
+    latency_ms: float,
+    cached: bool | None,
+    *,
+    step: str | None = None,
+    phases: dict[str, float] | None = None,
+    epoch: int = 0,
+) -> CallSample:
     out = CallSample("t", epoch, rollout, position, "bash", latency_ms, cached, None, "digest")
     out.step, out.phases_ms = step, phases
     return out
@@ -19,12 +27,16 @@ def summary(calls: list[CallSample]) -> dict:
 
 
 def test_miss_phases_and_the_cost_of_verification():
-    a = summary([
-        sample(0, 0, 100, False, phases={"lookup": 2, "exec": 80, "verify": 6, "fingerprint": 4}),
-        sample(0, 1, 5, True),  # a hit has no phases
-        sample(0, 2, 60, False, phases={"lookup": 2, "exec": 50, "fingerprint": 2}),
-        sample(1, 0, 200, False, phases={"lookup": 2, "materialize": 60, "exec": 100, "verify": 10, "fingerprint": 10}),
-    ])
+    a = summary(
+        [
+            sample(0, 0, 100, False, phases={"lookup": 2, "exec": 80, "verify": 6, "fingerprint": 4}),
+            sample(0, 1, 5, True),  # a hit has no phases
+            sample(0, 2, 60, False, phases={"lookup": 2, "exec": 50, "fingerprint": 2}),
+            sample(
+                1, 0, 200, False, phases={"lookup": 2, "materialize": 60, "exec": 100, "verify": 10, "fingerprint": 10}
+            ),
+        ]
+    )
     phases, verification = a["miss_phases_ms"], a["verification"]
     # A miss that did not go through a phase counts 0 ms in it.
     assert phases["verify"] == {"p50": 6, "p95": 10, "mean": 5.333, "total_s": 0.016, "misses": 2}
@@ -32,17 +44,29 @@ def test_miss_phases_and_the_cost_of_verification():
     # The latency outside the phases: 100 - 92, 60 - 54, 200 - 182.
     assert phases["other"] == {"p50": 8, "p95": 18, "mean": 10.667, "total_s": 0.032, "misses": 3}
     # Medians over the misses: latency 100; verify + fingerprint 10 (of 10, 2, 20); latency less it 90 (of 90, 56, 180).
-    assert verification == {"misses": 3, "median_miss_ms": 100, "median_verification_ms": 10,
-                            "median_miss_unverified_ms": 90, "share_pct": 10.0, "cost_pct": 11.11}
+    assert verification == {
+        "misses": 3,
+        "median_miss_ms": 100,
+        "median_verification_ms": 10,
+        "median_miss_unverified_ms": 90,
+        "share_pct": 10.0,
+        "cost_pct": 11.11,
+    }
 
 
 def test_verify_step_and_the_final_verification_of_each_rollout():
-    a = summary([
-        sample(0, 0, 50, False), sample(0, 1, 30, False, step=VERIFY_STEP), sample(0, 2, 9, False),
-        sample(0, 3, 20, True, step=VERIFY_STEP), sample(0, 4, 2, True),  # rollout 0's final verification: position 3
-        sample(1, 0, 40, False, step=VERIFY_STEP), sample(1, 1, 1, True),  # rollout 1's: position 0
-        sample(0, 0, 70, False, step=VERIFY_STEP, epoch=1),  # the same rollout index, another epoch
-    ])
+    a = summary(
+        [
+            sample(0, 0, 50, False),
+            sample(0, 1, 30, False, step=VERIFY_STEP),
+            sample(0, 2, 9, False),
+            sample(0, 3, 20, True, step=VERIFY_STEP),
+            sample(0, 4, 2, True),  # rollout 0's final verification: position 3
+            sample(1, 0, 40, False, step=VERIFY_STEP),
+            sample(1, 1, 1, True),  # rollout 1's: position 0
+            sample(0, 0, 70, False, step=VERIFY_STEP, epoch=1),  # the same rollout index, another epoch
+        ]
+    )
     assert a["verify_step"] == {"calls": 4, "hits": 1, "tool_time_s": 0.16}
     assert a["final_verify"] == {"calls": 3, "hits": 1, "tool_time_s": 0.13}
     assert "miss_phases_ms" not in a  # no miss the service answered with phases
@@ -67,4 +91,6 @@ def test_a_hit_that_waited_for_another_rollouts_run_is_not_forbidden():
     # Answered before any rollout on the shared graph issued the call: only the detached one's
     # run can have given it.
     early = _keyed(0, 1.0, 5, True)
-    assert issued_oracle([EpochRun("client", 0, calls=[detached, early, _keyed(1, 1.5, 250, False)])]).forbidden == {0: 1}
+    assert issued_oracle([EpochRun("client", 0, calls=[detached, early, _keyed(1, 1.5, 250, False)])]).forbidden == {
+        0: 1
+    }

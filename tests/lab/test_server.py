@@ -20,8 +20,9 @@ def test_without_redis_the_service_comes_up_with_no_worker():
 
 
 def test_a_worker_on_its_own_queue_answers_before_the_service_is_handed_over():
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True,
-                         workers=1) as service:
+    with service_running(
+        db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, workers=1
+    ) as service:
         assert service.queue and service.queue.startswith("tvcache-")
 
 

@@ -14,10 +14,9 @@ from django.db import connection
 
 from lab.server import database_url
 from sandboxes.services import pool_request
-from tests.cache.helpers import call, lookup, record
+from tests.support.api import call, lookup, record
+from tests.support.metrics import Scrape, scrape
 from tvcache_site.celery import app as celery_app
-
-from .helpers import Scrape, scrape
 
 pytestmark = pytest.mark.django_db
 
@@ -49,8 +48,11 @@ def test_lookups_hits_and_misses_count_per_project_and_tool(api, toy_task):
 def test_live_snapshots_and_sandboxes_are_read_at_scrape_time(api, toy_task):
     assert scrape(api).value("tvcache_snapshots", backend="external", owner="client") == 0
     node_id = record(api, toy_task, [], W, {"ok": True})["node_id"]
-    response = api.post(f"/api/v1/tasks/{toy_task}/nodes/{node_id}/snapshots",
-                        {"ref": "snap-1", "backend": "external", "size_bytes": 10, "create_ms": 5.0}, format="json")
+    response = api.post(
+        f"/api/v1/tasks/{toy_task}/nodes/{node_id}/snapshots",
+        {"ref": "snap-1", "backend": "external", "size_bytes": 10, "create_ms": 5.0},
+        format="json",
+    )
     assert response.status_code == 201, response.content
     pool_request(task_id=toy_task, roots=2)
     scraped = scrape(api)
@@ -96,12 +98,26 @@ def test_metrics_are_refused_outside_the_allow_list(client, settings):
 
 
 def test_without_a_multiprocess_directory_one_process_counts_in_memory(tmp_path):
-    code = ("import django; django.setup(); from django.test import Client; "
-            "import sys; sys.stdout.write(Client().get('/metrics').content.decode())")
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": "", "DJANGO_SETTINGS_MODULE": "tvcache_site.settings",
-           "DATABASE_URL": database_url(connection.settings_dict), "TVCACHE_VAR_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=django_settings.BASE_DIR, capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    code = (
+        "import django; django.setup(); from django.test import Client; "
+        "import sys; sys.stdout.write(Client().get('/metrics').content.decode())"
+    )
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": "",
+        "DJANGO_SETTINGS_MODULE": "tvcache_site.settings",
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "TVCACHE_VAR_DIR": str(tmp_path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=django_settings.BASE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     scraped = Scrape(out)
     assert "tvcache_lookup_seconds" in scraped.families and "tvcache_sandboxes" in scraped.families
     assert "process_cpu_seconds" in scraped.families  # this process's own registry, not the files

@@ -11,17 +11,17 @@ import pytest
 from django.db import connection
 
 from lab.server import process_tree, service_running
-from tests.cache.helpers import call, record
-
-from .helpers import Scrape
+from tests.support.api import call, record
+from tests.support.metrics import Scrape
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 W = call("write", path="f", content="1")
 
 
-def test_two_workers_counts_add_up_and_their_logs_are_json_with_request_ids(api, token, toy_task, tmp_path,
-                                                                           monkeypatch):
+def test_two_workers_counts_add_up_and_their_logs_are_json_with_request_ids(
+    api, token, toy_task, tmp_path, monkeypatch
+):
     record(api, toy_task, [], W, {"ok": True})  # before the variables below: this process counts elsewhere
     metrics_dir = tmp_path / "metrics"
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
@@ -29,8 +29,12 @@ def test_two_workers_counts_add_up_and_their_logs_are_json_with_request_ids(api,
     lookups = 24
     with service_running(db=connection.settings_dict, workers=2, log_dir=tmp_path) as service:
         for i in range(lookups):  # a connection each: the kernel spreads them over the workers
-            answer = httpx.post(f"{service.url}/api/v1/tasks/{toy_task}/lookup", json={"history": [], "call": W},
-                                headers={"Authorization": f"Token {token}", "X-Request-ID": f"lookup-{i}"}, timeout=10)
+            answer = httpx.post(
+                f"{service.url}/api/v1/tasks/{toy_task}/lookup",
+                json={"history": [], "call": W},
+                headers={"Authorization": f"Token {token}", "X-Request-ID": f"lookup-{i}"},
+                timeout=10,
+            )
             assert answer.status_code == 200 and answer.json()["hit"] is True
             assert answer.headers["X-Request-ID"] == f"lookup-{i}"
         scraped = httpx.get(service.url + "/metrics", headers={"X-Request-ID": "scrape-1"}, timeout=10)
@@ -43,5 +47,9 @@ def test_two_workers_counts_add_up_and_their_logs_are_json_with_request_ids(api,
     assert metrics.value("tvcache_lookup_seconds_count") == lookups
     lines = [line for line in (tmp_path / "uvicorn.log").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in lines]  # every line is JSON
-    assert {"request_id": "scrape-1", "logger": "tvcache.metrics", "level": "warning",
-            "event": "TVCACHE_METRICS_ALLOW: 'not-a-network' is no address or network"}.items() <= events[-1].items()
+    assert {
+        "request_id": "scrape-1",
+        "logger": "tvcache.metrics",
+        "level": "warning",
+        "event": "TVCACHE_METRICS_ALLOW: 'not-a-network' is no address or network",
+    }.items() <= events[-1].items()

@@ -7,10 +7,10 @@ import pytest
 
 from sandboxes.images import build_busybox_image
 from sandboxes.services.runtime import backend_named, labels
+from tests.support.toolserver import worker_on
 from tvcache_site.celery import app as celery_app
 
 from .dockerd import SecondEngine
-from .helpers import worker_on
 
 
 @pytest.fixture(scope="session")

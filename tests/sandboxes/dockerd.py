@@ -44,10 +44,29 @@ class SecondEngine:
         self.bridge_up()
         with open(self.root / "dockerd.log", "ab") as log:
             self.process = subprocess.Popen(
-                ["dockerd", "--host", self.url, "--data-root", str(self.root / "data"), "--exec-root",
-                 str(self.root / "exec"), "--pidfile", str(self.root / "docker.pid"), f"--bridge={self.bridge}",
-                 "--iptables=false", "--ip-masq=false", "--ip-forward=false", "--shutdown-timeout", "1",
-                 "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    "dockerd",
+                    "--host",
+                    self.url,
+                    "--data-root",
+                    str(self.root / "data"),
+                    "--exec-root",
+                    str(self.root / "exec"),
+                    "--pidfile",
+                    str(self.root / "docker.pid"),
+                    f"--bridge={self.bridge}",
+                    "--iptables=false",
+                    "--ip-masq=false",
+                    "--ip-forward=false",
+                    "--shutdown-timeout",
+                    "1",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
@@ -55,7 +74,9 @@ class SecondEngine:
                 return
             except Exception:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the second dockerd did not start: " + (self.root / "dockerd.log").read_text()[-2000:])
+                    raise RuntimeError(
+                        "the second dockerd did not start: " + (self.root / "dockerd.log").read_text()[-2000:]
+                    ) from None
                 time.sleep(0.3)
 
     def stop(self) -> None:

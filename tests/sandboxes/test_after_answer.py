@@ -14,8 +14,7 @@ from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 from sandboxes.services import misses
 from sandboxes.services.reserved import settle
-
-from .helpers import bash, run
+from tests.support.toolserver import bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -129,14 +128,19 @@ def test_a_rollout_that_hits_a_slow_call_catches_up_by_forking_its_snapshot(api,
     own.refresh_from_db()
     fork = Sandbox.objects.get(rollout__rollout_id="r2", state="leased")
     assert own.state == "stopped" and (fork.pool, fork.snapshot_id, fork.applied, fork.executing) == (
-        "fork", snapshot.pk, 1, False)
+        "fork",
+        snapshot.pk,
+        1,
+        False,
+    )
     after = run(api, task, "r2", bash("cat /w/out; pwd"))
     assert (after["cached"], after["result"]["stdout"]) == (False, "built\n/w\n")
     assert "replay" not in after["phases_ms"] and "materialize" not in after["phases_ms"]
 
 
-def test_a_rollout_without_a_sandbox_waits_for_the_snapshot_being_taken_rather_than_replay(api, token, docker_task,
-                                                                                           held_snapshots):
+def test_a_rollout_without_a_sandbox_waits_for_the_snapshot_being_taken_rather_than_replay(
+    api, token, docker_task, held_snapshots
+):
     """r2 misses right after r1's slow call, while its snapshot is being taken: replaying the call
     costs more than restoring, so r2 waits for the snapshot (up to the difference) and forks it."""
     release, started = held_snapshots

@@ -13,8 +13,7 @@ from django.conf import settings
 from cache.api.auth import token_create
 from lab.server import service_running
 from sandboxes.models import Sandbox
-
-from .helpers import bash
+from tests.support.toolserver import bash
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -51,8 +50,10 @@ def test_rollouts_waiting_for_another_ones_run_hold_no_thread(busybox, docker_ta
     task = docker_task("waiters")
     token = token_create(name="asgi")
     monkeypatch.setenv("TVCACHE_TOOLSERVER_THREADS", "2")
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+    with (
+        service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
+    ):
 
         def call(rollout: str, command: str) -> dict:
             response = client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls", json={"call": bash(command)})
@@ -97,10 +98,13 @@ def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, do
     token = token_create(name="asgi")
     ledger_flush()  # this process's own requests (the task's PUT) are in the baseline
     before = admitted()
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
-        answers = [client.post(f"/api/v1/tasks/{task}/rollouts/r{i}/calls", json={"call": bash("echo once")})
-                   for i in range(3)]
+    with (
+        service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
+    ):
+        answers = [
+            client.post(f"/api/v1/tasks/{task}/rollouts/r{i}/calls", json={"call": bash("echo once")}) for i in range(3)
+        ]
         assert [a.status_code for a in answers] == [200] * 3
         assert [a.json()["cached"] for a in answers] == [False, True, True]
         pause = threading.Event()

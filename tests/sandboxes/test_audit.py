@@ -11,9 +11,8 @@ import pytest
 
 from cache.models import Divergence, Node
 from sandboxes.models import Sandbox
+from tests.support.toolserver import bash, run, wait_for
 from tvcache_site.celery import app as celery_app
-
-from .helpers import bash, run, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,7 +39,12 @@ def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, dock
     # write and found the state the write's node recorded (no divergence of kind "state").
     assert Node.objects.get(task_id=task, call__args__command="echo one > /f").state_shape
     divergence = Divergence.objects.get(task_id=task)
-    assert (divergence.node_id, divergence.kind, divergence.tool, divergence.rollout_id) == (first.pk, "audit", "bash", "r2")
+    assert (divergence.node_id, divergence.kind, divergence.tool, divergence.rollout_id) == (
+        first.pk,
+        "audit",
+        "bash",
+        "r2",
+    )
     assert divergence.expected["stdout"] != divergence.observed["stdout"]
     assert divergence.expected["exit_code"] == divergence.observed["exit_code"] == 0
     assert Node.objects.filter(task_id=task, divergent=True).count() == 1
@@ -60,7 +64,8 @@ def test_a_random_command_is_found_divergent_and_then_no_longer_served(api, dock
 
 
 def test_a_write_whose_effect_is_random_is_found_divergent_and_nothing_below_it_is_served(
-        api, docker_task, busybox, celery_worker):
+    api, docker_task, busybox, celery_worker
+):
     task = docker_task("audited-state", audit_rate=1.0)
     # A write of a random size: its output is always empty, the state it leaves is not (1 in 200,000).
     write = bash("head -c $(( (RANDOM * 32768 + RANDOM) % 200000 + 1 )) /dev/zero > /g")
@@ -97,8 +102,11 @@ def broker_down():
 
 
 def test_a_hit_whose_audit_cannot_be_queued_is_served(api, caplog):
-    api.put("/api/v1/tasks/files-audit", {"env": {"backend": "directory", "files": {"a.txt": "A"}}, "audit_rate": 1.0},
-            format="json")
+    api.put(
+        "/api/v1/tasks/files-audit",
+        {"env": {"backend": "directory", "files": {"a.txt": "A"}}, "audit_rate": 1.0},
+        format="json",
+    )
     read = {"tool": "read_file", "args": {"path": "a.txt"}}
     assert run(api, "files-audit", "r1", read)["cached"] is False
     with broker_down(), caplog.at_level(logging.WARNING, logger="tvcache.background"):

@@ -16,11 +16,10 @@ import pytest
 from django.conf import settings
 
 from cache.api.auth import token_create
-from lab.server import ROOT, _queue_delete, answers, process_tree, database_url, free_port, wait_until
+from lab.server import ROOT, _queue_delete, answers, database_url, free_port, process_tree, wait_until
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import backend_named, labels
-
-from .helpers import bash
+from tests.support.toolserver import bash
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,11 +36,21 @@ def test_stopping_the_run_command_stops_its_processes_and_sandboxes(busybox, doc
     token = token_create(name="serve")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
-           "DATABASE_URL": database_url(settings.DATABASES["default"]), "REDIS_URL": settings.REDIS_URL,
-           "CELERY_QUEUE": f"tvcache-serve-{uuid.uuid4().hex[:8]}"}
-    serve = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port), "--workers", "1",
-                              "--grace", "5"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tvcache_site.settings",
+        "DEBUG": "0",
+        "DATABASE_URL": database_url(settings.DATABASES["default"]),
+        "REDIS_URL": settings.REDIS_URL,
+        "CELERY_QUEUE": f"tvcache-serve-{uuid.uuid4().hex[:8]}",
+    }
+    serve = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port), "--workers", "1", "--grace", "5"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until(lambda: answers(url), 60, "the service", [serve])
         client = httpx.Client(base_url=url, headers={"Authorization": f"Token {token}"}, timeout=120)

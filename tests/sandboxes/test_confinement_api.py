@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sandboxes.services import runtime
-
-from .helpers import bash, run
+from tests.support.toolserver import bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -47,7 +46,9 @@ def test_a_spec_beyond_the_grants_is_a_403(api, busybox, confined):
 def test_a_call_past_the_disk_quota_is_a_413_and_the_rollout_goes_on(api, docker_task, busybox, confined):
     confined(DOCKER_DISK_MB=2)
     task = docker_task("quota")
-    fill = bash("dd if=/dev/zero of=/a bs=1024 count=1536 2>/dev/null; dd if=/dev/zero of=/b bs=1024 count=1536 2>/dev/null")
+    fill = bash(
+        "dd if=/dev/zero of=/a bs=1024 count=1536 2>/dev/null; dd if=/dev/zero of=/b bs=1024 count=1536 2>/dev/null"
+    )
     over = run(api, task, "r", fill, status=413)
     assert over["error"]["code"] == "disk_quota_exceeded"
     assert run(api, task, "r", bash("ls /a /b 2>&1; echo next"))["result"]["stdout"].endswith("next\n")
@@ -61,9 +62,16 @@ def test_folder_and_database_limits_are_4xx(api, confined):
     too_much = {"tool": "write_file", "args": {"path": "big", "content": "x" * (2 * 2**20)}}
     assert run(api, "files", "r", too_much, status=413)["error"]["code"] == "disk_quota_exceeded"
     assert error_of(put(api, "seed", {"backend": "directory", "files": {"big": "x" * (2 * 2**20)}})) == (
-        403, "limit_exceeded")
+        403,
+        "limit_exceeded",
+    )
 
     assert put(api, "db", {"backend": "sqlite", "schema_sql": "create table t (b blob);"}).status_code == 201
-    grow = {"tool": "execute", "args": {"sql": "insert into t select randomblob(400000) union all select randomblob(400000)"
-                                                " union all select randomblob(400000)"}}
+    grow = {
+        "tool": "execute",
+        "args": {
+            "sql": "insert into t select randomblob(400000) union all select randomblob(400000)"
+            " union all select randomblob(400000)"
+        },
+    }
     assert run(api, "db", "r", grow, status=413)["error"]["code"] == "disk_quota_exceeded"

@@ -16,15 +16,15 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_the_demo_workload_runs_and_runs_again(busybox):
-    with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True,
-                         workers=1) as service:
+    with service_running(
+        db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, workers=1
+    ) as service:
         token = token_create(name="demo")
         try:
             outputs = []
             for _ in range(2):
                 out = io.StringIO()
-                call_command("demo_workload", url=service.url, token=token, tasks=1, rollouts=2, epochs=1,
-                             stdout=out)
+                call_command("demo_workload", url=service.url, token=token, tasks=1, rollouts=2, epochs=1, stdout=out)
                 outputs.append(out.getvalue())
         finally:
             tasks_release(task_ids=list(Task.objects.values_list("pk", flat=True)))

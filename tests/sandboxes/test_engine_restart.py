@@ -18,16 +18,22 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.docker]
 
 def test_an_engine_restart_answers_503_meanwhile_and_rollouts_get_fresh_sandboxes(second_engine, token, monkeypatch):
     monkeypatch.setenv("TVCACHE_DOCKER_URL", second_engine.url)
-    with service_running(db=settings.DATABASES["default"], workers=1) as service, \
-            httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client:
+    with (
+        service_running(db=settings.DATABASES["default"], workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
+    ):
 
         def call(rollout: str, command: str, task: str = "restart") -> httpx.Response:
-            return client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls",
-                               json={"call": {"tool": "bash", "args": {"command": command}}})
+            return client.post(
+                f"/api/v1/tasks/{task}/rollouts/{rollout}/calls",
+                json={"call": {"tool": "bash", "args": {"command": command}}},
+            )
 
         def folder_call(rollout: str) -> httpx.Response:
-            return client.post(f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
-                               json={"call": {"tool": "write_file", "args": {"path": "a", "content": rollout}}})
+            return client.post(
+                f"/api/v1/tasks/folders/rollouts/{rollout}/calls",
+                json={"call": {"tool": "write_file", "args": {"path": "a", "content": rollout}}},
+            )
 
         assert client.put("/api/v1/tasks/restart", json={"env": {"backend": "docker"}}).status_code == 201
         assert client.put("/api/v1/tasks/folders", json={"env": {"backend": "directory"}}).status_code == 201

@@ -17,9 +17,8 @@ from sandboxes import selectors, services
 from sandboxes.models import Sandbox
 from sandboxes.services import runtime
 from sandboxes.services.engines import engine_named
+from tests.support.toolserver import bash, run, wait_for, worker_on
 from workers.tasks import sandbox_warm
-
-from .helpers import bash, run, wait_for, worker_on
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.docker]
 
@@ -30,8 +29,11 @@ MAIN = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 def two_engines(second_engine, busybox, settings):
     """The machine's engine and the second one, four sandboxes each; no pre-forks (their warm-ups
     would wait in engine queues no worker of these tests consumes)."""
-    settings.TVCACHE = {**settings.TVCACHE, "DOCKER_ENGINES": [f"{MAIN}=4", f"{second_engine.url}=4"],
-                        "PREFORKS_PER_TASK": 0}
+    settings.TVCACHE = {
+        **settings.TVCACHE,
+        "DOCKER_ENGINES": [f"{MAIN}=4", f"{second_engine.url}=4"],
+        "PREFORKS_PER_TASK": 0,
+    }
     runtime.sandbox_config.cache_clear()
     selectors._health.clear()
     yield second_engine
@@ -44,14 +46,16 @@ def engines_of(task: str, state: str = "leased") -> Counter:
 
 
 def test_placement_by_load_forks_on_the_snapshot_engine_and_a_lost_engine_takes_only_its_sandboxes(
-        api, docker_task, two_engines, busybox):
+    api, docker_task, two_engines, busybox
+):
     second = two_engines.url
     task = docker_task("spread")
     for rollout in ("r0", "r1", "r2", "r3"):
         assert run(api, task, rollout, bash(f"echo {rollout} > /f"))["cached"] is False
     assert engines_of(task) == {MAIN: 2, second: 2}
-    assert {row.rollout.rollout_id: row.engine for row in Sandbox.objects.filter(task_id=task).select_related("rollout")} \
-        == {"r0": MAIN, "r1": second, "r2": MAIN, "r3": second}
+    assert {
+        row.rollout.rollout_id: row.engine for row in Sandbox.objects.filter(task_id=task).select_related("rollout")
+    } == {"r0": MAIN, "r1": second, "r2": MAIN, "r3": second}
     assert len(two_engines.client().containers.list()) == 2
     # The second engine runs the first engine's image (moved there by id), not its own build.
     base = busybox.images.get("tvcache/busybox:latest").id
@@ -81,7 +85,9 @@ def test_placement_by_load_forks_on_the_snapshot_engine_and_a_lost_engine_takes_
     pools = api.get("/api/v1/pools").json()
     assert pools["engine"]["ok"] is False
     assert {(entry["url"], entry["ok"], entry["capacity"]) for entry in pools["engines"]} == {
-        (MAIN, True, 4), (second, False, 4)}
+        (MAIN, True, 4),
+        (second, False, 4),
+    }
 
 
 def test_warming_an_engine_sandbox_is_queued_for_the_workers_next_to_that_engine(docker_task, two_engines):

@@ -11,10 +11,9 @@ import pytest
 from cache.models import Divergence, Node, Rollout
 from sandboxes.backends import hostfs
 from sandboxes.models import Sandbox
+from tests.support.toolserver import bash, run
 
-from .helpers import bash, run
-
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 # The same call for every rollout; it takes 0 or 3 s at random, and times out after 1 s.
 SLOW_OR_NOT = bash("echo a > /f; sleep $((RANDOM % 2 * 3)); echo b >> /f", timeout_s=1)
@@ -74,8 +73,10 @@ def test_a_replay_that_does_not_reach_the_recorded_state_is_a_divergence_and_nev
 # A build cache keyed on whole-second modification times, as Python's .pyc check is: the cached
 # copy is reused while the source's time, in seconds, is the one it was made from.
 WRITE_V1, WRITE_V2 = bash("echo v1 > /src"), bash("echo v2 > /src")  # the same size
-BUILD = bash("[ \"$(cat /built.at 2>/dev/null)\" = \"$(stat -c %Y /src)\" ] "
-             "|| { cp /src /built; stat -c %Y /src > /built.at; }; cat /built")
+BUILD = bash(
+    '[ "$(cat /built.at 2>/dev/null)" = "$(stat -c %Y /src)" ] '
+    "|| { cp /src /built; stat -c %Y /src > /built.at; }; cat /built"
+)
 
 
 def test_a_replay_carries_the_file_times_of_the_live_run(api, docker_task):
@@ -157,8 +158,9 @@ def test_a_call_that_kills_what_runs_it_leaves_the_rollout_going_in_its_own_sand
     task = docker_task("agent-killed")
     run(api, task, "r", bash("echo kept > /f"))
     nodes = Node.objects.filter(task_id=task).count()
-    response = api.post(f"/api/v1/tasks/{task}/rollouts/r/calls", {"call": bash("echo more >> /f; kill -9 $PPID")},
-                        format="json")
+    response = api.post(
+        f"/api/v1/tasks/{task}/rollouts/r/calls", {"call": bash("echo more >> /f; kill -9 $PPID")}, format="json"
+    )
     assert response.status_code == 409 and response.json()["error"]["code"] == "session_broken"
     assert run(api, task, "r", bash("cat /f"))["result"]["stdout"] == "kept\nmore\n"
     assert Rollout.objects.get(task_id=task, rollout_id="r").detached_at is not None

@@ -8,9 +8,9 @@ import pytest
 
 from cache.models import Snapshot
 from sandboxes.models import Sandbox
-from tests.observability.helpers import scrape
+from tests.support.metrics import scrape
+from tests.support.toolserver import bash, run
 
-from .helpers import bash, run
 from .test_workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,17 +16,18 @@ from cache.services import snapshots as snapshot_costs
 from cache.services.ledger import ledger_flush
 from dashboard.selectors import task_processes
 from sandboxes.images import DEBIAN_TAG
-
-from .helpers import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
+from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
 
 @pytest.fixture
 def snapshot_every_call():
     """Snapshots and restores measured as nearly free: the graph wants a snapshot after every
     state-changing call, as it would after a slow one."""
-    BackendCost.objects.update_or_create(backend="docker", defaults={
-        "snapshot_ms": 0.5, "restore_ms": 0.5, "snapshot_samples": 1, "restore_samples": 1})
+    BackendCost.objects.update_or_create(
+        backend="docker", defaults={"snapshot_ms": 0.5, "restore_ms": 0.5, "snapshot_samples": 1, "restore_samples": 1}
+    )
     snapshot_costs._costs.clear()
     yield
     snapshot_costs._costs.clear()
@@ -62,7 +63,9 @@ def test_a_state_that_keeps_changing_is_kept_off_shared_keys(api, docker_task, s
     # A writer that never pauses: its state changes before it is recorded (nothing is), or, at the
     # latest, before the next call (the node stops being served). No rollout ever hits it.
     task = docker_task("unsettled")
-    restless = bash("(while :; do echo x >> /log; done) >/dev/null 2>&1 & while [ ! -s /log ]; do :; done; echo started")
+    restless = bash(
+        "(while :; do echo x >> /log; done) >/dev/null 2>&1 & while [ ! -s /log ]; do :; done; echo started"
+    )
     for rollout in ("r1", "r2", "r3"):
         assert run(api, task, rollout, restless)["cached"] is False
         assert run(api, task, rollout, bash(probe))["result"]["stdout"] == live
@@ -116,7 +119,9 @@ def test_processes_left_by_a_replay_are_verified_and_materializations_counted(ap
     assert counts.get(("root", True)) == 1
     shown = task_processes(task_id=task)  # the task page of the dashboard
     assert shown["states"] == 2 and shown["snapshots"] == 0
-    assert {"how": "root", "label": "a fresh sandbox and a replay", "with_processes": 1, "without": 1} in shown["materialized"]
+    assert {"how": "root", "label": "a fresh sandbox and a replay", "with_processes": 1, "without": 1} in shown[
+        "materialized"
+    ]
 
 
 COMMANDS = [
@@ -131,7 +136,8 @@ COMMANDS = [
 
 
 def test_removing_or_replacing_what_tvcache_once_kept_in_the_sandbox_goes_on_as_a_plain_container(
-        api, docker_task, busybox):
+    api, docker_task, busybox
+):
     task = docker_task("bookkeeping")
     answers = []
     for command in COMMANDS:
@@ -150,8 +156,9 @@ def plain_container(client: docker.DockerClient, commands: list[str]) -> list[tu
     runs them in turn (so the working directory and exports carry over, as tvcache's session keeps
     them), each one's output and status followed by a NUL."""
     script = "".join(f"{{ {command}\n}} 2>/dev/null; printf '\\0%s\\0' $?\n" for command in commands)
-    container = client.containers.run("tvcache/busybox:latest", ["sleep", "60"], detach=True, init=True,
-                                      network_mode="none", hostname="sandbox")
+    container = client.containers.run(
+        "tvcache/busybox:latest", ["sleep", "60"], detach=True, init=True, network_mode="none", hostname="sandbox"
+    )
     try:
         _, out = container.exec_run(["sh", "-c", script])
     finally:

@@ -10,9 +10,8 @@ import pytest
 from cache.models import Project
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import sandbox_config
-from tests.cache.helpers import project_clients
-
-from .helpers import run
+from tests.support.api import project_clients
+from tests.support.toolserver import run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -104,7 +103,9 @@ def test_docker_envs_above_the_projects_grants_are_403(clients, busybox, network
     error = refused.json()["error"]
     assert error["code"] == "network_not_granted" and error["details"]["project"] == "beta"
     assert "project 'beta'" in error["message"]
-    image = beta.put("/api/v1/tasks/img", {"env": {"backend": "docker", "image": "tvcache/debian:bookworm"}}, format="json")
+    image = beta.put(
+        "/api/v1/tasks/img", {"env": {"backend": "docker", "image": "tvcache/debian:bookworm"}}, format="json"
+    )
     assert image.status_code == 403 and image.json()["error"]["code"] == "image_not_allowed"
     Project.objects.filter(name="beta").update(max_memory_mb=256)
     memory = beta.put("/api/v1/tasks/mem", {"env": {"backend": "docker", "limits": {"memory_mb": 512}}}, format="json")
@@ -113,20 +114,26 @@ def test_docker_envs_above_the_projects_grants_are_403(clients, busybox, network
     # The service's default (512 MB) is above beta's cap too: refused until the task asks for less.
     default = beta.put("/api/v1/tasks/mem", {"env": {"backend": "docker"}}, format="json")
     assert default.status_code == 403 and default.json()["error"]["code"] == "limit_exceeded"
-    assert beta.put("/api/v1/tasks/mem", {"env": {"backend": "docker", "limits": {"memory_mb": 256}}},
-                    format="json").status_code == 201
+    assert (
+        beta.put(
+            "/api/v1/tasks/mem", {"env": {"backend": "docker", "limits": {"memory_mb": 256}}}, format="json"
+        ).status_code
+        == 201
+    )
     # A grant taken back refuses the task's next sandbox (its calls that hit still answer).
     Project.objects.filter(name="alpha").update(network=False)
-    call = clients["alpha", "trainer"].post("/api/v1/tasks/net/rollouts/r1/calls",
-                                            {"call": {"tool": "bash", "args": {"command": "true"}}}, format="json")
+    call = clients["alpha", "trainer"].post(
+        "/api/v1/tasks/net/rollouts/r1/calls", {"call": {"tool": "bash", "args": {"command": "true"}}}, format="json"
+    )
     assert call.status_code == 403 and call.json()["error"]["code"] == "network_not_granted"
     assert not Sandbox.objects.filter(task_id="alpha.net").exists()
 
 
 def test_without_the_services_allowance_no_project_has_network(clients, busybox):
     Project.objects.filter(name="alpha").update(network=True)
-    refused = clients["alpha", "maintainer"].put("/api/v1/tasks/net", {"env": {"backend": "docker", "network": True}},
-                                                 format="json")
+    refused = clients["alpha", "maintainer"].put(
+        "/api/v1/tasks/net", {"env": {"backend": "docker", "network": True}}, format="json"
+    )
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "network_not_granted"
     assert "TVCACHE_DOCKER_ALLOW_NETWORK" in refused.json()["error"]["message"]
 
@@ -140,8 +147,14 @@ def test_a_tasks_sandboxes_read_in_its_project_only(clients):
     run(alpha, "files", "r1", write("b.txt", "alpha"))
     answer = alpha.get("/api/v1/tasks/files/sandboxes").json()
     row = Sandbox.objects.get(task_id="alpha.files", rollout__rollout_id="r1")
-    assert {"id": row.pk, "backend": "directory", "pool": row.pool, "state": "leased", "rollout_id": "r1",
-            "ref": row.ref} in answer["live"] and row.ref
+    assert {
+        "id": row.pk,
+        "backend": "directory",
+        "pool": row.pool,
+        "state": "leased",
+        "rollout_id": "r1",
+        "ref": row.ref,
+    } in answer["live"] and row.ref
     assert answer["started"] == Sandbox.objects.filter(task_id="alpha.files", ready_at__isnull=False).count() >= 1
     assert alpha.delete("/api/v1/tasks/files/rollouts/r1").status_code == 204
     after = alpha.get("/api/v1/tasks/files/sandboxes").json()

@@ -16,10 +16,9 @@ from cache.services import record
 from cache.tcg.snapshots import SnapshotCosts
 from sandboxes.images import DEBIAN_TAG
 from sandboxes.models import Sandbox
+from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
 
-from .helpers import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
-
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 RUNSC = {"backend": "docker", "runtime": "runsc"}
 
@@ -71,10 +70,13 @@ def test_a_background_process_is_alive_in_forks_of_the_state_that_started_it(api
 def test_servers_answer_in_forks_as_they_do_live(api, docker_task, snapshot_every_call):
     task = docker_task("runsc-servers", env=RUNSC)
     # A daemonized server (httpd forks into the background by itself) and one a shell put there.
-    first = bash("mkdir -p /www && echo page > /www/x && busybox httpd -p 8089 -h /www && "
-                 "(busybox httpd -f -p 8090 -h /www >/dev/null 2>&1 &) && echo started")
-    probe = ("wget -qO- http://127.0.0.1:8089/x || echo unreachable; "
-             "wget -qO- http://127.0.0.1:8090/x || echo unreachable")
+    first = bash(
+        "mkdir -p /www && echo page > /www/x && busybox httpd -p 8089 -h /www && "
+        "(busybox httpd -f -p 8090 -h /www >/dev/null 2>&1 &) && echo started"
+    )
+    probe = (
+        "wget -qO- http://127.0.0.1:8089/x || echo unreachable; wget -qO- http://127.0.0.1:8090/x || echo unreachable"
+    )
     run(api, task, "live", first)
     live = run(api, task, "live", bash(probe))["result"]["stdout"]
     assert live == "page\npage\n"
@@ -84,19 +86,36 @@ def test_servers_answer_in_forks_as_they_do_live(api, docker_task, snapshot_ever
 def test_the_source_sandbox_goes_on_after_its_snapshot(api, docker_task, snapshot_every_call):
     task = docker_task("runsc-source", env=RUNSC)
     # A counter that lives in its process's memory, written out only when asked.
-    run(api, task, "live", bash("(i=0; while true; do i=$((i+1)); if [ -e /poke ]; then echo $i > /count; rm /poke; fi; "
-                                "sleep 0.05; done) >/dev/null 2>&1 & echo started"))
+    run(
+        api,
+        task,
+        "live",
+        bash(
+            "(i=0; while true; do i=$((i+1)); if [ -e /poke ]; then echo $i > /count; rm /poke; fi; "
+            "sleep 0.05; done) >/dev/null 2>&1 & echo started"
+        ),
+    )
     assert Snapshot.objects.get(task_id=task).keeps_processes  # taken: the sandbox was checkpointed and restored
-    count = run(api, task, "live", bash("touch /poke; for i in $(seq 100); do [ -e /count ] && break; sleep 0.05; done; "
-                                        "cat /count 2>/dev/null || echo 0"))
+    count = run(
+        api,
+        task,
+        "live",
+        bash(
+            "touch /poke; for i in $(seq 100); do [ -e /count ] && break; sleep 0.05; done; "
+            "cat /count 2>/dev/null || echo 0"
+        ),
+    )
     assert int(count["result"]["stdout"]) > 1  # it counts on from where the checkpoint stopped it
 
 
 def test_an_env_that_asks_for_processes_to_survive_gets_runsc_or_a_clear_4xx(api, docker_task):
     kept = api.put("/api/v1/tasks/keep", {"env": {"backend": "docker", "keep_processes": True}}, format="json")
     assert kept.status_code in (200, 201), kept.content
-    refused = api.put("/api/v1/tasks/keep-runc", {"env": {"backend": "docker", "runtime": "runc",
-                                                          "keep_processes": True}}, format="json")
+    refused = api.put(
+        "/api/v1/tasks/keep-runc",
+        {"env": {"backend": "docker", "runtime": "runc", "keep_processes": True}},
+        format="json",
+    )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "processes_not_kept"
     unknown = api.put("/api/v1/tasks/kata", {"env": {"backend": "docker", "runtime": "kata"}}, format="json")
     assert unknown.status_code == 403 and unknown.json()["error"]["code"] == "runtime_not_granted"

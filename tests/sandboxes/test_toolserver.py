@@ -6,8 +6,7 @@ import docker
 import pytest
 
 from sandboxes.models import Sandbox
-
-from .helpers import bash, run
+from tests.support.toolserver import bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -139,7 +138,10 @@ def test_ending_a_rollout_frees_its_sandbox(api, docker_task, busybox):
 
 def test_directory_and_sqlite_tasks_run_in_tool_server_mode(api):
     api.put("/api/v1/tasks/files", {"env": {"backend": "directory", "files": {"a.txt": "A"}}}, format="json")
-    assert run(api, "files", "r", {"tool": "read_file", "args": {"path": "a.txt"}})["result"] == {"output": "A", "ok": True}
+    assert run(api, "files", "r", {"tool": "read_file", "args": {"path": "a.txt"}})["result"] == {
+        "output": "A",
+        "ok": True,
+    }
     api.put("/api/v1/tasks/db", {"env": {"backend": "sqlite", "schema_sql": "create table t (x int);"}}, format="json")
     run(api, "db", "r", {"tool": "execute", "args": {"sql": "insert into t values (7)"}})
     rows = run(api, "db", "r", {"tool": "query", "args": {"sql": "select x from t"}})["result"]["rows"]

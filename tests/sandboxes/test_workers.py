@@ -15,8 +15,7 @@ from sandboxes import services
 from sandboxes.backends.base import SandboxGone
 from sandboxes.models import Sandbox
 from sandboxes.services.runtime import backend_named, labels
-
-from .helpers import bash, run, wait_for
+from tests.support.toolserver import bash, run, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,8 +30,13 @@ def test_announced_step_warms_roots_and_the_first_miss_takes_one(api, docker_tas
     assert taken.pool == "root" and taken.ready_at < timezone.now()
     assert Sandbox.objects.filter(task_id=task, state="ready").count() == 1
     pools = api.get("/api/v1/pools").json()
-    assert {"task_id": task, "project": "default", "backend": "docker", "pool": "root",
-            "states": {"warming": 0, "ready": 1, "leased": 1, "stopping": 0}} in pools["pools"]
+    assert {
+        "task_id": task,
+        "project": "default",
+        "backend": "docker",
+        "pool": "root",
+        "states": {"warming": 0, "ready": 1, "leased": 1, "stopping": 0},
+    } in pools["pools"]
     assert pools["engine"]["ok"] is True
 
 
@@ -110,8 +114,9 @@ def test_an_unreachable_engine_fails_its_tasks_clearly_and_the_rest_keeps_servin
     try:
         response = api.put("/api/v1/tasks/nodocker", {"env": {"backend": "docker"}}, format="json")
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
-        lookup = api.post(f"/api/v1/tasks/{toy_task}/lookup", {"history": [], "call": {"tool": "x", "args": {}}},
-                          format="json")
+        lookup = api.post(
+            f"/api/v1/tasks/{toy_task}/lookup", {"history": [], "call": {"tool": "x", "args": {}}}, format="json"
+        )
         assert lookup.status_code == 200
         assert api.get("/api/v1/pools").json()["engine"]["ok"] is False
     finally:
@@ -134,7 +139,8 @@ def test_pre_forks_are_capped_per_task_and_unused_ready_sandboxes_are_stopped(ap
 
 
 def test_without_redis_the_service_runs_the_periodic_jobs_itself_one_process_at_a_time(
-        api, docker_task, busybox, monkeypatch):
+    api, docker_task, busybox, monkeypatch
+):
     """The embedded default: no broker, no beat. The served instance (two processes) reaps an idle
     rollout's sandbox, frees an evicted snapshot and removes an orphan by itself; a job whose
     advisory lock is held elsewhere waits for it."""
@@ -152,8 +158,12 @@ def test_without_redis_the_service_runs_the_periodic_jobs_itself_one_process_at_
     Task.objects.filter(pk=task).update(sandbox_budget=0)
     backend = backend_named("docker")
     orphan = backend.start(Task.objects.get(pk=task).env, labels=labels(task, 10**9))
-    for name, value in (("TVCACHE_REAP_EVERY_S", "1"), ("TVCACHE_COLLECT_EVERY_S", "1"), ("TVCACHE_ORPHANS_EVERY_S", "1"),
-                        ("TVCACHE_ORPHAN_GRACE_S", "0")):
+    for name, value in (
+        ("TVCACHE_REAP_EVERY_S", "1"),
+        ("TVCACHE_COLLECT_EVERY_S", "1"),
+        ("TVCACHE_ORPHANS_EVERY_S", "1"),
+        ("TVCACHE_ORPHAN_GRACE_S", "0"),
+    ):
         monkeypatch.setenv(name, value)
     orphans_lock = job_lock_key("reap-orphans")
     with connection.cursor() as cursor:

@@ -12,8 +12,11 @@ def lookup(api, task, history, c, **extra):
 
 
 def record(api, task, history, c, result, exec_ms=10.0, **extra):
-    response = api.post(f"/api/v1/tasks/{task}/record",
-                        {"history": history, "call": c, "result": result, "exec_ms": exec_ms, **extra}, format="json")
+    response = api.post(
+        f"/api/v1/tasks/{task}/record",
+        {"history": history, "call": c, "result": result, "exec_ms": exec_ms, **extra},
+        format="json",
+    )
     assert response.status_code == 200, response.content
     return response.json()
 
@@ -31,8 +34,9 @@ def waiting_on_locks(db_name: str) -> int:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
-                       [db_name])
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'", [db_name]
+        )
         return cursor.fetchone()[0]
 
 
@@ -50,6 +54,8 @@ def project_clients(projects=PROJECTS, roles=ROLES) -> dict[tuple[str, str], obj
     for project in projects:
         for role in roles:
             client = APIClient()
-            client.credentials(HTTP_AUTHORIZATION=f"Token {token_create(name=f'{project}-{role}', project=project, role=role)}")
+            client.credentials(
+                HTTP_AUTHORIZATION=f"Token {token_create(name=f'{project}-{role}', project=project, role=role)}"
+            )
             clients[project, role] = client
     return clients

@@ -8,8 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 class Scrape:
     def __init__(self, text: str):
         self.families = {family.name: family for family in text_string_to_metric_families(text)}
-        self.samples = {(s.name, frozenset(s.labels.items())): s.value
-                        for family in self.families.values() for s in family.samples}
+        self.samples = {
+            (s.name, frozenset(s.labels.items())): s.value for family in self.families.values() for s in family.samples
+        }
 
     def value(self, name: str, **labels) -> float:
         """A sample's value; 0 when the series does not exist (yet)."""

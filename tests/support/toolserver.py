@@ -28,20 +28,32 @@ def run(api, task_id: str, rollout_id: str, call: dict, status: int = 200, *, se
 
 # Processes a first call leaves running (docs/design/state.md): the call, a probe of them, and what a
 # live rollout answers.
-BACKGROUND = ("sleep 300 >/dev/null 2>&1 & echo $! > /pid; echo started",
-              "kill -0 $(cat /pid) 2>/dev/null && echo alive || echo gone", "alive\n")
-DAEMON = ("mkdir -p /www && echo page > /www/x && busybox httpd -p 8089 -h /www && echo started",
-          "wget -qO- http://127.0.0.1:8089/x 2>/dev/null || echo unreachable", "page\n")
+BACKGROUND = (
+    "sleep 300 >/dev/null 2>&1 & echo $! > /pid; echo started",
+    "kill -0 $(cat /pid) 2>/dev/null && echo alive || echo gone",
+    "alive\n",
+)
+DAEMON = (
+    "mkdir -p /www && echo page > /www/x && busybox httpd -p 8089 -h /www && echo started",
+    "wget -qO- http://127.0.0.1:8089/x 2>/dev/null || echo unreachable",
+    "page\n",
+)
 # A writer loop: the state after the call depends on how long ago it started. Its probe asks only
 # whether it still runs, which a live rollout always sees.
-WRITER = ("(while :; do echo x >> /log; sleep 0.05; done) >/dev/null 2>&1 & while [ ! -s /log ]; do :; done; echo started",
-          "n=$(wc -l < /log); i=0; while [ $i -lt 40 ]; do [ $(wc -l < /log) -gt $n ] && break; sleep 0.05; "
-          "i=$((i + 1)); done; [ $(wc -l < /log) -gt $n ] && echo growing || echo stopped", "growing\n")
+WRITER = (
+    "(while :; do echo x >> /log; sleep 0.05; done) >/dev/null 2>&1 & while [ ! -s /log ]; do :; done; echo started",
+    "n=$(wc -l < /log); i=0; while [ $i -lt 40 ]; do [ $(wc -l < /log) -gt $n ] && break; sleep 0.05; "
+    "i=$((i + 1)); done; [ $(wc -l < /log) -gt $n ] && echo growing || echo stopped",
+    "growing\n",
+)
 # Python's http.server in the debian image, answering once it listens.
 PY_GET = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/x', timeout=5).read().decode(), end='')"
-HTTP = ("mkdir -p /srv && echo page > /srv/x && cd /srv && (python3 -m http.server 8000 >/dev/null 2>&1 &) && "
-        f"for i in $(seq 100); do python3 -c \"{PY_GET}\" >/dev/null 2>&1 && break; sleep 0.05; done; echo started",
-        f"python3 -c \"{PY_GET}\" 2>/dev/null || echo unreachable", "page\n")
+HTTP = (
+    "mkdir -p /srv && echo page > /srv/x && cd /srv && (python3 -m http.server 8000 >/dev/null 2>&1 &) && "
+    f'for i in $(seq 100); do python3 -c "{PY_GET}" >/dev/null 2>&1 && break; sleep 0.05; done; echo started',
+    f'python3 -c "{PY_GET}" 2>/dev/null || echo unreachable',
+    "page\n",
+)
 
 
 def answers_of_later_rollouts(api, task: str, start: dict, probe: str, rollouts: int = 3) -> list[str]:
@@ -69,8 +81,9 @@ def worker_on(queues: list[str]) -> Iterator[None]:
     """A real worker thread consuming `queues` on the real Redis broker."""
     kept = _logging_state()
     try:
-        with start_worker(celery_app, pool="threads", concurrency=2, queues=queues, perform_ping_check=False,
-                          shutdown_timeout=30):
+        with start_worker(
+            celery_app, pool="threads", concurrency=2, queues=queues, perform_ping_check=False, shutdown_timeout=30
+        ):
             yield
     finally:  # the worker sets up logging for its process; later tests' caplog needs it back
         _logging_restore(kept)

@@ -13,8 +13,9 @@ def post(url: str, body: dict) -> dict:
     return response.json()
 
 
-def interact(url: str, trajectory_id: str, action: str, extra_fields: dict | None = None, *,
-             is_last_step: bool = False) -> tuple:
+def interact(
+    url: str, trajectory_id: str, action: str, extra_fields: dict | None = None, *, is_last_step: bool = False
+) -> tuple:
     """One action of one trajectory: (observation, done, valid)."""
     body = {"trajectory_ids": [trajectory_id], "actions": [action], "finish": [False], "is_last_step": [is_last_step]}
     if extra_fields is not None:
@@ -29,8 +30,16 @@ def close(url: str, trajectory_id: str) -> dict:
 
 
 def batch(url: str, trajectory_ids: list[str], actions: list[str], extra_fields: list[dict]) -> list[tuple]:
-    answer = post(url, {"trajectory_ids": trajectory_ids, "actions": actions, "extra_fields": extra_fields,
-                        "finish": [False] * len(actions), "is_last_step": [False] * len(actions)})
+    answer = post(
+        url,
+        {
+            "trajectory_ids": trajectory_ids,
+            "actions": actions,
+            "extra_fields": extra_fields,
+            "finish": [False] * len(actions),
+            "is_last_step": [False] * len(actions),
+        },
+    )
     return list(zip(answer["observations"], answer["dones"], answer["valids"]))
 
 

@@ -23,8 +23,10 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 def test_api_docs_render_with_no_network(tmp_path):
     collect_static()
     SHOTS.mkdir(parents=True, exist_ok=True)
-    with service_running(db=connection.settings_dict, workers=1, log_dir=tmp_path) as service, \
-            sync_playwright() as playwright:
+    with (
+        service_running(db=connection.settings_dict, workers=1, log_dir=tmp_path) as service,
+        sync_playwright() as playwright,
+    ):
         browser = chromium(playwright)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
         refused, errors, failed = [], [], []

@@ -48,8 +48,13 @@ def miss(
     matched: int = 0,
     snapshot_after_ms: float | None = None,
 ) -> dict[str, Any]:
-    return {"hit": False, "matched": matched, "resume": resume, "replay": replay,
-            "snapshot_after_ms": snapshot_after_ms}
+    return {
+        "hit": False,
+        "matched": matched,
+        "resume": resume,
+        "replay": replay,
+        "snapshot_after_ms": snapshot_after_ms,
+    }
 
 
 def resume(ref: str, replay: list[dict[str, Any]], lease_id: int = 7) -> dict[str, Any]:
@@ -77,18 +82,14 @@ class FakeService:
     @staticmethod
     def route(request: httpx.Request) -> str:
         return next(
-            name
-            for name, method, pattern in ROUTES
-            if request.method == method and pattern.match(request.url.path)
+            name for name, method, pattern in ROUTES if request.method == method and pattern.match(request.url.path)
         )
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         route = self.route(request)
         body = json.loads(request.content) if request.content else None
         self.seen.append(Seen(route, request.url.path, body, dict(request.url.params)))
-        status, answer = (
-            self._scripts[route].popleft() if self._scripts[route] else self._default(route, body)
-        )
+        status, answer = self._scripts[route].popleft() if self._scripts[route] else self._default(route, body)
         return httpx.Response(status, json=answer) if answer is not None else httpx.Response(status)
 
     def _default(self, route: str, body: Any) -> tuple[int, Any]:

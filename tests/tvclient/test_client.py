@@ -1,8 +1,8 @@
 import asyncio
 import contextlib
 import gc
-import threading
 import json
+import threading
 
 import httpx
 import pytest
@@ -15,7 +15,6 @@ from tvclient import (
     TVCacheError,
     TVCacheUnavailable,
 )
-
 from tvclient.transport import server_ms
 
 from .fake_service import call
@@ -131,11 +130,14 @@ def test_list_tasks_returns_the_task_list():
 
 def paged_tasks(seen: list[dict[str, str]]):
     """A task list of two pages, one task each."""
+
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append(dict(request.url.params))
         offset = int(request.url.params.get("offset", 0))
-        return httpx.Response(200, json={"tasks": [{"id": f"t{offset}"}], "count": 2,
-                                         "next_offset": 1 if offset == 0 else None})
+        return httpx.Response(
+            200, json={"tasks": [{"id": f"t{offset}"}], "count": 2, "next_offset": 1 if offset == 0 else None}
+        )
+
     return answer
 
 
@@ -250,8 +252,17 @@ def test_a_lookup_carries_the_services_own_time():
     assert asyncio.run(ask()).server_ms == 2.125
 
 
-@pytest.mark.parametrize("header, expected", [
-    ("total;dur=3", 3.0), ("app;dur=1, total;desc=\"all\";dur=4.5", 4.5), ("app;dur=1", None),
-    ("total;dur=x", None), ("", None), (None, None), ("total", None)])
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        ("total;dur=3", 3.0),
+        ('app;dur=1, total;desc="all";dur=4.5', 4.5),
+        ("app;dur=1", None),
+        ("total;dur=x", None),
+        ("", None),
+        (None, None),
+        ("total", None),
+    ],
+)
 def test_server_timing_header_is_read_leniently(header, expected):
     assert server_ms(header) == expected

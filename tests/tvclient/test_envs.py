@@ -102,8 +102,6 @@ def test_folder_fork_copies_and_stop_removes(folder):
 
 def test_package_imports_no_django():
     probe = "import sys, tvclient; print(sorted({m.split('.')[0] for m in sys.modules}))"
-    loaded = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
-    ).stdout
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
 
     assert "django" not in loaded and "rest_framework" not in loaded

@@ -16,25 +16,52 @@ import uuid
 
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
-from tvclient import FolderEnvironment, ReplayFailed, SnapshotStore, TVCacheClient, ToolCallExecutor
 
 import cache.services.record as record
 from cache.models import Task
 from cache.tcg.snapshots import SnapshotCosts
 from lab.replay.exactness import Outcome, Referee, Step
-from tests.cache.exactness import (FAULTS, POLICY, READ_A, READ_C, SAMPLE, SEED_FILES, SLOW_CALL_S, SNAPSHOT_COSTS,
-                                   STAMP, TASK_SETTINGS, WRITE_A, WRITE_C, Fault, any_calls, deterministic_calls,
-                                   folder_files, is_slow, partial_args, play, scenario_referee, scenarios,
-                                   snapshotted_nodes, steer, stored_nodes, stored_snapshots, timed_out_result, token)
+from tests.cache.exactness import (
+    FAULTS,
+    POLICY,
+    READ_A,
+    READ_C,
+    SAMPLE,
+    SEED_FILES,
+    SLOW_CALL_S,
+    SNAPSHOT_COSTS,
+    STAMP,
+    TASK_SETTINGS,
+    WRITE_A,
+    WRITE_C,
+    Fault,
+    any_calls,
+    deterministic_calls,
+    folder_files,
+    is_slow,
+    partial_args,
+    play,
+    scenario_referee,
+    scenarios,
+    snapshotted_nodes,
+    steer,
+    stored_nodes,
+    stored_snapshots,
+    timed_out_result,
+    token,
+)
+from tvclient import FolderEnvironment, ReplayFailed, SnapshotStore, ToolCallExecutor, TVCacheClient
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 KINDS = ("timeout", "error")
 # No explain phase: it reruns the failing example many times over, for little here.
-PROPERTY = settings(max_examples=int(os.environ.get("TVCACHE_PROPERTY_EXAMPLES", "25")), deadline=None,
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+PROPERTY = settings(
+    max_examples=int(os.environ.get("TVCACHE_PROPERTY_EXAMPLES", "25")),
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 class InjectedFault(RuntimeError):
@@ -124,16 +151,23 @@ def live_client(live_server, api, token, monkeypatch):
 
 def drive(client: RecordingClient, root, steps: list[Step]) -> Referee:
     task = f"props-{uuid.uuid4().hex[:12]}"
-    response = client.api.put(f"/api/v1/tasks/{task}", {"env": {"backend": "external", "props": task}, **TASK_SETTINGS},
-                              format="json")
+    response = client.api.put(
+        f"/api/v1/tasks/{task}", {"env": {"backend": "external", "props": task}, **TASK_SETTINGS}, format="json"
+    )
     assert response.status_code == 201, response.content
     referee = scenario_referee(lambda: FolderOracle(root))
     store = SnapshotStore()
     executors: dict[int, ToolCallExecutor] = {}
+
     def run(step: Step) -> Outcome:
         if step.rollout not in executors:
-            executors[step.rollout] = ToolCallExecutor(client, task, lambda: FaultyFolder(SEED_FILES, root=root),
-                                                       rollout_id=f"r{step.rollout}", snapshots=store)
+            executors[step.rollout] = ToolCallExecutor(
+                client,
+                task,
+                lambda: FaultyFolder(SEED_FILES, root=root),
+                rollout_id=f"r{step.rollout}",
+                snapshots=store,
+            )
         return _execute(client, executors[step.rollout], step)
 
     try:
@@ -158,14 +192,21 @@ def _execute(client: RecordingClient, executor: ToolCallExecutor, step: Step) ->
     except Exception as exc:  # an injected fault, or a failure of the client or the service
         # A fault that struck a replay of the rollout's hits surfaces as ReplayFailed (the
         # replayed call is not the one the caller made): the fault, reported, not a server error.
-        return Outcome(fired=False, failure=f"{type(exc).__name__}: {exc}",
-                       clean_failure=isinstance(exc, (InjectedFault, ReplayFailed)))
+        return Outcome(
+            fired=False,
+            failure=f"{type(exc).__name__}: {exc}",
+            clean_failure=isinstance(exc, (InjectedFault, ReplayFailed)),
+        )
     cached = executor.hits > hits
     lookup = client.last_lookup.get(executor.rollout_id)
-    return Outcome(fired=False, result=result, cached=cached,
-                   node_id=lookup.node_id if cached and lookup is not None else None,
-                   # The executor's history keeps read-only calls too (the service leaves them out of keys).
-                   mutates=len(executor.history) > history and POLICY.for_tool(step.call["tool"]).mutates_state)
+    return Outcome(
+        fired=False,
+        result=result,
+        cached=cached,
+        node_id=lookup.node_id if cached and lookup is not None else None,
+        # The executor's history keeps read-only calls too (the service leaves them out of keys).
+        mutates=len(executor.history) > history and POLICY.for_tool(step.call["tool"]).mutates_state,
+    )
 
 
 def _store_violations(client, task: str, referee: Referee, store: SnapshotStore, executors) -> list[str]:
@@ -180,7 +221,10 @@ def _store_violations(client, task: str, referee: Referee, store: SnapshotStore,
     return referee.store_violations(
         fingerprint=Task.objects.get(pk=task).env_fingerprint,
         histories=[list(executor.history) for executor in executors.values()],
-        nodes=stored_nodes(task), snapshots=stored_snapshots(task, frozen_files), served=served)
+        nodes=stored_nodes(task),
+        snapshots=stored_snapshots(task, frozen_files),
+        served=served,
+    )
 
 
 deterministic = scenarios(deterministic_calls(patches=False), KINDS)
@@ -190,15 +234,23 @@ deterministic = scenarios(deterministic_calls(patches=False), KINDS)
 READ_TIMES_OUT = [Step(0, READ_A, Fault("timeout", "none", "call"))]
 # r1's environment replays a write it hit; the replay answers timed_out without writing, the
 # executor goes on, and the read after it is recorded under the write's state.
-REPLAY_TIMES_OUT = [Step(0, WRITE_A, None), Step(1, READ_C, None), Step(1, WRITE_A, None),
-                    Step(1, READ_A, Fault("timeout", "none", "first"))]
+REPLAY_TIMES_OUT = [
+    Step(0, WRITE_A, None),
+    Step(1, READ_C, None),
+    Step(1, WRITE_A, None),
+    Step(1, READ_A, Fault("timeout", "none", "first")),
+]
 # The environment raises after half the write ran; the executor rebuilds the rollout's
 # environment from its history and the rollout stays in the shared graph: r1 hits its later read.
 ERROR_MIDWAY = [Step(0, WRITE_A, Fault("error", "partial", "call")), Step(0, READ_A, None), Step(1, READ_A, None)]
 # The same replay raises: the fault surfaces as ReplayFailed (hypothesis found the timeout case
 # against the crash property on a fresh clone's run; both are the fault reported, not a crash).
-REPLAY_RAISES = [Step(0, WRITE_A, None), Step(1, READ_C, None), Step(1, WRITE_A, None),
-                 Step(1, READ_A, Fault("error", "none", "first"))]
+REPLAY_RAISES = [
+    Step(0, WRITE_A, None),
+    Step(1, READ_C, None),
+    Step(1, WRITE_A, None),
+    Step(1, READ_A, Fault("error", "none", "first")),
+]
 # A read raises; the rollout's later slow write is snapshotted.
 SNAPSHOT_AFTER_ERROR = [Step(0, READ_A, Fault("error", "none", "call")), Step(0, WRITE_C, None)]
 

@@ -8,9 +8,8 @@ from tvclient import (
     AsyncToolCallExecutor,
     InMemoryEnvironment,
     SnapshotStore,
-    TVCacheClient,
-    TVCacheError,
     ToolCallExecutor,
+    TVCacheClient,
     UnknownTool,
 )
 
@@ -402,8 +401,10 @@ def test_a_fork_that_fails_in_the_background_fails_the_next_miss(service, client
 
 
 def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client):
-    for executor in (ToolCallExecutor(client, TASK, Factory()),
-                     ToolCallExecutor(client, TASK, Factory(), rollout_id="r", single_flight=False)):
+    for executor in (
+        ToolCallExecutor(client, TASK, Factory()),
+        ToolCallExecutor(client, TASK, Factory(), rollout_id="r", single_flight=False),
+    ):
         service.script("lookup", hit({"value": "1"}))
         executor.execute(call("get", key="a"))
     assert ["claim" in seen.body for seen in service.requests("lookup")] == [False, False]
@@ -412,9 +413,7 @@ def test_single_flight_needs_a_rollout_id_and_can_be_turned_off(service, client)
 def test_miss_without_snapshot_starts_fresh_and_replays_every_write(service, client):
     factory = Factory()
     executor = ToolCallExecutor(client, TASK, factory)
-    set_a, get_a, append_a = call("set", key="a", value="1"), call("get", key="a"), call(
-        "append", key="a", value="2"
-    )
+    set_a, get_a, append_a = call("set", key="a", value="1"), call("get", key="a"), call("append", key="a", value="2")
     play_hits(service, executor, [set_a, get_a, append_a])
     service.script("lookup", miss(replay=[set_a, append_a], matched=3))
 
@@ -607,9 +606,10 @@ def test_close_stops_own_env_and_private_snapshots_but_not_shared_ones(service, 
     shared = SnapshotStore()
     factory = Factory()
     wanted = {"node_id": 5, "created": True, "snapshot": "wanted", "evicted": []}
-    with ToolCallExecutor(client, TASK, factory, snapshots=shared) as sharing, ToolCallExecutor(
-        client, TASK, factory
-    ) as private:
+    with (
+        ToolCallExecutor(client, TASK, factory, snapshots=shared) as sharing,
+        ToolCallExecutor(client, TASK, factory) as private,
+    ):
         for executor in (sharing, private):
             service.script("lookup", miss(replay=[]))
             service.script("record", wanted)
@@ -660,8 +660,7 @@ def test_snapshot_another_rollout_registered_first_is_dropped_and_the_call_succe
     executor = ToolCallExecutor(client, TASK, Factory(), snapshots=store)
     service.script("lookup", miss(replay=[]))
     service.script("record", {"node_id": 5, "created": False, "snapshot": "wanted", "evicted": []})
-    service.script("snapshot", {"error": {"code": "snapshot_exists", "message": "taken", "details": None}},
-                   status=409)
+    service.script("snapshot", {"error": {"code": "snapshot_exists", "message": "taken", "details": None}}, status=409)
     assert executor.execute(call("set", key="a", value="1")) is not None
     assert len(store) == 0
 
@@ -684,7 +683,10 @@ def test_a_sampled_read_only_hit_is_re_executed_in_the_open_environment_and_repo
     assert executor.execute(get_a) == {"value": "stale"}  # the hit's answer; the service stops serving it
 
     reports = service.requests("audit")
-    assert [seen.path for seen in reports] == [f"/api/v1/tasks/{TASK}/nodes/5/audit", f"/api/v1/tasks/{TASK}/nodes/6/audit"]
+    assert [seen.path for seen in reports] == [
+        f"/api/v1/tasks/{TASK}/nodes/5/audit",
+        f"/api/v1/tasks/{TASK}/nodes/6/audit",
+    ]
     assert reports[0].body == {"result": {"value": "1"}, "rollout_id": "r1"}
     assert (executor.audited, executor.divergent, executor.audits_skipped) == (2, 1, 0)
     (env,) = factory.made

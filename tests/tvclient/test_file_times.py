@@ -24,8 +24,10 @@ def bash(command: str) -> dict:
 # A build cache keyed on whole-second modification times, as Python's .pyc check is: the cached
 # copy is reused while the source's time, in seconds, is the one it was made from.
 WRITE_V1, WRITE_V2 = bash("echo v1 > /src"), bash("echo v2 > /src")  # the same size
-BUILD = bash("[ \"$(cat /built.at 2>/dev/null)\" = \"$(stat -c %Y /src)\" ] "
-             "|| { cp /src /built; stat -c %Y /src > /built.at; }; cat /built")
+BUILD = bash(
+    '[ "$(cat /built.at 2>/dev/null)" = "$(stat -c %Y /src)" ] '
+    "|| { cp /src /built; stat -c %Y /src > /built.at; }; cat /built"
+)
 
 
 @pytest.fixture

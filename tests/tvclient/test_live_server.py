@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
-from tvclient import FolderEnvironment, InMemoryEnvironment, SnapshotStore, TVCacheClient, ToolCallExecutor
 
 from cache.api.auth import token_create
+from tvclient import FolderEnvironment, InMemoryEnvironment, SnapshotStore, ToolCallExecutor, TVCacheClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,17 +20,26 @@ def client(live_server):
 
 
 def run(client, task_id, env_factory, calls, *, rollout_id, epoch, snapshots):
-    with ToolCallExecutor(client, task_id, env_factory, rollout_id=rollout_id, epoch=epoch,
-                          snapshots=snapshots) as executor:
+    with ToolCallExecutor(
+        client, task_id, env_factory, rollout_id=rollout_id, epoch=epoch, snapshots=snapshots
+    ) as executor:
         results = [executor.execute(call) for call in calls]
         return results, executor
 
 
 def test_in_memory_environment_hits_and_matches_fresh_execution(client):
-    client.put_task("kv", env={"backend": "external", "kv": 1},
-                    tools={"get": {"mutates_state": False}, "list": {"mutates_state": False}}, sandbox_budget=4)
-    calls = [{"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "get", "args": {"key": "a"}},
-             {"tool": "append", "args": {"key": "a", "value": "2"}}, {"tool": "get", "args": {"key": "a"}}]
+    client.put_task(
+        "kv",
+        env={"backend": "external", "kv": 1},
+        tools={"get": {"mutates_state": False}, "list": {"mutates_state": False}},
+        sandbox_budget=4,
+    )
+    calls = [
+        {"tool": "set", "args": {"key": "a", "value": "1"}},
+        {"tool": "get", "args": {"key": "a"}},
+        {"tool": "append", "args": {"key": "a", "value": "2"}},
+        {"tool": "get", "args": {"key": "a"}},
+    ]
     store = SnapshotStore()
     first, ex1 = run(client, "kv", InMemoryEnvironment, calls, rollout_id="r1", epoch=0, snapshots=store)
     second, ex2 = run(client, "kv", InMemoryEnvironment, calls, rollout_id="r2", epoch=1, snapshots=store)
@@ -47,22 +56,35 @@ def test_in_memory_environment_hits_and_matches_fresh_execution(client):
 
 
 def test_a_write_that_changed_nothing_is_keyed_as_read_only(client):
-    client.put_task("kv-observed", env={"backend": "external", "kv": 2}, tools={"get": {"mutates_state": False}},
-                    sandbox_budget=4)
-    set_a, append = {"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "append", "args": {"key": "a", "value": "2"}}
+    client.put_task(
+        "kv-observed", env={"backend": "external", "kv": 2}, tools={"get": {"mutates_state": False}}, sandbox_budget=4
+    )
+    set_a, append = (
+        {"tool": "set", "args": {"key": "a", "value": "1"}},
+        {"tool": "append", "args": {"key": "a", "value": "2"}},
+    )
     get = {"tool": "get", "args": {"key": "a"}}
     store = SnapshotStore()
     # r1 sets `a` twice: the environment sees that the second set changed nothing.
-    first, ex1 = run(client, "kv-observed", InMemoryEnvironment, [set_a, set_a, append, get], rollout_id="r1", epoch=0,
-                     snapshots=store)
+    first, ex1 = run(
+        client,
+        "kv-observed",
+        InMemoryEnvironment,
+        [set_a, set_a, append, get],
+        rollout_id="r1",
+        epoch=0,
+        snapshots=store,
+    )
     assert ex1.history == (set_a, append)  # what changed the state
     # r2 sets it once: its append and get are r1's.
-    second, ex2 = run(client, "kv-observed", InMemoryEnvironment, [set_a, append, get], rollout_id="r2", epoch=0,
-                      snapshots=store)
+    second, ex2 = run(
+        client, "kv-observed", InMemoryEnvironment, [set_a, append, get], rollout_id="r2", epoch=0, snapshots=store
+    )
     assert (second[-1], ex2.hits) == (first[-1], 3) and first[-1] == {"value": "12"}
     # r3 repeats r1's: the repeated set is a hit that the service marks read-only.
-    third, ex3 = run(client, "kv-observed", InMemoryEnvironment, [set_a, set_a, get], rollout_id="r3", epoch=0,
-                     snapshots=store)
+    third, ex3 = run(
+        client, "kv-observed", InMemoryEnvironment, [set_a, set_a, get], rollout_id="r3", epoch=0, snapshots=store
+    )
     assert (third[-1], ex3.hits, ex3.history) == ({"value": "1"}, 2, (set_a,))
     store.close()
 
@@ -77,19 +99,25 @@ class SlowFolder(FolderEnvironment):
 
 
 def test_folder_environment_resumes_from_a_snapshot_and_replays_only_the_suffix(client):
-    client.put_task("repo", env={"backend": "external", "repo": 1},
-                    tools={"read_file": {"mutates_state": False}, "list_dir": {"mutates_state": False}},
-                    sandbox_budget=4)
+    client.put_task(
+        "repo",
+        env={"backend": "external", "repo": 1},
+        tools={"read_file": {"mutates_state": False}, "list_dir": {"mutates_state": False}},
+        sandbox_budget=4,
+    )
     store = SnapshotStore()
-    setup = [{"tool": "write_file", "args": {"path": "a.txt", "content": "A"}},
-             {"tool": "write_file", "args": {"path": "b.txt", "content": "B"}}]
+    setup = [
+        {"tool": "write_file", "args": {"path": "a.txt", "content": "A"}},
+        {"tool": "write_file", "args": {"path": "b.txt", "content": "B"}},
+    ]
     _, first = run(client, "repo", partial(SlowFolder, None), setup, rollout_id="r1", epoch=0, snapshots=store)
     assert len(store) == 1
     assert [n["snapshot"] for n in client.graph("repo")["nodes"]] == [False, True]
     extra = {"tool": "write_file", "args": {"path": "c.txt", "content": "C"}}
     read = {"tool": "read_file", "args": {"path": "a.txt"}}
-    results, second = run(client, "repo", partial(SlowFolder, None), [*setup, extra, read], rollout_id="r2",
-                          epoch=0, snapshots=store)
+    results, second = run(
+        client, "repo", partial(SlowFolder, None), [*setup, extra, read], rollout_id="r2", epoch=0, snapshots=store
+    )
     assert (second.hits, second.misses, second.replayed) == (2, 2, 0)  # forked at the snapshot: no replay
     assert results[-1] == {"output": "A", "ok": True}
     store.close()
@@ -104,12 +132,17 @@ class SlowEnvironment(InMemoryEnvironment):
 
 
 def test_rollouts_missing_on_the_same_call_at_once_execute_it_once(client):
-    client.put_task("kv-flight", env={"backend": "external", "kv": 3}, tools={"get": {"mutates_state": False}},
-                    sandbox_budget=4)
+    client.put_task(
+        "kv-flight", env={"backend": "external", "kv": 3}, tools={"get": {"mutates_state": False}}, sandbox_budget=4
+    )
     calls = [{"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "get", "args": {"key": "a"}}]
     with ThreadPoolExecutor(4) as pool:
-        runs = list(pool.map(lambda r: run(client, "kv-flight", SlowEnvironment, calls, rollout_id=f"r{r}", epoch=0,
-                                           snapshots=None), range(4)))
+        runs = list(
+            pool.map(
+                lambda r: run(client, "kv-flight", SlowEnvironment, calls, rollout_id=f"r{r}", epoch=0, snapshots=None),
+                range(4),
+            )
+        )
     assert [results for results, _ in runs] == [[{"value": "1"}, {"value": "1"}]] * 4
     # Each looked-up call executed once, by whichever rollout claimed it first (a rollout that
     # took `set` from the cache and then claimed `get` also replays `set` to build its state).
@@ -132,16 +165,22 @@ class DiceEnvironment(InMemoryEnvironment):
 
 
 def test_a_sampled_hit_re_executed_by_the_client_is_found_divergent_and_no_longer_served(client):
-    task = client.put_task("dice", env={"backend": "external", "dice": 1},
-                           tools={"get": {"mutates_state": False}, "roll": {"mutates_state": False}}, audit_rate=1.0)
+    task = client.put_task(
+        "dice",
+        env={"backend": "external", "dice": 1},
+        tools={"get": {"mutates_state": False}, "roll": {"mutates_state": False}},
+        audit_rate=1.0,
+    )
     assert task["audit_rate"] == 1.0
-    set_a, get_a, roll = ({"tool": "set", "args": {"key": "a", "value": "1"}}, {"tool": "get", "args": {"key": "a"}},
-                          {"tool": "roll", "args": {}})
+    set_a, get_a, roll = (
+        {"tool": "set", "args": {"key": "a", "value": "1"}},
+        {"tool": "get", "args": {"key": "a"}},
+        {"tool": "roll", "args": {}},
+    )
     store = SnapshotStore()
     first, _ = run(client, "dice", DiceEnvironment, [set_a, roll], rollout_id="r1", epoch=0, snapshots=store)
     # r2's get misses and opens its environment at [set a]: the roll's hit is audited there.
-    second, ex2 = run(client, "dice", DiceEnvironment, [set_a, get_a, roll], rollout_id="r2", epoch=0,
-                      snapshots=store)
+    second, ex2 = run(client, "dice", DiceEnvironment, [set_a, get_a, roll], rollout_id="r2", epoch=0, snapshots=store)
     assert second[2] == first[1]  # the hit's answer
     assert (ex2.audited, ex2.divergent, ex2.audits_skipped) == (1, 1, 1)  # the hit of `set a` changes state
     third, ex3 = run(client, "dice", DiceEnvironment, [set_a, roll], rollout_id="r3", epoch=0, snapshots=store)

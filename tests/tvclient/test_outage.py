@@ -6,12 +6,12 @@ outage inside the retry budget is ridden out; once it is back, new rollouts use 
 import uuid
 
 import pytest
-from tvclient import InMemoryEnvironment, RetryPolicy, SnapshotStore, TVCacheClient, ToolCallExecutor
 
 from cache.api.auth import token_create
 from lab.server import service_running
+from tvclient import InMemoryEnvironment, RetryPolicy, SnapshotStore, ToolCallExecutor, TVCacheClient
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 CALLS = [
     {"tool": "set", "args": {"key": "a", "value": "1"}},
@@ -31,8 +31,7 @@ def uncached() -> list[dict]:
 
 
 def executor(client, rollout_id, snapshots) -> ToolCallExecutor:
-    return ToolCallExecutor(client, "outage", InMemoryEnvironment, rollout_id=rollout_id, epoch=0,
-                            snapshots=snapshots)
+    return ToolCallExecutor(client, "outage", InMemoryEnvironment, rollout_id=rollout_id, epoch=0, snapshots=snapshots)
 
 
 def test_an_episode_through_an_outage_sees_what_an_uncached_run_sees(settings):
@@ -41,9 +40,12 @@ def test_an_episode_through_an_outage_sees_what_an_uncached_run_sees(settings):
         token = token_create(name="outage")
         # A short budget: the outage below outlasts it.
         with TVCacheClient(service.url, token, retry=RetryPolicy(budget_s=1.0, probe_s=0.0)) as client:
-            client.put_task("outage", env={"backend": "external", "kv": 1},
-                            tools={"get": {"mutates_state": False}, "list": {"mutates_state": False}},
-                            sandbox_budget=4)
+            client.put_task(
+                "outage",
+                env={"backend": "external", "kv": 1},
+                tools={"get": {"mutates_state": False}, "list": {"mutates_state": False}},
+                sandbox_budget=4,
+            )
             with executor(client, "warm", snapshots) as warm:
                 assert [warm.execute(call) for call in CALLS] == expected
 
@@ -86,8 +88,14 @@ def test_a_skyrl_episode_through_an_outage_sees_what_an_uncached_episode_sees(se
     from lab.frameworks.skyrl_rollouts import NotesEnv, _act
     from tvclient.integrations.skyrl import tvcache_env
 
-    actions = [_act("append", "a", "x"), _act("read", "a"), _act("append", "a", "y"), _act("keys"),
-               _act("read", "a"), "<done/>"]
+    actions = [
+        _act("append", "a", "x"),
+        _act("read", "a"),
+        _act("append", "a", "y"),
+        _act("keys"),
+        _act("read", "a"),
+        "<done/>",
+    ]
 
     def episode(env_id: str, *, before_step=None) -> tuple[list[str], object]:
         env = skyrl_gym.make(env_id, env_config=OmegaConf.create({}), extras={"instance_id": "outage", "max_turns": 9})
@@ -106,8 +114,9 @@ def test_a_skyrl_episode_through_an_outage_sees_what_an_uncached_episode_sees(se
     with service_running(db=settings.DATABASES["default"], redis_url="", workers=1) as service:
         # Every request probes once while the service is marked down: the rollout after the
         # outage finds it back at once.
-        client = TVCacheClient(service.url, token_create(name="outage-skyrl"),
-                               retry=RetryPolicy(budget_s=1.0, probe_s=0.0))
+        client = TVCacheClient(
+            service.url, token_create(name="outage-skyrl"), retry=RetryPolicy(budget_s=1.0, probe_s=0.0)
+        )
         cached_id = f"notes-cached-{suffix}"
         skyrl_gym.register(id=cached_id, entry_point=tvcache_env(NotesEnv, client=client, read_only=("read", "keys")))
         warm, _ = episode(cached_id)

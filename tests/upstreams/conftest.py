@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import register
+from tests.support.upstreams import register
+
 from .verl_tool_server import verl_tool_server
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from cache.models import Task
-from tests.cache.helpers import project_clients
+from tests.support.api import project_clients
+from tests.support.upstreams import interact
 
-from .helpers import interact
 from .test_registration import VALID, put
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -10,8 +10,7 @@ import threading
 import pytest
 
 from cache.models import Node, Rollout
-
-from .helpers import batch, close, interact, run, stats
+from tests.support.upstreams import batch, close, interact, run, stats
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -21,14 +20,25 @@ BASH, CALC = r"<bash>(.*?)</bash>", r"<calc>(.*?)</calc>"
 def bash_steps(who: str, task: str, *commands: str) -> list[tuple[str, dict]]:
     """A trajectory's actions: the model's reasoning differs from one trajectory to the next,
     the command in the tags does not; the dataset's extra fields come with every action."""
-    return [(f"Step {i}, as {who} sees it: let me run this.\n<bash>{command}</bash>",
-             {"task_id": task, "turns_left": 8 - i}) for i, command in enumerate(commands)]
+    return [
+        (
+            f"Step {i}, as {who} sees it: let me run this.\n<bash>{command}</bash>",
+            {"task_id": task, "turns_left": 8 - i},
+        )
+        for i, command in enumerate(commands)
+    ]
 
 
 def test_a_trainer_gets_the_upstreams_answers_and_trajectories_of_a_task_share_them(api, verl_tool, proxy):
     shell = proxy("shell", url=verl_tool.url, task_fields=["task_id"], action_pattern=BASH)
-    calc = proxy("calc", url=verl_tool.url, task_fields=["task_id"], action_pattern=CALC, read_only=True,
-                 ignore_fields=["turns_left"])
+    calc = proxy(
+        "calc",
+        url=verl_tool.url,
+        task_fields=["task_id"],
+        action_pattern=CALC,
+        read_only=True,
+        ignore_fields=["turns_left"],
+    )
     scripts = {
         "a": bash_steps("a", "t1", "echo one > f", "cat f", "echo two >> f", "cat f"),
         "b": bash_steps("b", "t1", "echo one > f", "cat f", "echo two >> f", "cat f"),  # a's, all of it
@@ -36,8 +46,13 @@ def test_a_trainer_gets_the_upstreams_answers_and_trajectories_of_a_task_share_t
         "d": bash_steps("d", "t2", "echo one > f", "cat f"),  # another task: nothing shared
     }
     sums = {"e": ["2+3", "7*6"], "f": ["7*6", "2+3"], "g": ["7*6", "1-9"]}  # read-only: in any order
-    calcs = {who: [(f"I compute ({who}) <calc>{expr}</calc>", {"task_id": "c1", "turns_left": 8 - i})
-                   for i, expr in enumerate(exprs)] for who, exprs in sums.items()}
+    calcs = {
+        who: [
+            (f"I compute ({who}) <calc>{expr}</calc>", {"task_id": "c1", "turns_left": 8 - i})
+            for i, expr in enumerate(exprs)
+        ]
+        for who, exprs in sums.items()
+    }
 
     direct = {who: run(verl_tool.url, f"direct-{who}", steps) for who, steps in scripts.items()}
     direct |= {who: run(verl_tool.url, f"direct-{who}", steps) for who, steps in calcs.items()}
@@ -56,17 +71,29 @@ def test_a_trainer_gets_the_upstreams_answers_and_trajectories_of_a_task_share_t
     assert verl_tool.actions_received("proxy-g") == [calcs["g"][1][0], ""]
     shell_stats, calc_stats = stats(api, "shell"), stats(api, "calc")
     # hits: b 4, c 2; misses: a 4, c 3, d 2; each trajectory's finish passes through.
-    assert {k: shell_stats[k] for k in ("hits", "misses", "passed_through", "upstream_errors")} == \
-        {"hits": 6, "misses": 9, "passed_through": 4, "upstream_errors": 0}
+    assert {k: shell_stats[k] for k in ("hits", "misses", "passed_through", "upstream_errors")} == {
+        "hits": 6,
+        "misses": 9,
+        "passed_through": 4,
+        "upstream_errors": 0,
+    }
     assert shell_stats["upstream_requests"] == 9 + 2 + 4  # the misses, c's catch-up, the finishes
-    assert {k: calc_stats[k] for k in ("hits", "misses", "passed_through", "upstream_requests")} == \
-        {"hits": 3, "misses": 3, "passed_through": 3, "upstream_requests": 6}
+    assert {k: calc_stats[k] for k in ("hits", "misses", "passed_through", "upstream_requests")} == {
+        "hits": 3,
+        "misses": 3,
+        "passed_through": 3,
+        "upstream_requests": 6,
+    }
 
 
 def test_a_batch_is_answered_in_one_response_and_its_misses_go_in_one_request(api, verl_tool, proxy):
     shell = proxy("batch", url=verl_tool.url, task_fields=["task_id"], action_pattern=BASH)
     extra = [{"task_id": "t1", "turns_left": 3}, {"task_id": "t1", "turns_left": 3}, {"task_id": "t2", "turns_left": 3}]
-    actions = ["<bash>echo hi > g; cat g</bash>", "so: <bash>echo hi > g; cat g</bash>", "<bash>echo hi > g; cat g</bash>"]
+    actions = [
+        "<bash>echo hi > g; cat g</bash>",
+        "so: <bash>echo hi > g; cat g</bash>",
+        "<bash>echo hi > g; cat g</bash>",
+    ]
     direct = batch(verl_tool.url, ["d1", "d2", "d3"], actions, extra)
     sent = verl_tool.request_count()
     proxied = batch(shell, ["p1", "p2", "p3"], actions, extra)
@@ -89,8 +116,10 @@ def test_trajectories_missing_at_once_on_the_same_call_ask_the_upstream_once(api
     action, extra = "<bash>sleep 0.5; echo slow > s; cat s</bash>", {"task_id": "t1"}
     answers, threads = {}, []
     for i in range(4):
+
         def go(i=i):
             answers[i] = interact(shell, f"r{i}", action, extra)
+
         threads.append(threading.Thread(target=go))
     for thread in threads:
         thread.start()
@@ -105,21 +134,29 @@ def test_an_action_the_pattern_does_not_match_passes_through_uncached(api, verl_
     shell = proxy("mismatch", url=verl_tool.url, task_fields=["task_id"], action_pattern=BASH)
     extra = {"task_id": "t1"}
     for trajectory in ("m1", "m2"):
-        assert interact(shell, trajectory, "I will just answer.", extra) == \
-            ({"obs": "", "invalid_reason": "no valid tool found for action"}, False, False)
+        assert interact(shell, trajectory, "I will just answer.", extra) == (
+            {"obs": "", "invalid_reason": "no valid tool found for action"},
+            False,
+            False,
+        )
         assert verl_tool.actions_received(trajectory) == ["I will just answer."]
-    assert {k: stats(api, "mismatch")[k] for k in ("hits", "misses", "passed_through")} == \
-        {"hits": 0, "misses": 0, "passed_through": 2}
+    assert {k: stats(api, "mismatch")[k] for k in ("hits", "misses", "passed_through")} == {
+        "hits": 0,
+        "misses": 0,
+        "passed_through": 2,
+    }
 
 
-def test_an_action_the_upstream_marks_invalid_passes_through_and_stays_in_the_trajectorys_state(
-        api, verl_tool, proxy):
+def test_an_action_the_upstream_marks_invalid_passes_through_and_stays_in_the_trajectorys_state(api, verl_tool, proxy):
     """The upstream keeps even an invalid action in the trajectory's env (verl-tool's tools do):
     what a trajectory reads after one is not what one that made none reads."""
     shell = proxy("invalid", url=verl_tool.url, task_fields=["task_id"], action_pattern=BASH)
     extra = {"task_id": "t1"}
-    invalid = ({"obs": "Your previous action is invalid: the command is empty.\n"
-                       "<reminder>You have 0 turns left.</reminder>"}, False, False)
+    invalid = (
+        {"obs": "Your previous action is invalid: the command is empty.\n<reminder>You have 0 turns left.</reminder>"},
+        False,
+        False,
+    )
     assert interact(shell, "i1", "<bash></bash>", extra) == invalid
     assert interact(shell, "i2", "<bash></bash>", extra) == invalid  # not served from the cache
     assert verl_tool.actions_received("i2") == ["<bash></bash>"]
@@ -156,16 +193,20 @@ def _closed_port() -> int:
 
 
 def test_an_upstream_that_is_down_is_answered_as_verl_tools_server_answers_a_failed_tool(api, proxy, caplog):
-    down = proxy("down", url=f"http://127.0.0.1:{_closed_port()}/get_observation", task_fields=["task_id"],
-                 action_pattern=BASH)
+    down = proxy(
+        "down", url=f"http://127.0.0.1:{_closed_port()}/get_observation", task_fields=["task_id"], action_pattern=BASH
+    )
     with caplog.at_level(logging.ERROR, logger="tvcache.upstreams"):
         observation, done, valid = interact(down, "x1", "<bash>ls</bash>", {"task_id": "t1"})
     assert (done, valid, observation["obs"]) == (True, False, "")
     assert observation["error"].startswith("Tool processing failed: upstream 'down' did not answer: ConnectError")
     assert "upstream down (http://127.0.0.1:" in caplog.text and "x1" in caplog.text
     assert Rollout.objects.get(rollout_id="x1").detached_at is not None
-    assert {k: stats(api, "down")[k] for k in ("upstream_requests", "upstream_errors", "misses")} == \
-        {"upstream_requests": 1, "upstream_errors": 1, "misses": 1}
+    assert {k: stats(api, "down")[k] for k in ("upstream_requests", "upstream_errors", "misses")} == {
+        "upstream_requests": 1,
+        "upstream_errors": 1,
+        "misses": 1,
+    }
 
 
 def test_a_timeout_takes_the_trajectory_off_the_shared_graph(api, verl_tool, proxy):
@@ -207,8 +248,16 @@ def test_a_changed_configuration_takes_live_trajectories_off_the_shared_graph(ap
     interact(shell, "n1", "<bash>echo a > a</bash>", {"task_id": "t1"})
     close(shell, "n1")
     interact(shell, "n2", "<bash>echo a > a</bash>", {"task_id": "t1"})
-    response = api.put("/api/v1/upstreams/moved", {"protocol": "verl-tool", "url": f"http://127.0.0.1:{_closed_port()}/x",
-                                                   "task_fields": ["task_id"], "action_pattern": BASH}, format="json")
+    response = api.put(
+        "/api/v1/upstreams/moved",
+        {
+            "protocol": "verl-tool",
+            "url": f"http://127.0.0.1:{_closed_port()}/x",
+            "task_fields": ["task_id"],
+            "action_pattern": BASH,
+        },
+        format="json",
+    )
     assert response.status_code == 200
     # n2's env is on the old server: its history means nothing to the new one. n1 had ended.
     assert Rollout.objects.get(rollout_id="n2").detached_at is not None
@@ -225,7 +274,8 @@ def test_a_response_has_verl_tools_timing_fields(api, verl_tool, proxy):
 def test_a_trajectorys_actions_in_one_request_are_served_in_order(api, verl_tool, proxy):
     shell = proxy("order", url=verl_tool.url, task_fields=["task_id"], action_pattern=BASH)
     extra = [{"task_id": "t1"}] * 3
-    first = batch(shell, ["o1", "o2", "o1"], ["<bash>echo 1 > a</bash>", "<bash>echo 1 > a</bash>",
-                                               "<bash>cat a</bash>"], extra)
+    first = batch(
+        shell, ["o1", "o2", "o1"], ["<bash>echo 1 > a</bash>", "<bash>echo 1 > a</bash>", "<bash>cat a</bash>"], extra
+    )
     assert [answer[0]["obs"].split("\n")[0] for answer in first] == ["", "", "1"]
     assert verl_tool.actions_received("o2") == []  # o1's write, in the graph by then

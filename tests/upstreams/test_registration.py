@@ -33,10 +33,9 @@ def test_put_creates_then_updates_and_keeps_the_proxy_path(api):
     assert updated.json()["proxy_path"] == body["proxy_path"] and updated.json()["action_pattern"] == ""
     got = api.get("/api/v1/upstreams/sql").json()
     assert got["proxy_path"] == body["proxy_path"] and got["read_only"] is True
-    assert {k: got[k] for k in ("hits", "misses", "passed_through", "upstream_requests", "upstream_errors",
-                                "trajectories")} == dict.fromkeys(("hits", "misses", "passed_through",
-                                                                   "upstream_requests", "upstream_errors",
-                                                                   "trajectories"), 0)
+    assert {
+        k: got[k] for k in ("hits", "misses", "passed_through", "upstream_requests", "upstream_errors", "trajectories")
+    } == dict.fromkeys(("hits", "misses", "passed_through", "upstream_requests", "upstream_errors", "trajectories"), 0)
 
 
 def test_rotating_the_secret_retires_the_old_proxy_path(api, client):
@@ -48,22 +47,25 @@ def test_rotating_the_secret_retires_the_old_proxy_path(api, client):
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_upstream"
 
 
-@pytest.mark.parametrize("body, code, field", [
-    ([], "invalid_payload", None),
-    ({"url": VALID["url"], "task_fields": []}, "missing_field", "protocol"),
-    ({**VALID, "protocol": "skyrl"}, "unknown_protocol", "protocol"),
-    ({**VALID, "url": "ftp://host/get_observation"}, "invalid_url", "url"),
-    ({**VALID, "url": "http:///get_observation"}, "invalid_url", "url"),
-    ({**VALID, "url": 5}, "invalid_url", "url"),
-    ({**VALID, "action_pattern": "<sql>(.*?</sql>"}, "invalid_pattern", "action_pattern"),
-    ({**VALID, "action_pattern": ["x"]}, "invalid_pattern", "action_pattern"),
-    ({**VALID, "task_fields": "task_id"}, "invalid_fields", "task_fields"),
-    ({**VALID, "task_fields": ["ok", 3]}, "invalid_fields", "task_fields"),
-    ({**VALID, "ignore_fields": [""]}, "invalid_fields", "ignore_fields"),
-    ({**VALID, "read_only": "yes"}, "invalid_payload", "read_only"),
-    ({**VALID, "timeout_s": 0}, "invalid_payload", "timeout_s"),
-    ({**VALID, "ignored_fields": []}, "unknown_field", "ignored_fields"),
-])
+@pytest.mark.parametrize(
+    "body, code, field",
+    [
+        ([], "invalid_payload", None),
+        ({"url": VALID["url"], "task_fields": []}, "missing_field", "protocol"),
+        ({**VALID, "protocol": "skyrl"}, "unknown_protocol", "protocol"),
+        ({**VALID, "url": "ftp://host/get_observation"}, "invalid_url", "url"),
+        ({**VALID, "url": "http:///get_observation"}, "invalid_url", "url"),
+        ({**VALID, "url": 5}, "invalid_url", "url"),
+        ({**VALID, "action_pattern": "<sql>(.*?</sql>"}, "invalid_pattern", "action_pattern"),
+        ({**VALID, "action_pattern": ["x"]}, "invalid_pattern", "action_pattern"),
+        ({**VALID, "task_fields": "task_id"}, "invalid_fields", "task_fields"),
+        ({**VALID, "task_fields": ["ok", 3]}, "invalid_fields", "task_fields"),
+        ({**VALID, "ignore_fields": [""]}, "invalid_fields", "ignore_fields"),
+        ({**VALID, "read_only": "yes"}, "invalid_payload", "read_only"),
+        ({**VALID, "timeout_s": 0}, "invalid_payload", "timeout_s"),
+        ({**VALID, "ignored_fields": []}, "unknown_field", "ignored_fields"),
+    ],
+)
 def test_a_bad_registration_is_a_400_with_a_stable_code(api, body, code, field):
     response = put(api, "bad", body)
     assert response.status_code == 400, response.content
@@ -88,14 +90,19 @@ def test_upstreams_need_a_token(api):
 
 def test_the_proxy_path_needs_no_token_and_refuses_what_is_not_a_verl_tool_request(api, client):
     path = put(api, "shape", VALID).json()["proxy_path"]
-    assert client.post("/verl-tool/not-a-secret/get_observation", {}, content_type="application/json").status_code == 404
+    assert (
+        client.post("/verl-tool/not-a-secret/get_observation", {}, content_type="application/json").status_code == 404
+    )
     assert client.get(path).status_code == 405
-    cases = [(b"{", "malformed_json"), ({"actions": ["a"]}, "missing_field"),
-             ({"trajectory_ids": ["a", "b"], "actions": ["x"]}, "invalid_payload"),
-             ({"trajectory_ids": ["a"], "actions": [3]}, "invalid_payload"),
-             ({"trajectory_ids": ["a"], "actions": ["x"], "extra_fields": [[1]]}, "invalid_payload"),
-             ({"trajectory_ids": ["a"], "actions": ["x"], "finish": ["no"]}, "invalid_payload"),
-             ({"trajectory_ids": ["a" * 201], "actions": ["x"]}, "invalid_payload")]
+    cases = [
+        (b"{", "malformed_json"),
+        ({"actions": ["a"]}, "missing_field"),
+        ({"trajectory_ids": ["a", "b"], "actions": ["x"]}, "invalid_payload"),
+        ({"trajectory_ids": ["a"], "actions": [3]}, "invalid_payload"),
+        ({"trajectory_ids": ["a"], "actions": ["x"], "extra_fields": [[1]]}, "invalid_payload"),
+        ({"trajectory_ids": ["a"], "actions": ["x"], "finish": ["no"]}, "invalid_payload"),
+        ({"trajectory_ids": ["a" * 201], "actions": ["x"]}, "invalid_payload"),
+    ]
     for body, code in cases:
         response = client.post(path, body, content_type="application/json")
         assert (response.status_code, response.json()["error"]["code"]) == (400, code), body

@@ -37,8 +37,14 @@ from pathlib import Path
 CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 BASH = re.compile(r"<bash>(.*?)</bash>", re.DOTALL)
 BOXED = re.compile(r"\\boxed\{(.+?)\}", re.DOTALL)
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-             ast.Mod: operator.mod, ast.USub: operator.neg}
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+}
 
 
 def _evaluate(node):
@@ -71,8 +77,12 @@ class VerlToolServer:
 
     def actions_received(self, trajectory_id: str) -> list[str]:
         with self.lock:
-            return [action for body in self.requests
-                    for tid, action in zip(body["trajectory_ids"], body["actions"]) if tid == trajectory_id]
+            return [
+                action
+                for body in self.requests
+                for tid, action in zip(body["trajectory_ids"], body["actions"])
+                if tid == trajectory_id
+            ]
 
     def request_count(self) -> int:
         with self.lock:
@@ -92,16 +102,28 @@ class VerlToolServer:
                 if self.path != "/get_observation":
                     return self._reply(404, {"detail": "Not Found"})
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if not body.get("trajectory_ids") or not body.get("actions") or \
-                        len(body["trajectory_ids"]) != len(body["actions"]):
-                    return self._reply(422, {"detail": "trajectory_ids and actions must be non-empty lists of one length"})
+                if (
+                    not body.get("trajectory_ids")
+                    or not body.get("actions")
+                    or len(body["trajectory_ids"]) != len(body["actions"])
+                ):
+                    return self._reply(
+                        422, {"detail": "trajectory_ids and actions must be non-empty lists of one length"}
+                    )
                 with server.lock:
                     server.requests.append(body)
                 started = time.perf_counter()
                 observations, dones, valids = server.process(body)
-                self._reply(200, {"observations": observations, "dones": dones, "valids": valids,
-                                  "processing_time_ms": (time.perf_counter() - started) * 1000,
-                                  "queue_time_ms": (started - arrived) * 1000})
+                self._reply(
+                    200,
+                    {
+                        "observations": observations,
+                        "dones": dones,
+                        "valids": valids,
+                        "processing_time_ms": (time.perf_counter() - started) * 1000,
+                        "queue_time_ms": (started - arrived) * 1000,
+                    },
+                )
 
             def _reply(self, status: int, data: dict):
                 payload = json.dumps(data).encode()
@@ -145,8 +167,9 @@ class VerlToolServer:
 
     def _bash(self, trajectory_id: str, command: str, extra: dict):
         with self.lock:
-            env = self.envs.setdefault(trajectory_id, {"dir": self.root / f"t{len(self.envs)}-{time.monotonic_ns()}",
-                                                       "actions": []})
+            env = self.envs.setdefault(
+                trajectory_id, {"dir": self.root / f"t{len(self.envs)}-{time.monotonic_ns()}", "actions": []}
+            )
         env["dir"].mkdir(exist_ok=True)
         env["actions"].append(command)  # kept, valid or not, and counted where the commands can read it
         (env["dir"] / ".turns").write_text(f"{len(env['actions'])}\n")

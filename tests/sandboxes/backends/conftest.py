@@ -10,11 +10,11 @@ import docker.errors
 import pytest
 
 from sandboxes.backends.base import OWNER, OWNER_LABEL
-from sandboxes.backends.config import DockerConfig
 from sandboxes.backends.directory import DirectoryBackend
 from sandboxes.backends.docker import DockerBackend
 from sandboxes.backends.sqlite import SqliteBackend
 from sandboxes.images import BUSYBOX_TAG, build_busybox_image
+from tests.support.docker import make_docker_backend
 
 # Every container and snapshot image a test run makes carries this label, so teardown finds
 # them all even when a test failed halfway.
@@ -66,10 +66,6 @@ def _remove_images(client: docker.DockerClient, image_ids: list[str]) -> None:
             except docker.errors.APIError:  # still has a child image: next round
                 continue
             image_ids.remove(image_id)
-
-
-def make_docker_backend(**config: object) -> DockerBackend:
-    return DockerBackend(DockerConfig(**config))  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -20,8 +20,7 @@ from sandboxes.backends.base import (
 )
 from sandboxes.backends.docker import DockerBackend, DockerSandbox
 from sandboxes.images import DEBIAN_TAG
-
-from .conftest import make_docker_backend
+from tests.support.docker import make_docker_backend
 
 pytestmark = pytest.mark.docker
 
@@ -92,10 +91,22 @@ def observed(sandbox: DockerSandbox, command: str) -> bool | None:
 def test_calls_that_change_nothing_are_observed_read_only(sandbox):
     assert observed(sandbox, "ls /") is False  # the first call too: the session files are as the start left them
     assert observed(sandbox, "mkdir -p /w && cd /w && echo a > f") is True
-    changes = ["echo a > f",  # the same content again: a write all the same
-               "touch -d 2020-01-01 f", "chmod 600 f", "ln f g", "rm g", "mkdir d", "rmdir d", "rm /bin/arch",
-               "echo 10.0.0.1 x >> /etc/hosts",  # bind-mounted from the host, outside the layer
-               "cd /", "cd /w", "export A=1", "export A=2", "unset A"]
+    changes = [
+        "echo a > f",  # the same content again: a write all the same
+        "touch -d 2020-01-01 f",
+        "chmod 600 f",
+        "ln f g",
+        "rm g",
+        "mkdir d",
+        "rmdir d",
+        "rm /bin/arch",
+        "echo 10.0.0.1 x >> /etc/hosts",  # bind-mounted from the host, outside the layer
+        "cd /",
+        "cd /w",
+        "export A=1",
+        "export A=2",
+        "unset A",
+    ]
     for command in changes:
         assert observed(sandbox, command) is True, command
     for command in ["cat f", "ls -la /w", "pwd", 'echo "$A"', "A=3", "touch /dev/shm/x; rm /dev/shm/x"]:
@@ -119,7 +130,9 @@ def test_a_layer_past_the_cap_is_no_longer_observed(test_labels, busybox_image):
 def test_nothing_is_observed_when_switched_off(test_labels, busybox_image):
     sandbox = make_docker_backend(observe_writes=False).start(ENV, labels=test_labels)
     assert sandbox.execute_observed("bash", {"command": "true"}) == (
-        {"stdout": "", "stderr": "", "exit_code": 0, "timed_out": False, "truncated": False}, None)
+        {"stdout": "", "stderr": "", "exit_code": 0, "timed_out": False, "truncated": False},
+        None,
+    )
 
 
 def test_snapshot_does_not_disturb_the_running_sandbox(sandbox):
@@ -211,7 +224,9 @@ def test_two_stoppers_at_once_both_succeed(docker_backend, sandbox, test_labels)
     assert docker_backend.list_sandboxes(test_labels) == []
 
 
-def test_deleted_snapshot_keeps_its_forks_and_leaves_with_the_last_one(docker_client, docker_backend, sandbox, test_labels):
+def test_deleted_snapshot_keeps_its_forks_and_leaves_with_the_last_one(
+    docker_client, docker_backend, sandbox, test_labels
+):
     snap = sandbox.snapshot()
     fork = docker_backend.fork(snap.ref, ENV, labels=test_labels)
     image_id = docker_client.api.inspect_image(snap.ref)["Id"]
@@ -367,10 +382,14 @@ def test_a_fork_of_a_fork_keeps_exact_times_too(docker_backend, sandbox, test_la
     assert mtimes(second, "/a", "/b", "/c") == before
 
 
-def test_the_state_fingerprint_matches_across_forks_and_replays_and_differs_with_the_state(docker_backend, sandbox,
-                                                                                          test_labels):
-    steps = ["mkdir -p /w && cd /w && echo one > a && export X=1", "echo two > b; sleep 0.05; echo three > c",
-             "rm /w/a; chmod 600 /w/b; ln -s b /w/link"]
+def test_the_state_fingerprint_matches_across_forks_and_replays_and_differs_with_the_state(
+    docker_backend, sandbox, test_labels
+):
+    steps = [
+        "mkdir -p /w && cd /w && echo one > a && export X=1",
+        "echo two > b; sleep 0.05; echo three > c",
+        "rm /w/a; chmod 600 /w/b; ln -s b /w/link",
+    ]
     for step in steps:
         bash(sandbox, step)
     expected = sandbox.state_fingerprint()
@@ -388,8 +407,14 @@ def test_the_state_fingerprint_matches_across_forks_and_replays_and_differs_with
     assert replayed.state_fingerprint().full != sandbox.state_fingerprint().full
     # A fork that then diverges, in content, in the order of times, or in the session, no longer matches.
     expected, ref = sandbox.state_fingerprint(), sandbox.snapshot().ref
-    for change, shape_too in [("echo TWO > /w/b", False), ("touch /w/b", False), ("echo longer > /w/b", True),
-                              ("chmod 644 /w/b", True), ("cd /", True), ("export X=2", True)]:
+    for change, shape_too in [
+        ("echo TWO > /w/b", False),
+        ("touch /w/b", False),
+        ("echo longer > /w/b", True),
+        ("chmod 644 /w/b", True),
+        ("cd /", True),
+        ("export X=2", True),
+    ]:
         other = docker_backend.fork(ref, ENV, labels=test_labels)
         bash(other, change)
         assert other.state_fingerprint().full != expected.full, change
@@ -422,8 +447,12 @@ def test_the_session_is_out_of_the_sandboxes_reach_and_survives_what_it_does(doc
     sandbox = docker_backend.start(ENV, labels=test_labels)
     bash(sandbox, "mkdir -p /w && cd /w && export KEPT='a b'")
     assert bash(sandbox, "ls -a / | grep -c tvcache")["stdout"] == "0\n"
-    for trap in ["rm -rf /.tvcache; mkfifo /.tvcache", "rm -f /.tvcache; ln -s /proc/kmsg /.tvcache",
-                 "rm -f /.tvcache; ln -s /dev/zero /.tvcache", "rm -rf /tmp/* /run/* 2>/dev/null; true"]:
+    for trap in [
+        "rm -rf /.tvcache; mkfifo /.tvcache",
+        "rm -f /.tvcache; ln -s /proc/kmsg /.tvcache",
+        "rm -f /.tvcache; ln -s /dev/zero /.tvcache",
+        "rm -rf /tmp/* /run/* 2>/dev/null; true",
+    ]:
         started = time.monotonic()
         assert sandbox.execute_observed("bash", {"command": trap, "timeout_s": 10})[0]["exit_code"] == 0, trap
         assert time.monotonic() - started < 10, trap

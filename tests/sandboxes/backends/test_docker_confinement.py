@@ -16,8 +16,7 @@ from sandboxes.backends.base import (
 )
 from sandboxes.backends.docker import DockerSandbox
 from sandboxes.images import DEBIAN_TAG
-
-from .conftest import make_docker_backend
+from tests.support.docker import make_docker_backend
 
 pytestmark = pytest.mark.docker
 
@@ -66,7 +65,10 @@ def test_a_snapshot_or_an_unlisted_image_is_refused(docker_client, docker_backen
         listing.start({**ENV, "image": snapshot}, labels=test_labels)
     with pytest.raises(ImageNotAllowed):
         listing.start({**ENV, "image": DEBIAN_TAG}, labels=test_labels)
-    assert bash(listing.start({**ENV, "image": "tvcache/busybox:latest"}, labels=test_labels), "echo ok")["stdout"] == "ok\n"
+    assert (
+        bash(listing.start({**ENV, "image": "tvcache/busybox:latest"}, labels=test_labels), "echo ok")["stdout"]
+        == "ok\n"
+    )
 
 
 def test_network_needs_the_operators_grant(docker_client, docker_backend, test_labels, busybox_image):
@@ -133,8 +135,11 @@ def test_a_background_writer_is_stopped_between_calls(test_labels, busybox_image
     backend = make_docker_backend(disk_mb=4, disk_check_s=0.2)
     sandbox = backend.start(ENV, labels=test_labels)
     # A file each round: the fsize ulimit keeps any one file under the quota.
-    bash(sandbox, "(sleep 2; i=0; while true; do i=$((i + 1)); dd if=/dev/zero bs=1024 count=1024 of=/grow$i; done) "
-                  "> /dev/null 2>&1 &")
+    bash(
+        sandbox,
+        "(sleep 2; i=0; while true; do i=$((i + 1)); dd if=/dev/zero bs=1024 count=1024 of=/grow$i; done) "
+        "> /dev/null 2>&1 &",
+    )
     deadline = time.monotonic() + 30
     while sandbox.alive() and time.monotonic() < deadline:
         time.sleep(0.1)

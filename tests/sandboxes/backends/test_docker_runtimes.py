@@ -16,21 +16,24 @@ from sandboxes.backends.docker.checkpoint import (
     RuntimeUnavailable,
     _copy_tree,
 )
-
-from .conftest import make_docker_backend
+from tests.support.docker import make_docker_backend
 
 pytestmark = pytest.mark.docker
 
 RUNSC = {"backend": "docker", "runtime": "runsc"}
 # A state with live processes: a daemonized web server, a background process, and a counter loop
 # that keeps its count in memory and writes it out only when poked (only a restored memory has it).
-LIVE_STATE = ("mkdir -p /www && echo page > /www/x && busybox httpd -p 8089 -h /www && "
-              "(sleep 300 >/dev/null 2>&1 &) && "
-              "(i=0; while true; do i=$((i+1)); if [ -e /poke ]; then echo $i > /count; rm /poke; fi; sleep 0.05; done "
-              ">/dev/null 2>&1 &) && echo started")
-PROBE = ("wget -qO- http://127.0.0.1:8089/x || echo unreachable; ps -o args | grep -c '^sleep 300'; "
-         "rm -f /count; touch /poke; for i in 1 2 3 4 5 6 7 8 9 10; do [ -e /count ] && break; sleep 0.1; done; "
-         "cat /count 2>/dev/null || echo 0")
+LIVE_STATE = (
+    "mkdir -p /www && echo page > /www/x && busybox httpd -p 8089 -h /www && "
+    "(sleep 300 >/dev/null 2>&1 &) && "
+    "(i=0; while true; do i=$((i+1)); if [ -e /poke ]; then echo $i > /count; rm /poke; fi; sleep 0.05; done "
+    ">/dev/null 2>&1 &) && echo started"
+)
+PROBE = (
+    "wget -qO- http://127.0.0.1:8089/x || echo unreachable; ps -o args | grep -c '^sleep 300'; "
+    "rm -f /count; touch /poke; for i in 1 2 3 4 5 6 7 8 9 10; do [ -e /count ] && break; sleep 0.1; done; "
+    "cat /count 2>/dev/null || echo 0"
+)
 
 
 def bash(sandbox: DockerSandbox, command: str, **args: object) -> dict:
@@ -90,9 +93,12 @@ def test_the_runtime_is_the_operators_choice_and_refusals_have_stable_codes(dock
     assert "runtime" not in runc and runsc["runtime"] == "runsc"  # runsc's results are its own kernel's
     # Asking for processes that survive snapshots picks the runtime that keeps them.
     assert docker_backend.fingerprint_material({"backend": "docker", "keep_processes": True}) == runsc
-    refusals = [({"runtime": "kata"}, RuntimeNotGranted, "runtime_not_granted"),
-                ({"runtime": "runc", "keep_processes": True}, ProcessesNotKept, "processes_not_kept"),
-                ({"runtime": 3}, InvalidEnv, "invalid_env"), ({"keep_processes": "yes"}, InvalidEnv, "invalid_env")]
+    refusals = [
+        ({"runtime": "kata"}, RuntimeNotGranted, "runtime_not_granted"),
+        ({"runtime": "runc", "keep_processes": True}, ProcessesNotKept, "processes_not_kept"),
+        ({"runtime": 3}, InvalidEnv, "invalid_env"),
+        ({"keep_processes": "yes"}, InvalidEnv, "invalid_env"),
+    ]
     for extra, error, code in refusals:
         with pytest.raises(error) as refused:
             docker_backend.fingerprint_material({"backend": "docker", **extra})

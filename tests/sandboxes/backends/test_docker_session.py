@@ -17,8 +17,7 @@ from sandboxes.backends.docker import DockerBackend, DockerSandbox
 from sandboxes.backends.docker.agent import CallFrames, ProtocolError, SessionBroken, encode_request
 from sandboxes.backends.docker.execstream import Output
 from sandboxes.images import DEBIAN_TAG
-
-from .conftest import make_docker_backend
+from tests.support.docker import make_docker_backend
 
 pytestmark = pytest.mark.docker
 
@@ -55,8 +54,10 @@ def sandbox(docker_backend: DockerBackend, test_labels: dict[str, str], image: s
 
 def pids_of(pattern: str) -> str:
     """A shell loop printing the pids whose command line matches a `case` pattern (no ps in debian)."""
-    return (f'for d in /proc/[0-9]*; do case "$(tr "\\0" " " < $d/cmdline 2>/dev/null)" in {pattern}) echo ${{d#/proc/}};;'
-            ' esac; done')
+    return (
+        f'for d in /proc/[0-9]*; do case "$(tr "\\0" " " < $d/cmdline 2>/dev/null)" in {pattern}) echo ${{d#/proc/}};;'
+        " esac; done"
+    )
 
 
 AGENTS = pids_of("*tvcache-sessio[n]*")  # the pattern does not match the call's own command line
@@ -121,8 +122,13 @@ def test_a_flood_is_killed_and_the_next_call_runs(sandbox):
     result = bash(sandbox, "yes", timeout_s=30)
     assert result["truncated"] is True and result["timed_out"] is False and result["exit_code"] == 137
     assert len(result["stdout"]) == 64 * 1024
-    assert bash(sandbox, "echo next") == {"stdout": "next\n", "stderr": "", "exit_code": 0, "timed_out": False,
-                                          "truncated": False}
+    assert bash(sandbox, "echo next") == {
+        "stdout": "next\n",
+        "stderr": "",
+        "exit_code": 0,
+        "timed_out": False,
+        "truncated": False,
+    }
 
 
 def test_a_timed_out_call_whose_output_a_daemon_holds_ends_at_its_timeout(docker_client, sandbox):
@@ -137,21 +143,30 @@ def test_a_timed_out_call_whose_output_a_daemon_holds_ends_at_its_timeout(docker
 
 
 def test_a_writer_left_by_a_timed_out_call_never_writes_into_the_next_call(docker_client, sandbox):
-    result = bash(sandbox, "(setsid sh -c 'while :; do echo tick; echo tock >&2; sleep 0.05; done' &); sleep 30",
-                  timeout_s=1)
+    result = bash(
+        sandbox, "(setsid sh -c 'while :; do echo tick; echo tock >&2; sleep 0.05; done' &); sleep 30", timeout_s=1
+    )
     assert result["timed_out"] is True and result["exit_code"] == 137
     assert set(result["stdout"].split()) == {"tick"} and set(result["stderr"].split()) == {"tock"}
     for _ in range(5):
-        assert bash(sandbox, "echo next; sleep 0.1") == {"stdout": "next\n", "stderr": "", "exit_code": 0,
-                                                         "timed_out": False, "truncated": False}
+        assert bash(sandbox, "echo next; sleep 0.1") == {
+            "stdout": "next\n",
+            "stderr": "",
+            "exit_code": 0,
+            "timed_out": False,
+            "truncated": False,
+        }
     assert len(agents(docker_client, sandbox)) == 1
 
 
-@pytest.mark.parametrize("kill", [
-    "kill -9 $PPID",
-    f"for p in $({AGENTS}); do kill -9 $p; done",
-    f"for p in $({pids_of(chr(34) + 'cat ' + chr(34))}); do kill -9 $p; done; sleep 0.2",
-])
+@pytest.mark.parametrize(
+    "kill",
+    [
+        "kill -9 $PPID",
+        f"for p in $({AGENTS}); do kill -9 $p; done",
+        f"for p in $({pids_of(chr(34) + 'cat ' + chr(34))}); do kill -9 $p; done; sleep 0.2",
+    ],
+)
 def test_a_call_that_kills_its_agent_or_relays_is_refused(docker_client, sandbox, kill):
     bash(sandbox, "cd /tmp")
     with pytest.raises(SessionBroken) as broken:
@@ -162,8 +177,11 @@ def test_a_call_that_kills_its_agent_or_relays_is_refused(docker_client, sandbox
 
 def test_a_call_that_kills_its_relays_then_times_out_is_refused(sandbox):
     with pytest.raises(SessionBroken):
-        bash(sandbox, f"echo before; for p in $({pids_of(chr(34) + 'cat ' + chr(34))}); do kill -9 $p; done; sleep 30",
-             timeout_s=1)
+        bash(
+            sandbox,
+            f"echo before; for p in $({pids_of(chr(34) + 'cat ' + chr(34))}); do kill -9 $p; done; sleep 30",
+            timeout_s=1,
+        )
     assert bash(sandbox, "echo again")["stdout"] == "again\n"
 
 
@@ -199,8 +217,13 @@ def test_output_written_into_the_agent_between_calls_replaces_it(docker_client, 
     (before,) = agents(docker_client, sandbox)
     bash(sandbox, f"for p in $({AGENTS}); do (sleep 0.3; echo junk > /proc/$p/fd/5) >/dev/null 2>&1 & done")
     time.sleep(1)
-    assert bash(sandbox, "echo clean") == {"stdout": "clean\n", "stderr": "", "exit_code": 0, "timed_out": False,
-                                           "truncated": False}
+    assert bash(sandbox, "echo clean") == {
+        "stdout": "clean\n",
+        "stderr": "",
+        "exit_code": 0,
+        "timed_out": False,
+        "truncated": False,
+    }
     assert bash(sandbox, "echo clean again")["stdout"] == "clean again\n"
     assert len(agents(docker_client, sandbox)) == 1 and agents(docker_client, sandbox) != [before]
 
@@ -231,23 +254,34 @@ def frames_of(*chunks: tuple[int, bytes]) -> CallFrames:
 
 def test_markers_split_across_frames_are_found_and_the_output_kept_whole():
     mark = b"\0TVC" + NONCE.encode()
-    stream = [(1, b"out\0TV"), (2, mark[:10]), (2, mark[10:] + b" start\nerr"), (1, b"C"), (1, mark[:7]),
-              (1, mark[7:] + b" c3\nmore"), (1, mark + b" s\nexport A='1'\n" + mark[:5]), (1, mark[5:] + b" end o0 e0 \n"),
-              (2, mark + b" end\n")]
+    stream = [
+        (1, b"out\0TV"),
+        (2, mark[:10]),
+        (2, mark[10:] + b" start\nerr"),
+        (1, b"C"),
+        (1, mark[:7]),
+        (1, mark[7:] + b" c3\nmore"),
+        (1, mark + b" s\nexport A='1'\n" + mark[:5]),
+        (1, mark[5:] + b" end o0 e0 \n"),
+        (2, mark + b" end\n"),
+    ]
     frames = frames_of(*stream)
     assert frames.finished and frames.relays_ok and frames.exit_code == 3
     assert frames.output.text(1) == "out\0TVCmore" and frames.output.text(2) == "err"
     assert frames.session == b"export A='1'\n"  # the session the call's shell handed back, out of the output
 
 
-@pytest.mark.parametrize("chunks", [
-    [(2, b"stderr before the start")],
-    [(2, b"\0TVC" + NONCE.encode() + b" start\n"), (1, b"\0TVC" + NONCE.encode() + b" end o0 e0 \n")],  # no status
-    [(2, b"\0TVC" + NONCE.encode() + b" start\n"), (2, b"\0TVC" + NONCE.encode() + b" end\nafter the end")],
-    [(1, b"\0TVC" + NONCE.encode() + b" c0\n\0TVC" + NONCE.encode() + b" c1\n")],
-    [(1, b"\0TVC" + NONCE.encode() + b" c0\n\0TVC" + NONCE.encode() + b" end o0 e0 \n")],  # no session block
-    [(1, b"\0TVC" + NONCE.encode() + b" s\n")],  # a session before the call's status
-])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(2, b"stderr before the start")],
+        [(2, b"\0TVC" + NONCE.encode() + b" start\n"), (1, b"\0TVC" + NONCE.encode() + b" end o0 e0 \n")],  # no status
+        [(2, b"\0TVC" + NONCE.encode() + b" start\n"), (2, b"\0TVC" + NONCE.encode() + b" end\nafter the end")],
+        [(1, b"\0TVC" + NONCE.encode() + b" c0\n\0TVC" + NONCE.encode() + b" c1\n")],
+        [(1, b"\0TVC" + NONCE.encode() + b" c0\n\0TVC" + NONCE.encode() + b" end o0 e0 \n")],  # no session block
+        [(1, b"\0TVC" + NONCE.encode() + b" s\n")],  # a session before the call's status
+    ],
+)
 def test_anything_out_of_protocol_is_refused(chunks):
     with pytest.raises(ProtocolError):
         frames_of(*chunks)
@@ -255,8 +289,11 @@ def test_anything_out_of_protocol_is_refused(chunks):
 
 def test_a_failed_relay_is_seen():
     mark = b"\0TVC" + NONCE.encode()
-    frames = frames_of((2, mark + b" start\n"), (1, mark + b" c0\n" + mark + b" s\n" + mark + b" end e137 o0 \n"),
-                       (2, mark + b" end\n"))
+    frames = frames_of(
+        (2, mark + b" start\n"),
+        (1, mark + b" c0\n" + mark + b" s\n" + mark + b" end e137 o0 \n"),
+        (2, mark + b" end\n"),
+    )
     assert frames.finished and not frames.relays_ok and frames.session is None
 
 

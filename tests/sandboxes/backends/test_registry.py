@@ -22,7 +22,9 @@ def test_backends_are_cached_per_name_and_config(tmp_path):
     assert isinstance(backend_for("docker", config), DockerBackend)
     # A change to another backend's settings keeps this one; a change to its own does not.
     assert backend_for("directory", SandboxConfig(root=tmp_path, sqlite=SqliteConfig(max_rows=1))) is directory
-    assert backend_for("sqlite", SandboxConfig(root=tmp_path, sqlite=SqliteConfig(max_rows=1))) is not backend_for("sqlite", config)
+    assert backend_for("sqlite", SandboxConfig(root=tmp_path, sqlite=SqliteConfig(max_rows=1))) is not backend_for(
+        "sqlite", config
+    )
 
 
 def test_sandboxes_of_each_local_backend_live_under_the_root(tmp_path):
@@ -39,5 +41,7 @@ def test_unknown_backends_are_refused(tmp_path, name):
 def test_backends_import_no_django():
     # They run in Celery workers and tests without settings; a subprocess sees a clean import.
     code = "import sys, sandboxes.backends, sandboxes.images; print(sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'rest_framework')))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[3])
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[3]
+    )
     assert result.stdout.strip() == "[]"

@@ -53,7 +53,12 @@ def test_execute_changes_the_database_and_reports_rowcount(sandbox):
 
 
 def test_query_refuses_writes(sandbox):
-    for sql in ["DELETE FROM users", "INSERT INTO users (name) VALUES ('eve')", "DROP TABLE users", "PRAGMA user_version = 3"]:
+    for sql in [
+        "DELETE FROM users",
+        "INSERT INTO users (name) VALUES ('eve')",
+        "DROP TABLE users",
+        "PRAGMA user_version = 3",
+    ]:
         result = query(sandbox, sql)
         assert "readonly" in result["error"] or "read-only" in result["error"], sql
     assert query(sandbox, COUNT)["rows"] == [[3]]

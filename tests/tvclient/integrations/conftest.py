@@ -3,10 +3,10 @@
 import uuid
 
 import pytest
-from tvclient import TVCacheClient
-from tvclient.integrations import _shared
 
 from cache.api.auth import token_create
+from tvclient import TVCacheClient
+from tvclient.integrations import _shared
 
 
 @pytest.fixture

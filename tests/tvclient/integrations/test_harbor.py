@@ -13,6 +13,8 @@ import pytest
 
 from lab.frameworks.venvs import DRIVERS, ROOT, Framework
 
+pytestmark = pytest.mark.slow  # a venv of the framework's own, driven in a subprocess
+
 DOC = ROOT / "docs" / "integrations" / "harbor.md"
 RELEASES = ("harbor-0.25", "harbor-0.26")
 # What differs between any two uncached trials: ids, names, the job's folder and times. The
@@ -39,9 +41,18 @@ VARYING = [
     "/result.json/json/verifier/started_at",
 ]
 # The folders a trial's files land in, as Harbor writes them (and the cached trials must too).
-TRIAL_FILES = {"agent/oracle.txt", "agent/notes/steps.txt", "agent/latest-steps", "verifier/reward.txt",
-               "verifier/test-stdout.txt", "verifier/details/report.txt", "artifacts/manifest.json",
-               "result.json", "config.json", "trial.log"}
+TRIAL_FILES = {
+    "agent/oracle.txt",
+    "agent/notes/steps.txt",
+    "agent/latest-steps",
+    "verifier/reward.txt",
+    "verifier/test-stdout.txt",
+    "verifier/details/report.txt",
+    "artifacts/manifest.json",
+    "result.json",
+    "config.json",
+    "trial.log",
+}
 
 
 def served(tvcache, **variables):
@@ -57,8 +68,16 @@ def doc_block(title: str) -> str:
 def trials(release: str, tvcache, **variables) -> dict:
     """The driver's uncached, first and repeat passes, the cached ones by the docs' command."""
     done = Framework.named(release).run(
-        [str(DRIVERS / "harbor_trials.py"), "--passes", "uncached,first,repeat",
-         "--command", doc_block("cached-trial.sh")], env=served(tvcache, **variables), timeout=300)
+        [
+            str(DRIVERS / "harbor_trials.py"),
+            "--passes",
+            "uncached,first,repeat",
+            "--command",
+            doc_block("cached-trial.sh"),
+        ],
+        env=served(tvcache, **variables),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.splitlines()[-1])
     for name, result in report["passes"].items():
@@ -68,16 +87,21 @@ def trials(release: str, tvcache, **variables) -> dict:
 
 
 def operations(entries: list[dict], session: str | None = None) -> list[tuple]:
-    return [(entry["operation"], entry.get("command") or entry.get("source") or entry.get("target"))
-            for entry in entries if session is None or entry["session"] == session]
+    return [
+        (entry["operation"], entry.get("command") or entry.get("source") or entry.get("target"))
+        for entry in entries
+        if session is None or entry["session"] == session
+    ]
 
 
 def timings(release: str, report: dict) -> str:
     passes = report["passes"]
-    return (f"{release}: trial {[t['trial_s'] for t in passes['uncached']['trials']]} s uncached, "
-            f"{passes['first']['trials'][0]['trial_s']} s first, {passes['repeat']['trials'][0]['trial_s']} s repeat; "
-            f"harbor run {[r['wall_s'] for r in passes['uncached']['runs']]} s uncached, "
-            f"{passes['first']['wall_s']} s first, {passes['repeat']['wall_s']} s repeat")
+    return (
+        f"{release}: trial {[t['trial_s'] for t in passes['uncached']['trials']]} s uncached, "
+        f"{passes['first']['trials'][0]['trial_s']} s first, {passes['repeat']['trials'][0]['trial_s']} s repeat; "
+        f"harbor run {[r['wall_s'] for r in passes['uncached']['runs']]} s uncached, "
+        f"{passes['first']['wall_s']} s first, {passes['repeat']['wall_s']} s repeat"
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -90,12 +114,16 @@ def test_cached_trials_are_the_uncached_trial_and_the_repeat_runs_nothing(releas
     # Cached<Type> import paths resolve through Harbor's own machinery (0.25 has no
     # EnvironmentFactory.get_environment_class: they all failed there).
     assert report["import_paths"]["tvclient.integrations.harbor:CachedDocker"] == {
-        "class": "CachedDockerEnvironment", "bases": ["TVCacheEnvironment", "DockerEnvironment"], "environment": True}
+        "class": "CachedDockerEnvironment",
+        "bases": ["TVCacheEnvironment", "DockerEnvironment"],
+        "environment": True,
+    }
     assert all(resolved.get("environment") for resolved in report["import_paths"].values()), report["import_paths"]
 
     uncached = passes["uncached"]["trials"]
     assert len(uncached) == 2 and {entry["trial_name"] for entry in uncached}.isdisjoint(
-        {passes["first"]["trials"][0]["trial_name"], passes["repeat"]["trials"][0]["trial_name"]})
+        {passes["first"]["trials"][0]["trial_name"], passes["repeat"]["trials"][0]["trial_name"]}
+    )
     for entry in uncached:
         assert entry["reward"] == {"reward": 1.0} and entry["exception"] is None
         assert TRIAL_FILES <= set(entry["files"]), sorted(entry["files"])
@@ -117,8 +145,18 @@ def test_cached_trials_are_the_uncached_trial_and_the_repeat_runs_nothing(releas
     assert passes["repeat"]["sandbox_operations"] == []  # nothing after start(): no call, no replay
     calls = len(one_trial)
     assert calls == 13
-    assert passes["first"]["service"] | {"saved_ms": 0} == {"calls": calls, "hits": 0, "executions": calls, "saved_ms": 0}
-    assert passes["repeat"]["service"] | {"saved_ms": 0} == {"calls": calls, "hits": calls, "executions": 0, "saved_ms": 0}
+    assert passes["first"]["service"] | {"saved_ms": 0} == {
+        "calls": calls,
+        "hits": 0,
+        "executions": calls,
+        "saved_ms": 0,
+    }
+    assert passes["repeat"]["service"] | {"saved_ms": 0} == {
+        "calls": calls,
+        "hits": calls,
+        "executions": 0,
+        "saved_ms": 0,
+    }
 
 
 @pytest.mark.django_db(transaction=True)
@@ -133,8 +171,12 @@ def test_a_download_too_large_to_record_runs_live_after_the_catch_up(tvcache):
     assert [passes[name]["solve_runs"] for name in ("uncached", "first", "repeat")] == [2, 1, 1]
     ran = operations(passes["repeat"]["sandbox_operations"])
     downloads = [entry for entry in ran if entry[0].startswith("download")]
-    assert [source for _, source in downloads] == ["/logs/agent/oracle.txt", "/logs/agent", "/logs/artifacts",
-                                                   "/logs/verifier"]
+    assert [source for _, source in downloads] == [
+        "/logs/agent/oracle.txt",
+        "/logs/agent",
+        "/logs/artifacts",
+        "/logs/verifier",
+    ]
     assert ("exec", "(/solution/solve.sh) > /logs/agent/oracle.txt 2>&1") in ran  # the catch-up
     assert passes["repeat"]["service"]["executions"] == len(downloads)  # download_live, uncacheable
 
@@ -145,8 +187,11 @@ def test_archives_are_taken_only_where_they_are_safe(release):
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["served"]["outside_untouched"] and report["served"]["files"] == {
-        "latest": ["0o777", 0o120000, "notes/steps.txt"], "notes": ["0o750", 0o040000, None],
-        "notes/steps.txt": ["0o600", 0o100000, "step 1\n"], "notes/up": ["0o777", 0o120000, "../latest"]}
+        "latest": ["0o777", 0o120000, "notes/steps.txt"],
+        "notes": ["0o750", 0o040000, None],
+        "notes/steps.txt": ["0o600", 0o100000, "step 1\n"],
+        "notes/up": ["0o777", 0o120000, "../latest"],
+    }
     for case in (*report["crafted"], *[name for name in report["targets"] if name.startswith("a ")]):
         outcome = report["crafted"].get(case) or report["targets"][case]
         assert outcome["outcome"] == "refused" and outcome["untouched"], (case, outcome)
@@ -157,7 +202,10 @@ def test_archives_are_taken_only_where_they_are_safe(release):
     assert report["staged"]["a link leading outside"]["outcome"] == "refused"
     assert report["staged"]["a fifo"]["outcome"] == "refused"
     assert report["staged"]["files, folders and an inside link"] == {
-        "outcome": "served", "entries": 4, "same_archive_twice": True}
+        "outcome": "served",
+        "entries": 4,
+        "same_archive_twice": True,
+    }
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -166,7 +214,8 @@ def test_the_docs_job_config_is_harbors(release):
         config = Path(folder) / "job.yaml"
         config.write_text(doc_block("job.yaml"))
         done = Framework.named(release).run(
-            ["-m", "harbor.cli.main", "run", "-c", str(config), "--print-config"], env={"HARBOR_TELEMETRY": "0"})
+            ["-m", "harbor.cli.main", "run", "-c", str(config), "--print-config"], env={"HARBOR_TELEMETRY": "0"}
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     resolved = json.loads(done.stdout)  # 0.25 prints only what differs from the defaults
     assert resolved["environment"]["import_path"] == "tvclient.integrations.harbor:CachedDocker"

@@ -8,8 +8,7 @@ FRAMEWORKS = ("skyrl_gym", "verl", "tinker", "tinker_cookbook", "harbor")
 
 
 def imported_frameworks(statement: str) -> list[str]:
-    probe = (f"import sys; {statement}; "
-             f"print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))")
+    probe = f"import sys; {statement}; print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))"
     output = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True)
     return [name for name in output.stdout.strip().split(",") if name]
 

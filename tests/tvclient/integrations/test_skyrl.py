@@ -24,11 +24,11 @@ from skyrl_gym.envs.base_text_env import BaseTextEnvStepOutput
 from skyrl_gym.envs.sql.env import SQLEnv
 from skyrl_gym.metrics import aggregate_for_environment
 from skyrl_gym.tools.core import tool
-from tvclient import TVCacheClient
 
 from cache.api import auth
 from lab.frameworks import skyrl_rollouts
 from lab.frameworks.skyrl_rollouts import NotesEnv, NotesTools
+from tvclient import TVCacheClient
 from tvclient.integrations.skyrl import ToolCallAborted, tvcache_env
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "integrations" / "skyrl.md"
@@ -100,7 +100,10 @@ def test_results_without_exact_json_run_uncached_and_are_passed_on_as_they_are(d
     assert seen(runs["cached-1"]) == seen(runs["uncached"])
     assert seen(runs["cached-2"]) == seen(runs["uncached"])
     assert contents(runs["cached-2"]) == [
-        "(1, 'a')\n[1, \"a\"]", "{1, 2, 3}", "{2: 'two', 1: 'one'}\n{\"2\": \"two\", \"1\": \"one\"}"]
+        "(1, 'a')\n[1, \"a\"]",
+        "{1, 2, 3}",
+        '{2: \'two\', 1: \'one\'}\n{"2": "two", "1": "one"}',
+    ]
     # None of the three has an exact JSON form: each runs every pass, uncached, and is counted.
     for key in ("cached-1", "cached-2"):
         assert runs[key]["counters"]["uncacheable"] == 3
@@ -166,8 +169,9 @@ class FailingNotesEnv(NotesEnv):
         try:
             return super().step(action)
         except Exception as exc:
-            return BaseTextEnvStepOutput(observations=[{"role": "user", "content": f"error: {exc!r}"}],
-                                         reward=0.0, done=False, metadata={})
+            return BaseTextEnvStepOutput(
+                observations=[{"role": "user", "content": f"error: {exc!r}"}], reward=0.0, done=False, metadata={}
+            )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -200,8 +204,9 @@ def test_a_refusal_by_the_service_runs_the_call_uncached(tvcache, tmp_path):
     expected = repr(plain.step(action))
     name = f"refused-{uuid.uuid4().hex[:8]}"
     with TVCacheClient(tvcache.url, auth.token_create(name=name)) as client:
-        env = skyrl_gym.make(registered(tvcache_env(SQLEnv, client=client, read_only=("sql",))),
-                             env_config=config, extras=dict(extras))
+        env = skyrl_gym.make(
+            registered(tvcache_env(SQLEnv, client=client, read_only=("sql",))), env_config=config, extras=dict(extras)
+        )
         env.init([{"role": "user", "content": "task"}])
         auth.token_revoke(name=name)
         auth._verified.clear()  # refused at once rather than within TOKEN_CACHE_TTL_S
@@ -254,6 +259,7 @@ def test_the_documented_example_runs(tvcache, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
     assert len(blocks) == 1
     environment = {"TVCACHE_URL": tvcache.url, "TVCACHE_TOKEN": tvcache.token, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", blocks[0]], env=environment, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", blocks[0]], env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr

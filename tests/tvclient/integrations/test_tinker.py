@@ -16,13 +16,16 @@ import pytest
 from cache.models import Task
 from lab.frameworks.venvs import DRIVERS, ROOT, Framework
 
+pytestmark = pytest.mark.slow  # a venv of the framework's own, driven in a subprocess
+
 CALLS_PER_GROUP = 20  # sandbox, stamp, note and lookup calls of the three samples' scripts
 LOOKUPS_PER_GROUP = 4  # `lookup` answers a tuple: no exact JSON, run live every time
 
 
 def run_in_venv(tvcache, args, timeout=300):
-    done = Framework.named("tinker").run(args, env={"TVCACHE_URL": tvcache.url, "TVCACHE_TOKEN": tvcache.token},
-                                          timeout=timeout, cwd=ROOT)
+    done = Framework.named("tinker").run(
+        args, env={"TVCACHE_URL": tvcache.url, "TVCACHE_TOKEN": tvcache.token}, timeout=timeout, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -38,8 +41,14 @@ def passes(tvcache, task_id):
 
 PRODUCED = ("group_repr", "trajectories", "total_rewards", "seen")
 EXPECTED_REPEAT = {
-    "hits": CALLS_PER_GROUP - LOOKUPS_PER_GROUP, "misses": LOOKUPS_PER_GROUP, "executed": LOOKUPS_PER_GROUP,
-    "uncacheable": LOOKUPS_PER_GROUP, "replayed": 0, "record_failures": 0, "detached": 0, "offline": 0,
+    "hits": CALLS_PER_GROUP - LOOKUPS_PER_GROUP,
+    "misses": LOOKUPS_PER_GROUP,
+    "executed": LOOKUPS_PER_GROUP,
+    "uncacheable": LOOKUPS_PER_GROUP,
+    "replayed": 0,
+    "record_failures": 0,
+    "detached": 0,
+    "offline": 0,
     "rollouts": 9,
 }
 
@@ -62,10 +71,11 @@ def test_do_group_rollout_through_tvcache_is_the_uncached_rollout_and_the_repeat
     assert "metadata={'zeta': 1, 'alpha': 'wrote a', 'mid': {'y': 1, 'b': [2]}}" in tool_results
     assert "metrics={'stdout_bytes': 2, 'backend': 'folder'}" in "\n".join(repeat["seen"]["0"]["sandbox"])
     # Each tool message answers its own call's id, hit or not; a call without an id, none.
-    assert "'call-1-1' ToolResult(messages=[{'role': 'tool', 'content': '1 notes', 'tool_call_id': 'call-1-1'" \
+    assert (
+        "'call-1-1' ToolResult(messages=[{'role': 'tool', 'content': '1 notes', 'tool_call_id': 'call-1-1'"
         in tool_results
-    assert "'' ToolResult(messages=[{'role': 'tool', 'content': 'the first letter', 'tool_call_id': ''" \
-        in tool_results
+    )
+    assert "'' ToolResult(messages=[{'role': 'tool', 'content': 'the first letter', 'tool_call_id': ''" in tool_results
 
     assert uncached["ran"] == {"sandboxes_started": 3, "run_command": 10, "read_file": 3, "note": 3, "lookup": 4}
     # The first group's samples start alike: single flight runs the first command once. (Which

@@ -60,8 +60,10 @@ def test_eviction_spares_leased_and_pinned_and_prefers_cold_cheap_deep():
 
 
 def test_core_imports_no_framework():
-    code = "import sys, cache.tcg, cache.tcg.graph, cache.tcg.eviction, cache.tcg.snapshots; " \
-           "bad = [m for m in sys.modules if m.split('.')[0] in {'django','rest_framework','celery','channels','docker'}]; " \
-           "print(bad); sys.exit(1 if bad else 0)"
+    code = (
+        "import sys, cache.tcg, cache.tcg.graph, cache.tcg.eviction, cache.tcg.snapshots; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in {'django','rest_framework','celery','channels','docker'}]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

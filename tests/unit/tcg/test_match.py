@@ -12,8 +12,13 @@ FP = env_fingerprint({"toy": 1})
 def refs(chain, indexes, snapshots=(), cum=None):
     writes = chain.writes
     return {
-        writes[i].state_key: NodeRef(node_id=i + 1, state_key=writes[i].state_key, depth=i + 1,
-                                     cum_exec_ms=cum[i] if cum else 0.0, snapshot_id=(i + 1) if i in snapshots else None)
+        writes[i].state_key: NodeRef(
+            node_id=i + 1,
+            state_key=writes[i].state_key,
+            depth=i + 1,
+            cum_exec_ms=cum[i] if cum else 0.0,
+            snapshot_id=(i + 1) if i in snapshots else None,
+        )
         for i in indexes
     }
 

@@ -21,8 +21,9 @@ calls = st.one_of(
 rollouts = st.lists(st.lists(calls, min_size=1, max_size=8), min_size=1, max_size=10)
 
 
-def run_rollouts(graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_every: int,
-                 observe: bool = False) -> tuple[int, int]:
+def run_rollouts(
+    graph: ToolCallGraph, batch: list[list[ToolCall]], snapshot_every: int, observe: bool = False
+) -> tuple[int, int]:
     """Drive rollouts through the graph like a client would; return (cache hits, oracle hits).
     With `observe`, a miss reports whether the call changed the state, and the history a rollout
     sends keeps only the calls that did (a write of the value already there changes nothing).

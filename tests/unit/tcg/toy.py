@@ -29,7 +29,7 @@ class ToyEnvironment:
             return {"keys": sorted(self.state)}
         raise ValueError(call.tool)
 
-    def fork(self) -> "ToyEnvironment":
+    def fork(self) -> ToyEnvironment:
         twin = ToyEnvironment()
         twin.state = copy.deepcopy(self.state)
         return twin
