@@ -10,6 +10,8 @@ source .ci/setup.sh
 # cached outside the checkout: lab/frameworks/venvs.py).
 .venv/bin/python -m lab.frameworks.venvs >/dev/null
 .venv/bin/lint-imports
+.venv/bin/ruff check --quiet . && .venv/bin/ruff format --check --quiet .
+.venv/bin/python .ci/commits.py
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
 [ "$status" = 5 ] && { echo "pytest collected no tests" >&2; exit 1; }

@@ -25,8 +25,10 @@ class ApplicationError(Exception):
 
     def body(self) -> bytes:
         """The API's error JSON: {"error": {"code", "message", "details"}}."""
-        return orjson.dumps({"error": {"code": self.code, "message": self.message, "details": self.details}},
-                            option=orjson.OPT_NON_STR_KEYS)  # DRF's list errors key by index
+        return orjson.dumps(
+            {"error": {"code": self.code, "message": self.message, "details": self.details}},
+            option=orjson.OPT_NON_STR_KEYS,
+        )  # DRF's list errors key by index
 
     def headers(self) -> list[tuple[str, str]]:
         headers = []

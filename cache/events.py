@@ -51,8 +51,20 @@ def task_group(task_id: str) -> str:
 class TaskActivity:
     """What happened to one task since the last message: lookup counts and events."""
 
-    __slots__ = ("lookups", "hits", "oracle", "saved_ms", "per_epoch", "per_tool", "node_hits", "events", "overflow",
-                 "nodes", "snapshots", "changed")
+    __slots__ = (
+        "lookups",
+        "hits",
+        "oracle",
+        "saved_ms",
+        "per_epoch",
+        "per_tool",
+        "node_hits",
+        "events",
+        "overflow",
+        "nodes",
+        "snapshots",
+        "changed",
+    )
 
     def __init__(self) -> None:
         self.lookups = 0
@@ -102,25 +114,64 @@ def messages(tasks: dict[str, TaskActivity], pools: list[dict]) -> list[tuple[st
     changed = []
     by_project: dict[str, list[str]] = defaultdict(list)
     for task_id, a in tasks.items():
-        out.append((task_group(task_id), orjson.dumps({
-            "type": "task", "task_id": task_id, "lookups": a.lookups, "hits": a.hits, "oracle": a.oracle,
+        out.append(
+            (
+                task_group(task_id),
+                orjson.dumps(
+                    {
+                        "type": "task",
+                        "task_id": task_id,
+                        "lookups": a.lookups,
+                        "hits": a.hits,
+                        "oracle": a.oracle,
+                        "saved_ms": a.saved_ms,
+                        "per_epoch": a.per_epoch,
+                        "per_tool": a.per_tool,
+                        "node_hits": a.node_hits,
+                        "events": a.events,
+                        "overflow": a.overflow,
+                        "nodes": a.nodes,
+                        "snapshots": a.snapshots,
+                    },
+                    option=orjson.OPT_NON_STR_KEYS,
+                ),
+            )
+        )
+        overview[task_id] = {
+            "lookups": a.lookups,
+            "hits": a.hits,
+            "oracle": a.oracle,
             "saved_ms": a.saved_ms,
-            "per_epoch": a.per_epoch, "per_tool": a.per_tool, "node_hits": a.node_hits, "events": a.events,
-            "overflow": a.overflow, "nodes": a.nodes, "snapshots": a.snapshots,
-        }, option=orjson.OPT_NON_STR_KEYS)))
-        overview[task_id] = {"lookups": a.lookups, "hits": a.hits, "oracle": a.oracle, "saved_ms": a.saved_ms,
-                             "per_epoch": a.per_epoch,
-                             "nodes": a.nodes, "snapshots": a.snapshots}
+            "per_epoch": a.per_epoch,
+            "nodes": a.nodes,
+            "snapshots": a.snapshots,
+        }
         if a.changed:
             changed.append(task_id)
         by_project[key_project(task_id)].append(task_id)
     if overview:
-        out.append((OVERVIEW_GROUP, orjson.dumps({"type": "overview", "tasks": overview, "changed": changed},
-                                                 option=orjson.OPT_NON_STR_KEYS)))
+        out.append(
+            (
+                OVERVIEW_GROUP,
+                orjson.dumps(
+                    {"type": "overview", "tasks": overview, "changed": changed}, option=orjson.OPT_NON_STR_KEYS
+                ),
+            )
+        )
         for project, keys in by_project.items():
-            out.append((overview_group(project), orjson.dumps(
-                {"type": "overview", "tasks": {k: overview[k] for k in keys}, "changed": [k for k in changed if k in keys]},
-                option=orjson.OPT_NON_STR_KEYS)))
+            out.append(
+                (
+                    overview_group(project),
+                    orjson.dumps(
+                        {
+                            "type": "overview",
+                            "tasks": {k: overview[k] for k in keys},
+                            "changed": [k for k in changed if k in keys],
+                        },
+                        option=orjson.OPT_NON_STR_KEYS,
+                    ),
+                )
+            )
     if pools:
         out.append((POOLS_GROUP, orjson.dumps({"type": "pools", "events": pools})))
         pool_projects: dict[str, list[dict]] = defaultdict(list)

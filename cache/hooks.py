@@ -5,8 +5,9 @@ fingerprint without its backend's material would let a rebuilt image hit its old
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cache.models import Project
@@ -35,4 +36,3 @@ def sandbox_hooks() -> SandboxHooks:
     if _hooks is None:
         raise RuntimeError("No sandbox hooks: the sandboxes app registers them at start (INSTALLED_APPS).")
     return _hooks
-

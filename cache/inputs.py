@@ -111,8 +111,9 @@ def load_json(body: bytes) -> Any:
         if "surrogate" in message:
             raise InvalidInput(f"A string holds a lone surrogate: {message}", code=_NUL) from None
         if "depth limit" in message:
-            raise InvalidInput(f"The body nests too deep: {message}", code=_DEEP,
-                               details={"limit": depth_limit()}) from None
+            raise InvalidInput(
+                f"The body nests too deep: {message}", code=_DEEP, details={"limit": depth_limit()}
+            ) from None
         raise InvalidInput(f"Malformed JSON: {message}", code="malformed_json") from None
 
 
@@ -126,8 +127,11 @@ def load_body(body: bytes) -> Any:
 
 def parse_int(value: Any, field: str, *, low: int, high: int) -> int:
     if type(value) is not int or not low <= value <= high:
-        raise InvalidInput(f"'{field}' must be an integer from {low} to {high}.", code="invalid_payload",
-                           details={"field": field, "min": low, "max": high})
+        raise InvalidInput(
+            f"'{field}' must be an integer from {low} to {high}.",
+            code="invalid_payload",
+            details={"field": field, "min": low, "max": high},
+        )
     return value
 
 
@@ -148,8 +152,11 @@ def parse_id(value: Any, field: str) -> str:
     if not isinstance(value, str):
         raise InvalidInput(f"'{field}' must be a string.", code="invalid_payload", details={"field": field})
     if len(value) > MAX_ID_LENGTH:
-        raise InvalidInput(f"'{field}' is longer than {MAX_ID_LENGTH} characters.", code="invalid_id",
-                           details={"field": field, "max_length": MAX_ID_LENGTH})
+        raise InvalidInput(
+            f"'{field}' is longer than {MAX_ID_LENGTH} characters.",
+            code="invalid_id",
+            details={"field": field, "max_length": MAX_ID_LENGTH},
+        )
     if "\x00" in value:
         raise InvalidInput(f"'{field}' holds a NUL character.", code=_NUL, details={"field": field})
     return value
@@ -158,8 +165,11 @@ def parse_id(value: Any, field: str) -> str:
 def parse_node_id(value: int) -> int:
     """A node id from a path (digits only): within its bigint column."""
     if not 1 <= value <= INT64[1]:
-        raise InvalidInput(f"Node id {value} is out of range.", code="invalid_id",
-                           details={"field": "node_id", "min": 1, "max": INT64[1]})
+        raise InvalidInput(
+            f"Node id {value} is out of range.",
+            code="invalid_id",
+            details={"field": "node_id", "min": 1, "max": INT64[1]},
+        )
     return value
 
 
@@ -186,13 +196,20 @@ def _required(data: dict, field: str) -> Any:
 
 def parse_call(value: Any, field: str, limit: int | None = None) -> ToolCall:
     if not isinstance(value, dict):
-        raise InvalidInput(f"'{field}' must be an object {{tool, args}}.", code="invalid_call", details={"field": field})
+        raise InvalidInput(
+            f"'{field}' must be an object {{tool, args}}.", code="invalid_call", details={"field": field}
+        )
     tool, args = value.get("tool"), value.get("args", {})
     if not isinstance(tool, str) or not tool or len(tool) > MAX_ID_LENGTH:
-        raise InvalidInput(f"'{field}.tool' must be a non-empty string of at most {MAX_ID_LENGTH} characters.",
-                           code="invalid_call", details={"field": f"{field}.tool"})
+        raise InvalidInput(
+            f"'{field}.tool' must be a non-empty string of at most {MAX_ID_LENGTH} characters.",
+            code="invalid_call",
+            details={"field": f"{field}.tool"},
+        )
     if not isinstance(args, dict):
-        raise InvalidInput(f"'{field}.args' must be an object.", code="invalid_call", details={"field": f"{field}.args"})
+        raise InvalidInput(
+            f"'{field}.args' must be an object.", code="invalid_call", details={"field": f"{field}.args"}
+        )
     if "\x00" in tool:
         raise InvalidInput(f"'{field}.tool' holds a NUL character.", code=_NUL, details={"field": f"{field}.tool"})
     check_json(args, f"{field}.args", limit=limit)
@@ -204,8 +221,11 @@ def parse_history(value: Any, field: str = "history") -> tuple[ToolCall, ...]:
         raise InvalidInput(f"'{field}' must be a list of calls.", code="invalid_payload", details={"field": field})
     limit = settings.TVCACHE["MAX_HISTORY"]
     if len(value) > limit:
-        raise PayloadTooLarge(f"'{field}' has {len(value)} calls; the limit is {limit}.", code="history_too_long",
-                              details={"limit": limit, "length": len(value)})
+        raise PayloadTooLarge(
+            f"'{field}' has {len(value)} calls; the limit is {limit}.",
+            code="history_too_long",
+            details={"limit": limit, "length": len(value)},
+        )
     depth = depth_limit()
     return tuple(parse_call(item, f"{field}[{index}]", depth) for index, item in enumerate(value))
 
@@ -254,8 +274,11 @@ def parse_lookup(data: Any) -> LookupInput:
     context = parse_call_context(data)
     claim = _optional(data, "claim", bool, False)
     if claim and not context.rollout_id:
-        raise InvalidInput("'claim' needs a 'rollout_id': a claim is held by a rollout.", code="missing_field",
-                           details={"field": "rollout_id"})
+        raise InvalidInput(
+            "'claim' needs a 'rollout_id': a claim is held by a rollout.",
+            code="missing_field",
+            details={"field": "rollout_id"},
+        )
     return LookupInput(context=context, claim=claim, resume=_optional(data, "resume", bool, True))
 
 
@@ -263,8 +286,11 @@ def parse_claim_release(data: Any) -> CallContext:
     """The call whose claim its rollout gives up."""
     context = parse_call_context(data)
     if not context.rollout_id:
-        raise InvalidInput("'rollout_id' is required: a claim is held by a rollout.", code="missing_field",
-                           details={"field": "rollout_id"})
+        raise InvalidInput(
+            "'rollout_id' is required: a claim is held by a rollout.",
+            code="missing_field",
+            details={"field": "rollout_id"},
+        )
     return context
 
 
@@ -296,8 +322,12 @@ def parse_task(data: Any) -> TaskInput:
         parse_int(sandbox_budget, "sandbox_budget", low=0, high=INT32[1])
     if not isinstance(env, dict):
         raise InvalidInput("'env' must be an object.", code="invalid_payload", details={"field": "env"})
-    return TaskInput(env=env, tools=_tools(data.get("tools")), sandbox_budget=sandbox_budget,
-                     audit_rate=_audit_rate(data.get("audit_rate")))
+    return TaskInput(
+        env=env,
+        tools=_tools(data.get("tools")),
+        sandbox_budget=sandbox_budget,
+        audit_rate=_audit_rate(data.get("audit_rate")),
+    )
 
 
 def _tools(tools: Any) -> dict[str, dict[str, bool]]:
@@ -305,14 +335,21 @@ def _tools(tools: Any) -> dict[str, dict[str, bool]]:
     if tools is None:
         return {}
     if not isinstance(tools, dict):
-        raise InvalidInput("'tools' must be an object of tool policies.", code="invalid_payload", details={"field": "tools"})
+        raise InvalidInput(
+            "'tools' must be an object of tool policies.", code="invalid_payload", details={"field": "tools"}
+        )
     clean = {}
     for name, spec in tools.items():
         if not isinstance(spec, dict) or set(spec) - {"mutates_state", "cacheable"}:
-            raise InvalidInput(f"Tool '{name}' must be {{mutates_state, cacheable}}.", code="invalid_payload",
-                               details={"field": f"tools.{name}"})
+            raise InvalidInput(
+                f"Tool '{name}' must be {{mutates_state, cacheable}}.",
+                code="invalid_payload",
+                details={"field": f"tools.{name}"},
+            )
         if any(not isinstance(value, bool) for value in spec.values()):
-            raise InvalidInput(f"Tool '{name}' flags must be booleans.", code="invalid_payload", details={"field": f"tools.{name}"})
+            raise InvalidInput(
+                f"Tool '{name}' flags must be booleans.", code="invalid_payload", details={"field": f"tools.{name}"}
+            )
         clean[name] = {"mutates_state": spec.get("mutates_state", True), "cacheable": spec.get("cacheable", True)}
     return clean
 
@@ -321,8 +358,9 @@ def _audit_rate(audit_rate: Any) -> float | None:
     if audit_rate is None:
         return None
     if isinstance(audit_rate, bool) or not isinstance(audit_rate, (int, float)) or not 0.0 <= audit_rate <= 1.0:
-        raise InvalidInput("'audit_rate' must be a number from 0 to 1.", code="invalid_payload",
-                           details={"field": "audit_rate"})
+        raise InvalidInput(
+            "'audit_rate' must be a number from 0 to 1.", code="invalid_payload", details={"field": "audit_rate"}
+        )
     return float(audit_rate)
 
 
@@ -348,12 +386,20 @@ def parse_record(data: Any) -> RecordInput:
     check_json(result, "result", storable=False)  # stored as JSON text, where NUL is escaped
     exec_ms = _required(data, "exec_ms")
     if not isinstance(exec_ms, (int, float)) or isinstance(exec_ms, bool) or not 0 <= exec_ms <= MAX_MS:
-        raise InvalidInput(f"'exec_ms' must be a number from 0 to {MAX_MS:.0f}.", code="invalid_payload",
-                           details={"field": "exec_ms", "min": 0, "max": MAX_MS})
+        raise InvalidInput(
+            f"'exec_ms' must be a number from 0 to {MAX_MS:.0f}.",
+            code="invalid_payload",
+            details={"field": "exec_ms", "min": 0, "max": MAX_MS},
+        )
     mutated = _optional(data, "mutated", bool, None)
-    return RecordInput(context=context, result=result, exec_ms=float(exec_ms), mutated=mutated,
-                       file_times=parse_file_times(data.get("file_times")),
-                       replay=_optional(data, "replay", bool, False))
+    return RecordInput(
+        context=context,
+        result=result,
+        exec_ms=float(exec_ms),
+        mutated=mutated,
+        file_times=parse_file_times(data.get("file_times")),
+        replay=_optional(data, "replay", bool, False),
+    )
 
 
 def parse_file_times(value: Any) -> dict[str, int] | None:
@@ -363,21 +409,33 @@ def parse_file_times(value: Any) -> dict[str, int] | None:
     if value is None:
         return None
     if type(value) is not dict:
-        raise InvalidInput("'file_times' must be an object {path: nanoseconds}.", code="invalid_payload",
-                           details={"field": "file_times"})
+        raise InvalidInput(
+            "'file_times' must be an object {path: nanoseconds}.",
+            code="invalid_payload",
+            details={"field": "file_times"},
+        )
     if len(value) > MAX_FILE_TIMES:
-        raise InvalidInput(f"'file_times' has {len(value)} entries; at most {MAX_FILE_TIMES}.", code="invalid_payload",
-                           details={"field": "file_times", "max_entries": MAX_FILE_TIMES})
+        raise InvalidInput(
+            f"'file_times' has {len(value)} entries; at most {MAX_FILE_TIMES}.",
+            code="invalid_payload",
+            details={"field": "file_times", "max_entries": MAX_FILE_TIMES},
+        )
     for path, mtime_ns in value.items():
         if not path or len(path) > MAX_PATH_LENGTH:
-            raise InvalidInput(f"'file_times' paths must be 1 to {MAX_PATH_LENGTH} characters long.",
-                               code="invalid_payload", details={"field": "file_times", "max_length": MAX_PATH_LENGTH})
+            raise InvalidInput(
+                f"'file_times' paths must be 1 to {MAX_PATH_LENGTH} characters long.",
+                code="invalid_payload",
+                details={"field": "file_times", "max_length": MAX_PATH_LENGTH},
+            )
         if "\x00" in path:
             raise InvalidInput("A 'file_times' path holds a NUL character.", code=_NUL, details={"field": "file_times"})
         parse_int(mtime_ns, f"file_times[{path[:100]!r}]", low=0, high=INT64[1])
     if sum(map(len, value)) > MAX_FILE_TIMES_PATHS:
-        raise InvalidInput(f"'file_times' paths add up to more than {MAX_FILE_TIMES_PATHS} characters.",
-                           code="invalid_payload", details={"field": "file_times", "max_total": MAX_FILE_TIMES_PATHS})
+        raise InvalidInput(
+            f"'file_times' paths add up to more than {MAX_FILE_TIMES_PATHS} characters.",
+            code="invalid_payload",
+            details={"field": "file_times", "max_total": MAX_FILE_TIMES_PATHS},
+        )
     return value
 
 

@@ -35,8 +35,9 @@ class Project(models.Model):
     max_snapshot_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     rate_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per second.")
     rate_burst = models.PositiveIntegerField(null=True, blank=True, help_text="Default: one second's worth.")
-    members = models.ManyToManyField(settings.AUTH_USER_MODEL, through="Membership", related_name="projects",
-                                     blank=True)
+    members = models.ManyToManyField(
+        settings.AUTH_USER_MODEL, through="Membership", related_name="projects", blank=True
+    )
 
     def __str__(self) -> str:
         return self.name
@@ -119,7 +120,9 @@ class Node(models.Model):
     # calls): a sandbox materialized for this node must match it before a call runs in it.
     state_fingerprint = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.full
     state_shape = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.shape (replays)
-    state_order = models.CharField(max_length=64, blank=True, default="", db_default="")  # StateDigest.order (replays with times)
+    state_order = models.CharField(
+        max_length=64, blank=True, default="", db_default=""
+    )  # StateDigest.order (replays with times)
     # The modification times (ns, by path) of what the call changed when it first ran: a replay
     # of the call writes them back, so file times (make, bytecode caches) are as the live run's.
     # NULL: not kept (too many, or not observed); a replay restores times only up to such a call.
@@ -146,8 +149,9 @@ class Node(models.Model):
             models.Index(fields=["task", "state_key"], condition=Q(mutates=True), name="node_write_state"),
             models.Index(fields=["task", "depth"], name="node_task_depth"),
             # Lookups check that no divergent state-changing node lies on the history (lookup.py).
-            models.Index(fields=["task", "state_key"], condition=Q(mutates=True, divergent=True),
-                         name="node_divergent_state"),
+            models.Index(
+                fields=["task", "state_key"], condition=Q(mutates=True, divergent=True), name="node_divergent_state"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -355,8 +359,9 @@ class AuditEntry(models.Model):
 
     at = models.DateTimeField(default=timezone.now, db_index=True)
     # The name is kept apart from the foreign key so the log still says who after a user is deleted.
-    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
-                              related_name="+")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     actor_name = models.CharField(max_length=150)  # a user's name, or "token:<name>" for an API token
     action = models.CharField(max_length=40, choices=Action.choices)
     # The task's key (cache.projects.task_key); no FK: the entry survives the task.

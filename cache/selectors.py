@@ -49,9 +49,7 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
     total = _rates(rows.aggregate(**sums))
     per_epoch = [dict(epoch=r["epoch"], **_rates(r)) for r in rows.values("epoch").annotate(**sums).order_by("epoch")]
     per_tool = [dict(tool=r["tool"], **_rates(r)) for r in rows.values("tool").annotate(**sums).order_by("tool")]
-    graph = Node.objects.filter(task_id=task_id).aggregate(
-        nodes=Count("id"), results_bytes=Sum("result_bytes")
-    )
+    graph = Node.objects.filter(task_id=task_id).aggregate(nodes=Count("id"), results_bytes=Sum("result_bytes"))
     snapshots = Snapshot.objects.filter(task_id=task_id).aggregate(
         live=Count("id", filter=Q(status=Snapshot.Status.LIVE)),
         live_bytes=Sum("size_bytes", filter=Q(status=Snapshot.Status.LIVE)),
@@ -75,25 +73,59 @@ def task_divergences(*, task_id: str) -> dict[str, Any]:
     most recent first)."""
     uncacheable = Task.objects.filter(pk=task_id).values_list("uncacheable_tools", flat=True).first() or []
     rows = Divergence.objects.filter(task_id=task_id)
-    counts = {r["tool"]: r for r in rows.values("tool").annotate(
-        count=Count("id"), audit=Count("id", filter=Q(kind=Divergence.Kind.AUDIT)),
-        state=Count("id", filter=Q(kind=Divergence.Kind.STATE)))}
-    divergent = dict(Node.objects.filter(task_id=task_id, divergent=True).values("tool").annotate(n=Count("id"))
-                     .values_list("tool", "n"))
-    per_tool = [{"tool": tool, "count": counts.get(tool, {}).get("count", 0),
-                 "audit": counts.get(tool, {}).get("audit", 0), "state": counts.get(tool, {}).get("state", 0),
-                 "divergent_nodes": divergent.get(tool, 0), "uncacheable": tool in uncacheable}
-                for tool in sorted({*counts, *divergent, *uncacheable})]
+    counts = {
+        r["tool"]: r
+        for r in rows.values("tool").annotate(
+            count=Count("id"),
+            audit=Count("id", filter=Q(kind=Divergence.Kind.AUDIT)),
+            state=Count("id", filter=Q(kind=Divergence.Kind.STATE)),
+        )
+    }
+    divergent = dict(
+        Node.objects.filter(task_id=task_id, divergent=True)
+        .values("tool")
+        .annotate(n=Count("id"))
+        .values_list("tool", "n")
+    )
+    per_tool = [
+        {
+            "tool": tool,
+            "count": counts.get(tool, {}).get("count", 0),
+            "audit": counts.get(tool, {}).get("audit", 0),
+            "state": counts.get(tool, {}).get("state", 0),
+            "divergent_nodes": divergent.get(tool, 0),
+            "uncacheable": tool in uncacheable,
+        }
+        for tool in sorted({*counts, *divergent, *uncacheable})
+    ]
     per_node = [
-        {"node_id": r["node_id"], "tool": r["node__tool"], "call": r["node__call"], "divergent": r["node__divergent"],
-         "count": r["count"], "audit": r["audit"], "state": r["state"], "last_at": r["last_at"]}
-        for r in rows.filter(node__isnull=False).values("node_id", "node__tool", "node__call", "node__divergent")
-        .annotate(count=Count("id"), audit=Count("id", filter=Q(kind=Divergence.Kind.AUDIT)),
-                  state=Count("id", filter=Q(kind=Divergence.Kind.STATE)), last_at=Max("created_at"))
+        {
+            "node_id": r["node_id"],
+            "tool": r["node__tool"],
+            "call": r["node__call"],
+            "divergent": r["node__divergent"],
+            "count": r["count"],
+            "audit": r["audit"],
+            "state": r["state"],
+            "last_at": r["last_at"],
+        }
+        for r in rows.filter(node__isnull=False)
+        .values("node_id", "node__tool", "node__call", "node__divergent")
+        .annotate(
+            count=Count("id"),
+            audit=Count("id", filter=Q(kind=Divergence.Kind.AUDIT)),
+            state=Count("id", filter=Q(kind=Divergence.Kind.STATE)),
+            last_at=Max("created_at"),
+        )
         .order_by("-last_at", "-node_id")[:DIVERGENT_NODES_LISTED]
     ]
-    return {"count": sum(r["count"] for r in per_tool), "divergent_nodes": sum(divergent.values()),
-            "uncacheable_tools": list(uncacheable), "per_tool": per_tool, "per_node": per_node}
+    return {
+        "count": sum(r["count"] for r in per_tool),
+        "divergent_nodes": sum(divergent.values()),
+        "uncacheable_tools": list(uncacheable),
+        "per_tool": per_tool,
+        "per_node": per_node,
+    }
 
 
 def task_ids(*, project_id: int | None = None, project_ids: list[int] | None = None, search: str = ""):
@@ -114,15 +146,26 @@ def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
     """One row per given task with its totals (a page of the task list or the dashboard overview)."""
     ledger_flush()
     sums = {key: Sum(key) for key in COUNTERS}
-    totals = {r["task_id"]: _rates(r)
-              for r in ToolStat.objects.filter(task_id__in=task_ids).values("task_id").annotate(**sums)}
-    nodes = dict(Node.objects.filter(task_id__in=task_ids).values("task_id").annotate(n=Count("id"))
-                 .values_list("task_id", "n"))
-    live = dict(Snapshot.objects.filter(task_id__in=task_ids, status=Snapshot.Status.LIVE).values("task_id")
-                .annotate(n=Count("id")).values_list("task_id", "n"))
+    totals = {
+        r["task_id"]: _rates(r)
+        for r in ToolStat.objects.filter(task_id__in=task_ids).values("task_id").annotate(**sums)
+    }
+    nodes = dict(
+        Node.objects.filter(task_id__in=task_ids).values("task_id").annotate(n=Count("id")).values_list("task_id", "n")
+    )
+    live = dict(
+        Snapshot.objects.filter(task_id__in=task_ids, status=Snapshot.Status.LIVE)
+        .values("task_id")
+        .annotate(n=Count("id"))
+        .values_list("task_id", "n")
+    )
     return [
-        {"task": task, "stats": totals.get(task.pk, _rates({})), "nodes": nodes.get(task.pk, 0),
-         "live_snapshots": live.get(task.pk, 0)}
+        {
+            "task": task,
+            "stats": totals.get(task.pk, _rates({})),
+            "nodes": nodes.get(task.pk, 0),
+            "live_snapshots": live.get(task.pk, 0),
+        }
         for task in Task.objects.filter(pk__in=task_ids).select_related("project").order_by("project__name", "name")
     ]
 
@@ -140,8 +183,19 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
         nodes = nodes.filter(depth__lte=max_depth)
     live = set(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list("node_id", flat=True))
     rows = nodes.order_by("depth", "pk").values(
-        "id", "parent_id", "depth", "tool", "call", "mutates", "exec_ms", "hit_count", "pinned", "divergent", "result_bytes",
-        "first_rollout_id", "first_epoch",
+        "id",
+        "parent_id",
+        "depth",
+        "tool",
+        "call",
+        "mutates",
+        "exec_ms",
+        "hit_count",
+        "pinned",
+        "divergent",
+        "result_bytes",
+        "first_rollout_id",
+        "first_epoch",
     )[:limit]
     out_nodes = [{**row, "snapshot": row["id"] in live} for row in rows]
     edges = [{"source": n["parent_id"], "target": n["id"]} for n in out_nodes if n["parent_id"] is not None]
@@ -166,17 +220,21 @@ def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None
         return [row[0] for row in cursor.fetchall()]
 
 
-def replay_file_times(*, task_id: str, context: CallContext,
-                      calls: Sequence[ToolCall]) -> list[Mapping[str, int] | None]:
+def replay_file_times(
+    *, task_id: str, context: CallContext, calls: Sequence[ToolCall]
+) -> list[Mapping[str, int] | None]:
     """For a replay of `calls`, the last state-changing calls of the context's history: the file
     times each left when it first ran (Node.file_times), in order; None where they were not kept
     (or the call was recorded as read-only: a replay of it that writes is not the live run)."""
     if not calls:
         return []
     writes = [step for step in task_chain(task_handle(task_id=task_id), context).steps[:-1] if step.mutates]
-    tail = writes[len(writes) - len(calls):] if len(calls) <= len(writes) else []
+    tail = writes[len(writes) - len(calls) :] if len(calls) <= len(writes) else []
     if len(tail) != len(calls) or any(step.digest != call_digest(call) for step, call in zip(tail, calls)):
         return [None for _ in calls]  # not the history's last writes: nothing known to restore
-    times = dict(Node.objects.filter(task_id=task_id, mutates=True, state_key__in=[s.state_key for s in tail])
-                 .values_list("state_key", "file_times"))
+    times = dict(
+        Node.objects.filter(task_id=task_id, mutates=True, state_key__in=[s.state_key for s in tail]).values_list(
+            "state_key", "file_times"
+        )
+    )
     return [times.get(step.state_key) for step in tail]

@@ -45,13 +45,23 @@ def _confirmed(modeladmin, request, queryset, *, title: str, explain: str, run, 
         for line in refused:
             modeladmin.message_user(request, f"{title} refused for {line}", messages.ERROR)
         return None
-    return TemplateResponse(request, "admin/dashboard/confirm_action.html", {
-        **modeladmin.admin_site.each_context(request), "title": f"{title}?", "explain": explain,
-        "objects": list(queryset[:200]), "count": queryset.count(), "action": request.POST.get("action", ""),
-        "form": form, "opts": modeladmin.model._meta, "action_checkbox_name": ACTION_CHECKBOX_NAME,
-        "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),
-        "select_across": request.POST.get("select_across") == "1",
-    })
+    return TemplateResponse(
+        request,
+        "admin/dashboard/confirm_action.html",
+        {
+            **modeladmin.admin_site.each_context(request),
+            "title": f"{title}?",
+            "explain": explain,
+            "objects": list(queryset[:200]),
+            "count": queryset.count(),
+            "action": request.POST.get("action", ""),
+            "form": form,
+            "opts": modeladmin.model._meta,
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+            "selected": request.POST.getlist(ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across") == "1",
+        },
+    )
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -96,8 +106,10 @@ class ProjectAdmin(admin.ModelAdmin):
     inlines = (MembershipInline,)
     fieldsets = (
         (None, {"fields": ("name", "created_at")}),
-        ("Docker grants (within the service's maxima, TVCACHE_DOCKER_*)",
-         {"fields": ("network", "images", "max_memory_mb", "max_cpus", "max_pids")}),
+        (
+            "Docker grants (within the service's maxima, TVCACHE_DOCKER_*)",
+            {"fields": ("network", "images", "max_memory_mb", "max_cpus", "max_pids")},
+        ),
         ("Quotas", {"fields": ("max_live_sandboxes", "max_snapshot_bytes", "rate_limit", "rate_burst")}),
     )
 
@@ -140,9 +152,17 @@ class ApiTokenAdmin(admin.ModelAdmin):
             key = new_key()
             obj.key_digest = key_digest(key)
             super().save_model(request, obj, form, change)
-            self.message_user(request, format_html(
-                "Token <b>{}</b> of project <b>{}</b> ({}): <code>{}</code> &mdash; copy it now, it is not shown again.",
-                obj.name, obj.project, obj.role, key), messages.WARNING)
+            self.message_user(
+                request,
+                format_html(
+                    "Token <b>{}</b> of project <b>{}</b> ({}): <code>{}</code> &mdash; copy it now, it is not shown again.",
+                    obj.name,
+                    obj.project,
+                    obj.role,
+                    key,
+                ),
+                messages.WARNING,
+            )
             return
         super().save_model(request, obj, form, change)
 
@@ -172,17 +192,28 @@ class TaskAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Flush selected tasks (delete their graphs)…")
     def flush_tasks(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Flush tasks",
-                          explain="Deletes every node, snapshot, rollout and counter of each task; the tasks stay.",
-                          run=lambda user, task, data: services.admin_task_flush(actor=user, task_id=task.pk))
+        return _confirmed(
+            self,
+            request,
+            queryset,
+            title="Flush tasks",
+            explain="Deletes every node, snapshot, rollout and counter of each task; the tasks stay.",
+            run=lambda user, task, data: services.admin_task_flush(actor=user, task_id=task.pk),
+        )
 
     @admin.action(description="Change the budget of selected tasks…")
     def set_budget(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Change budget", form_class=BudgetForm,
-                          explain="Sets the budget of live snapshots and enforces it at once "
-                                  "(evicting the least useful).",
-                          run=lambda user, task, data: services.admin_budget_set(
-                              actor=user, task_id=task.pk, sandbox_budget=data["sandbox_budget"]))
+        return _confirmed(
+            self,
+            request,
+            queryset,
+            title="Change budget",
+            form_class=BudgetForm,
+            explain="Sets the budget of live snapshots and enforces it at once (evicting the least useful).",
+            run=lambda user, task, data: services.admin_budget_set(
+                actor=user, task_id=task.pk, sandbox_budget=data["sandbox_budget"]
+            ),
+        )
 
 
 @admin.register(Node)
@@ -195,30 +226,55 @@ class NodeAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Evict subtrees (delete the nodes and their snapshots)…")
     def evict_subtrees(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Evict subtrees",
-                          explain="Evicts the live snapshots of each node and its descendants and deletes those nodes.",
-                          run=lambda user, node, data: services.admin_subtree_evict(
-                              actor=user, task_id=node.task_id, node_id=node.pk))
+        return _confirmed(
+            self,
+            request,
+            queryset,
+            title="Evict subtrees",
+            explain="Evicts the live snapshots of each node and its descendants and deletes those nodes.",
+            run=lambda user, node, data: services.admin_subtree_evict(
+                actor=user, task_id=node.task_id, node_id=node.pk
+            ),
+        )
 
     @admin.action(description="Evict only the nodes' snapshots…")
     def evict_snapshots(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Evict snapshots",
-                          explain="Evicts each node's live snapshot; results stay cached.",
-                          run=lambda user, node, data: services.admin_snapshot_evict(
-                              actor=user, task_id=node.task_id, node_id=node.pk))
+        return _confirmed(
+            self,
+            request,
+            queryset,
+            title="Evict snapshots",
+            explain="Evicts each node's live snapshot; results stay cached.",
+            run=lambda user, node, data: services.admin_snapshot_evict(
+                actor=user, task_id=node.task_id, node_id=node.pk
+            ),
+        )
 
     @admin.action(description="Pin nodes (never evict their snapshots)…")
     def pin_nodes(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Pin nodes",
-                          explain="Pinned nodes' snapshots are never evicted.",
-                          run=lambda user, node, data: services.admin_node_pin(
-                              actor=user, task_id=node.task_id, node_id=node.pk, pinned=True))
+        return _confirmed(
+            self,
+            request,
+            queryset,
+            title="Pin nodes",
+            explain="Pinned nodes' snapshots are never evicted.",
+            run=lambda user, node, data: services.admin_node_pin(
+                actor=user, task_id=node.task_id, node_id=node.pk, pinned=True
+            ),
+        )
 
     @admin.action(description="Unpin nodes…")
     def unpin_nodes(self, request, queryset):
-        return _confirmed(self, request, queryset, title="Unpin nodes", explain="Their snapshots may be evicted again.",
-                          run=lambda user, node, data: services.admin_node_pin(
-                              actor=user, task_id=node.task_id, node_id=node.pk, pinned=False))
+        return _confirmed(
+            self,
+            request,
+            queryset,
+            title="Unpin nodes",
+            explain="Their snapshots may be evicted again.",
+            run=lambda user, node, data: services.admin_node_pin(
+                actor=user, task_id=node.task_id, node_id=node.pk, pinned=False
+            ),
+        )
 
 
 @admin.register(Snapshot)
@@ -230,10 +286,16 @@ class SnapshotAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Evict selected live snapshots…")
     def evict(self, request, queryset):
-        return _confirmed(self, request, queryset.filter(status=Snapshot.Status.LIVE), title="Evict snapshots",
-                          explain="Evicts each live snapshot (leased ones are refused); results stay cached.",
-                          run=lambda user, snapshot, data: services.admin_snapshot_evict(
-                              actor=user, task_id=snapshot.task_id, node_id=snapshot.node_id))
+        return _confirmed(
+            self,
+            request,
+            queryset.filter(status=Snapshot.Status.LIVE),
+            title="Evict snapshots",
+            explain="Evicts each live snapshot (leased ones are refused); results stay cached.",
+            run=lambda user, snapshot, data: services.admin_snapshot_evict(
+                actor=user, task_id=snapshot.task_id, node_id=snapshot.node_id
+            ),
+        )
 
 
 @admin.register(AuditEntry)

@@ -5,9 +5,9 @@ GET shows what the action will do; POST with confirm=yes does it through the aud
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import wraps
-from typing import Callable
 
 from django import forms
 from django.contrib import messages
@@ -50,8 +50,11 @@ def controller_required(view):
 def _sandbox_task(user, sandbox_id: str) -> str:
     """The key of the task whose sandbox this is, if the user may stop it (404 otherwise, as for
     a sandbox that does not exist; 403 for a trainer member)."""
-    row = Sandbox.objects.filter(pk=int(sandbox_id)).values_list("task_id", flat=True).first() \
-        if sandbox_id.isdigit() and len(sandbox_id) < 19 else None
+    row = (
+        Sandbox.objects.filter(pk=int(sandbox_id)).values_list("task_id", flat=True).first()
+        if sandbox_id.isdigit() and len(sandbox_id) < 19
+        else None
+    )
     if row is None and user.is_staff:
         return ""  # the audited service refuses it (and logs the refusal)
     if row is None or not access.can_see(user, key_project(row)):
@@ -83,36 +86,59 @@ CONTROLS: dict[str, Control] = {
         "Evict subtree",
         "Evicts the live snapshots of this node and all its descendants and deletes those nodes with their "
         "results. Rollouts that reach them again execute and record them afresh.",
-        True, lambda user, task_id, node_id, data: services.admin_subtree_evict(
-            actor=user, task_id=task_id, node_id=node_id)),
+        True,
+        lambda user, task_id, node_id, data: services.admin_subtree_evict(actor=user, task_id=task_id, node_id=node_id),
+    ),
     "evict-snapshot": Control(
         "Evict snapshot",
         "Evicts only this node's live snapshot. Its result stays cached; a miss below it replays from an "
         "earlier snapshot.",
-        True, lambda user, task_id, node_id, data: services.admin_snapshot_evict(
-            actor=user, task_id=task_id, node_id=node_id)),
+        True,
+        lambda user, task_id, node_id, data: services.admin_snapshot_evict(
+            actor=user, task_id=task_id, node_id=node_id
+        ),
+    ),
     "pin": Control(
-        "Pin node", "A pinned node's snapshot is never evicted by the budget.", False,
+        "Pin node",
+        "A pinned node's snapshot is never evicted by the budget.",
+        False,
         lambda user, task_id, node_id, data: services.admin_node_pin(
-            actor=user, task_id=task_id, node_id=node_id, pinned=True)),
+            actor=user, task_id=task_id, node_id=node_id, pinned=True
+        ),
+    ),
     "unpin": Control(
-        "Unpin node", "The node's snapshot becomes a candidate for eviction again.", False,
+        "Unpin node",
+        "The node's snapshot becomes a candidate for eviction again.",
+        False,
         lambda user, task_id, node_id, data: services.admin_node_pin(
-            actor=user, task_id=task_id, node_id=node_id, pinned=False)),
+            actor=user, task_id=task_id, node_id=node_id, pinned=False
+        ),
+    ),
     "flush": Control(
         "Flush task",
         "Deletes every node, snapshot, rollout and counter of this task. The task and its settings stay.",
-        True, lambda user, task_id, node_id, data: services.admin_task_flush(actor=user, task_id=task_id)),
+        True,
+        lambda user, task_id, node_id, data: services.admin_task_flush(actor=user, task_id=task_id),
+    ),
     "budget": Control(
         "Change budget",
         "Sets the task's budget of live snapshots, then enforces it: over budget, the snapshots of lowest "
         "expected reuse are evicted (leased and pinned ones are spared).",
-        False, lambda user, task_id, node_id, data: services.admin_budget_set(
-            actor=user, task_id=task_id, sandbox_budget=data["sandbox_budget"]), BudgetForm),
+        False,
+        lambda user, task_id, node_id, data: services.admin_budget_set(
+            actor=user, task_id=task_id, sandbox_budget=data["sandbox_budget"]
+        ),
+        BudgetForm,
+    ),
     "stop-sandbox": Control(
-        "Stop sandbox", "Stops the sandbox; a rollout using it loses it and starts again from a snapshot.",
-        True, lambda user, task_id, node_id, data: sandbox_services.admin_sandbox_stop(
-            actor=user, sandbox_id=data["sandbox_id"], task_id=_sandbox_task(user, data["sandbox_id"])), SandboxForm),
+        "Stop sandbox",
+        "Stops the sandbox; a rollout using it loses it and starts again from a snapshot.",
+        True,
+        lambda user, task_id, node_id, data: sandbox_services.admin_sandbox_stop(
+            actor=user, sandbox_id=data["sandbox_id"], task_id=_sandbox_task(user, data["sandbox_id"])
+        ),
+        SandboxForm,
+    ),
 }
 
 
@@ -174,7 +200,17 @@ def control(request, action: str, task_id: str | None = None, node_id: int | Non
                 messages.success(request, f"{spec.title}: done ({entry.target}). See the audit log.")
             return redirect(next_url)
         status = 400  # not confirmed, or an invalid form: show the confirmation again
-    return render(request, "dashboard/confirm.html", {
-        "spec": spec, "action": action, "task_id": task_id, "node_id": node_id, "form": form,
-        "next": next_url, **target,
-    }, status=status)
+    return render(
+        request,
+        "dashboard/confirm.html",
+        {
+            "spec": spec,
+            "action": action,
+            "task_id": task_id,
+            "node_id": node_id,
+            "form": form,
+            "next": next_url,
+            **target,
+        },
+        status=status,
+    )

@@ -9,8 +9,14 @@ from django.urls import path
 from . import access  # noqa: F401 (registers the taskkey converter)
 from .consumers import DashboardConsumer
 
-websocket_application = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([
-    path("ws/dashboard/overview/", DashboardConsumer.as_asgi(), {"topic": "overview"}),
-    path("ws/dashboard/pools/", DashboardConsumer.as_asgi(), {"topic": "pools"}),
-    path("ws/dashboard/tasks/<taskkey:task_id>/", DashboardConsumer.as_asgi(), {"topic": "task"}),
-])))
+websocket_application = AllowedHostsOriginValidator(
+    AuthMiddlewareStack(
+        URLRouter(
+            [
+                path("ws/dashboard/overview/", DashboardConsumer.as_asgi(), {"topic": "overview"}),
+                path("ws/dashboard/pools/", DashboardConsumer.as_asgi(), {"topic": "pools"}),
+                path("ws/dashboard/tasks/<taskkey:task_id>/", DashboardConsumer.as_asgi(), {"topic": "task"}),
+            ]
+        )
+    )
+)

@@ -50,6 +50,7 @@ WITH RECURSIVE up(id, parent_id, level) AS (
 
 # --- labels ------------------------------------------------------------------------------------
 
+
 def call_text(call: dict) -> str:
     """The call as a person reads it: the tool and its main argument (or its args)."""
     args = call.get("args") or {}
@@ -64,6 +65,7 @@ def call_label(call: dict) -> str:
 
 
 # --- overview ----------------------------------------------------------------------------------
+
 
 def pools(*, project_ids: list[int] | None = None) -> dict[str, Any]:
     return pools_overview(project_ids=project_ids)
@@ -82,29 +84,43 @@ def overview(*, search: str = "", page: int | str | None = 1, project_ids: list[
     """One page of the tasks whose id contains `search`, of the given projects (None: every
     one), each with its totals and its hit rate per epoch: a training run has a task per prompt,
     thousands of them, and the page refreshes live."""
-    listed = Paginator(cache_selectors.task_ids(project_ids=project_ids, search=search), OVERVIEW_PAGE_SIZE).get_page(page)
+    listed = Paginator(cache_selectors.task_ids(project_ids=project_ids, search=search), OVERVIEW_PAGE_SIZE).get_page(
+        page
+    )
     return {"tasks": _overview_rows(list(listed), project_ids), "listed": listed, "search": search}
 
 
 def _overview_rows(task_ids: list[str], project_ids: list[int] | None = None) -> list[dict[str, Any]]:
     rows = cache_selectors.task_list_stats(task_ids=task_ids)  # first: it writes the buffered lookup counters
     epochs: dict[str, list] = defaultdict(list)
-    per_epoch = (ToolStat.objects.filter(task_id__in=task_ids).values("task_id", "epoch")
-                 .annotate(calls=Sum("calls"), hits=Sum("hits")).order_by("task_id", "epoch"))
+    per_epoch = (
+        ToolStat.objects.filter(task_id__in=task_ids)
+        .values("task_id", "epoch")
+        .annotate(calls=Sum("calls"), hits=Sum("hits"))
+        .order_by("task_id", "epoch")
+    )
     for row in per_epoch:
         epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
     sandboxes = live_sandboxes(pools_overview(project_ids=project_ids)["pools"])
     return [
-        {"id": row["task"].pk, "name": row["task"].name, "project": row["task"].project.name,
-         "backend": (row["task"].env or {}).get("backend", "external"),
-         "budget": row["task"].sandbox_budget, "stats": row["stats"], "nodes": row["nodes"],
-         "live_snapshots": row["live_snapshots"], "sandboxes": sandboxes.get(row["task"].pk, 0),
-         "epochs": epochs.get(row["task"].pk, [])}
+        {
+            "id": row["task"].pk,
+            "name": row["task"].name,
+            "project": row["task"].project.name,
+            "backend": (row["task"].env or {}).get("backend", "external"),
+            "budget": row["task"].sandbox_budget,
+            "stats": row["stats"],
+            "nodes": row["nodes"],
+            "live_snapshots": row["live_snapshots"],
+            "sandboxes": sandboxes.get(row["task"].pk, 0),
+            "epochs": epochs.get(row["task"].pk, []),
+        }
         for row in rows
     ]
 
 
 # --- task --------------------------------------------------------------------------------------
+
 
 def task_detail(*, task_id: str) -> dict[str, Any]:
     task = cache_selectors.task_get(task_id=task_id)
@@ -118,63 +134,103 @@ def task_detail(*, task_id: str) -> dict[str, Any]:
         tools.append({**row, "median_exec_ms": median, "nodes": nodes})
     for tool, (median, nodes) in sorted(medians.items()):  # recorded but never looked up
         tools.append({**ZERO_RATES, "tool": tool, "median_exec_ms": median, "nodes": nodes})
-    rollouts = list(Rollout.objects.filter(task_id=task_id).order_by("-started_at", "-pk")
-                    .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at")[:ROLLOUTS_SHOWN])
+    rollouts = list(
+        Rollout.objects.filter(task_id=task_id)
+        .order_by("-started_at", "-pk")
+        .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at")[:ROLLOUTS_SHOWN]
+    )
     for rollout in rollouts:
         rollout["misses"] = rollout["calls"] - rollout["hits"]
     divergences = stats["divergences"]
     for row in divergences["per_node"]:
         row["label"] = call_label(row["call"] or {})
-    return {"task": task, "stats": stats, "tools": tools, "rollouts": rollouts, "divergences": divergences,
-            "epochs": [[e["epoch"], e["calls"], e["hits"], e["oracle_hits"]] for e in stats["per_epoch"]],
-            "processes": task_processes(task_id=task_id)}
+    return {
+        "task": task,
+        "stats": stats,
+        "tools": tools,
+        "rollouts": rollouts,
+        "divergences": divergences,
+        "epochs": [[e["epoch"], e["calls"], e["hits"], e["oracle_hits"]] for e in stats["per_epoch"]],
+        "processes": task_processes(task_id=task_id),
+    }
 
 
 def task_processes(*, task_id: str) -> dict[str, Any]:
     """States with live processes (a server, a daemon an agent left running) and how tool-server
     misses got their sandboxes to the states of their histories, with and without live processes
     (MaterializationStat, written by the ledger: task_stats flushes it first)."""
-    counts = {(row["how"], row["processes"]): row["count"]
-              for row in MaterializationStat.objects.filter(task_id=task_id).values("how", "processes", "count")}
-    materialized = [{"how": how, "label": label, "with_processes": counts.get((how, True), 0),
-                     "without": counts.get((how, False), 0)}
-                    for how, label in MaterializationStat.How.choices if (how, True) in counts or (how, False) in counts]
+    counts = {
+        (row["how"], row["processes"]): row["count"]
+        for row in MaterializationStat.objects.filter(task_id=task_id).values("how", "processes", "count")
+    }
+    materialized = [
+        {
+            "how": how,
+            "label": label,
+            "with_processes": counts.get((how, True), 0),
+            "without": counts.get((how, False), 0),
+        }
+        for how, label in MaterializationStat.How.choices
+        if (how, True) in counts or (how, False) in counts
+    ]
     states = Node.objects.filter(task_id=task_id, mutates=True)
-    return {"states": states.filter(live_processes__gt=0).count(),
-            "snapshots": Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE, keeps_processes=True).count(),
-            "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
-            "materialized": materialized}
+    return {
+        "states": states.filter(live_processes__gt=0).count(),
+        "snapshots": Snapshot.objects.filter(
+            task_id=task_id, status=Snapshot.Status.LIVE, keeps_processes=True
+        ).count(),
+        "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
+        "materialized": materialized,
+    }
 
 
 def task_counts(*, task_id: str) -> dict[str, Any]:
     """What the graph page shows besides the graph: the task and its call, hit and node counts."""
     task = cache_selectors.task_get(task_id=task_id)
     calls = ToolStat.objects.filter(task_id=task_id).aggregate(calls=Sum("calls"), hits=Sum("hits"))
-    return {"task": task, "stats": {"calls": calls["calls"] or 0, "hits": calls["hits"] or 0,
-                                    "nodes": Node.objects.filter(task_id=task_id).count()}}
+    return {
+        "task": task,
+        "stats": {
+            "calls": calls["calls"] or 0,
+            "hits": calls["hits"] or 0,
+            "nodes": Node.objects.filter(task_id=task_id).count(),
+        },
+    }
 
 
 # --- graph -------------------------------------------------------------------------------------
 
+
 def _graph_node(row: dict, children: dict[int, int]) -> dict[str, Any]:
     text = call_text(row["call"])
     return {
-        "id": row["id"], "parent": row["parent_id"], "depth": row["depth"], "tool": row["tool"],
-        "label": call_label(row["call"]), "text": text[:TEXT_CHARS], "mutates": row["mutates"],
-        "exec_ms": row["exec_ms"], "hits": row["hit_count"], "pinned": row["pinned"], "snapshot": row["snapshot"],
-        "children": children.get(row["id"], 0), "bytes": row["result_bytes"],
+        "id": row["id"],
+        "parent": row["parent_id"],
+        "depth": row["depth"],
+        "tool": row["tool"],
+        "label": call_label(row["call"]),
+        "text": text[:TEXT_CHARS],
+        "mutates": row["mutates"],
+        "exec_ms": row["exec_ms"],
+        "hits": row["hit_count"],
+        "pinned": row["pinned"],
+        "snapshot": row["snapshot"],
+        "children": children.get(row["id"], 0),
+        "bytes": row["result_bytes"],
     }
 
 
 def _child_counts(ids: list[int]) -> dict[int, int]:
     if not ids:
         return {}
-    return dict(Node.objects.filter(parent_id__in=ids).values("parent_id").annotate(n=Count("id"))
-                .values_list("parent_id", "n"))
+    return dict(
+        Node.objects.filter(parent_id__in=ids).values("parent_id").annotate(n=Count("id")).values_list("parent_id", "n")
+    )
 
 
-def graph_slice(*, task_id: str, root: int | None = None, levels: int = GRAPH_LEVELS,
-                limit: int = GRAPH_LIMIT) -> dict[str, Any]:
+def graph_slice(
+    *, task_id: str, root: int | None = None, levels: int = GRAPH_LEVELS, limit: int = GRAPH_LIMIT
+) -> dict[str, Any]:
     """A few levels of the graph (from the top, or under `root`), each node with its child count so the
     page knows what it can expand."""
     if root is None:
@@ -184,16 +240,37 @@ def graph_slice(*, task_id: str, root: int | None = None, levels: int = GRAPH_LE
     rows = data["nodes"]
     children = _child_counts([row["id"] for row in rows])
     top_level = Node.objects.filter(task_id=task_id, parent__isnull=True).count() if root is None else None
-    return {"task_id": task_id, "root": root, "nodes": [_graph_node(row, children) for row in rows],
-            "top_level": top_level, "truncated": len(rows) >= limit}
+    return {
+        "task_id": task_id,
+        "root": root,
+        "nodes": [_graph_node(row, children) for row in rows],
+        "top_level": top_level,
+        "truncated": len(rows) >= limit,
+    }
 
 
 def _rows(task_id: str, query: Q, limit: int) -> list[dict]:
-    rows = list(Node.objects.filter(query, task_id=task_id).order_by("depth", "pk").values(
-        "id", "parent_id", "depth", "tool", "call", "mutates", "exec_ms", "hit_count", "pinned", "result_bytes",
-    )[:limit])
-    live = set(Snapshot.objects.filter(node_id__in=[r["id"] for r in rows], status=Snapshot.Status.LIVE)
-               .values_list("node_id", flat=True))
+    rows = list(
+        Node.objects.filter(query, task_id=task_id)
+        .order_by("depth", "pk")
+        .values(
+            "id",
+            "parent_id",
+            "depth",
+            "tool",
+            "call",
+            "mutates",
+            "exec_ms",
+            "hit_count",
+            "pinned",
+            "result_bytes",
+        )[:limit]
+    )
+    live = set(
+        Snapshot.objects.filter(node_id__in=[r["id"] for r in rows], status=Snapshot.Status.LIVE).values_list(
+            "node_id", flat=True
+        )
+    )
     for row in rows:
         row["snapshot"] = row["id"] in live
     return rows
@@ -236,12 +313,13 @@ def graph_search(*, task_id: str, text: str) -> list[dict[str, Any]]:
 
 # --- node --------------------------------------------------------------------------------------
 
+
 def _folded(text: str) -> dict[str, Any]:
     lines = text.splitlines()
     if len(text) <= RESULT_FOLD_CHARS and len(lines) <= RESULT_FOLD_LINES:
         return {"head": text, "rest": "", "lines": len(lines), "rest_lines": 0}
     head = "\n".join(lines[:RESULT_FOLD_LINES])[:RESULT_FOLD_CHARS]
-    rest = text[len(head):].removeprefix("\n")
+    rest = text[len(head) :].removeprefix("\n")
     return {"head": head, "rest": rest, "lines": len(lines), "rest_lines": len(rest.splitlines())}
 
 
@@ -271,17 +349,30 @@ def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
     labels = dict(Node.objects.filter(pk__in=path_ids).values_list("pk", "call"))
     path = [{"id": pk, "label": call_label(labels[pk])} for pk in path_ids]
     now = timezone.now()
-    snapshots = list(node.snapshots.order_by("-created_at").annotate(
-        open_leases=Count("leases", filter=Q(leases__released_at__isnull=True, leases__expires_at__gt=now))))
+    snapshots = list(
+        node.snapshots.order_by("-created_at").annotate(
+            open_leases=Count("leases", filter=Q(leases__released_at__isnull=True, leases__expires_at__gt=now))
+        )
+    )
     return {
-        "node": node, "call_text": call_text(node.call),
+        "node": node,
+        "call_text": call_text(node.call),
         "call_json": json.dumps(node.call, indent=2, ensure_ascii=False),
-        "result": result_parts(node.result_json), "path": path, "children": node.children.count(),
-        "snapshots": snapshots, "live_snapshot": next((s for s in snapshots if s.status == Snapshot.Status.LIVE), None),
-        "divergences": [{"kind": d.kind, "rollout_id": d.rollout_id, "created_at": d.created_at,
-                         "expected": json.dumps(d.expected, indent=2, ensure_ascii=False),
-                         "observed": json.dumps(d.observed, indent=2, ensure_ascii=False)}
-                        for d in node.divergences.order_by("-created_at", "-pk")[:DIVERGENCES_SHOWN]],
+        "result": result_parts(node.result_json),
+        "path": path,
+        "children": node.children.count(),
+        "snapshots": snapshots,
+        "live_snapshot": next((s for s in snapshots if s.status == Snapshot.Status.LIVE), None),
+        "divergences": [
+            {
+                "kind": d.kind,
+                "rollout_id": d.rollout_id,
+                "created_at": d.created_at,
+                "expected": json.dumps(d.expected, indent=2, ensure_ascii=False),
+                "observed": json.dumps(d.observed, indent=2, ensure_ascii=False),
+            }
+            for d in node.divergences.order_by("-created_at", "-pk")[:DIVERGENCES_SHOWN]
+        ],
     }
 
 
@@ -295,6 +386,7 @@ def subtree_size(*, task_id: str, node_id: int) -> dict[str, int]:
 
 # --- project -----------------------------------------------------------------------------------
 
+
 def project_detail(*, name: str) -> dict[str, Any]:
     """A project's grants with its usage against each (live sandboxes, bytes of live snapshots,
     requests per second), its tokens (name, role, state, last used, expiry) and members."""
@@ -303,24 +395,51 @@ def project_detail(*, name: str) -> dict[str, Any]:
         raise NotFound(f"Unknown project '{name}'.", code="unknown_project")
     rate = project_request_rate(project_id=project.pk)
     usage = [
-        {"what": "Live sandboxes", "used": live_sandbox_count(project_id=project.pk), "granted": project.max_live_sandboxes,
-         "kind": "count"},
-        {"what": "Snapshot bytes", "used": project_snapshot_bytes(project_id=project.pk),
-         "granted": project.max_snapshot_bytes, "kind": "bytes"},
-        {"what": "Requests per second (last minute)", "used": rate["per_s"], "granted": project.rate_limit,
-         "kind": "rate", "refused": rate["refused_last_minute"]},
+        {
+            "what": "Live sandboxes",
+            "used": live_sandbox_count(project_id=project.pk),
+            "granted": project.max_live_sandboxes,
+            "kind": "count",
+        },
+        {
+            "what": "Snapshot bytes",
+            "used": project_snapshot_bytes(project_id=project.pk),
+            "granted": project.max_snapshot_bytes,
+            "kind": "bytes",
+        },
+        {
+            "what": "Requests per second (last minute)",
+            "used": rate["per_s"],
+            "granted": project.rate_limit,
+            "kind": "rate",
+            "refused": rate["refused_last_minute"],
+        },
     ]
     for row in usage:
         row["share"] = row["used"] / row["granted"] if row["granted"] else None
     service = settings.TVCACHE
-    caps = [("Docker network", "granted" if project.network else "not granted",
-             "allowed" if service["DOCKER_ALLOW_NETWORK"] else "not allowed (TVCACHE_DOCKER_ALLOW_NETWORK)"),
-            ("Images", ", ".join(project.images) or "every image the service runs", ", ".join(service_images())),
-            ("Memory per sandbox (MB)", project.max_memory_mb or "service maximum", service["DOCKER_MAX_MEMORY_MB"]),
-            ("CPUs per sandbox", project.max_cpus or "service maximum", service["DOCKER_MAX_CPUS"]),
-            ("Processes per sandbox", project.max_pids or "service maximum", service["DOCKER_MAX_PIDS"]),
-            ("Rate burst", project.rate_burst or (project.rate_limit and "one second's worth") or "-", "-")]
-    members = [{"user": m.user.get_username(), "role": m.role}
-               for m in project.memberships.select_related("user").order_by("user__username")]
-    return {"project": project, "usage": usage, "caps": caps, "tokens": project_tokens(project=project),
-            "members": members, "tasks": project.tasks.count(), "minutes": rate["minutes"]}
+    caps = [
+        (
+            "Docker network",
+            "granted" if project.network else "not granted",
+            "allowed" if service["DOCKER_ALLOW_NETWORK"] else "not allowed (TVCACHE_DOCKER_ALLOW_NETWORK)",
+        ),
+        ("Images", ", ".join(project.images) or "every image the service runs", ", ".join(service_images())),
+        ("Memory per sandbox (MB)", project.max_memory_mb or "service maximum", service["DOCKER_MAX_MEMORY_MB"]),
+        ("CPUs per sandbox", project.max_cpus or "service maximum", service["DOCKER_MAX_CPUS"]),
+        ("Processes per sandbox", project.max_pids or "service maximum", service["DOCKER_MAX_PIDS"]),
+        ("Rate burst", project.rate_burst or (project.rate_limit and "one second's worth") or "-", "-"),
+    ]
+    members = [
+        {"user": m.user.get_username(), "role": m.role}
+        for m in project.memberships.select_related("user").order_by("user__username")
+    ]
+    return {
+        "project": project,
+        "usage": usage,
+        "caps": caps,
+        "tokens": project_tokens(project=project),
+        "members": members,
+        "tasks": project.tasks.count(),
+        "minutes": rate["minutes"],
+    }

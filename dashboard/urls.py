@@ -6,8 +6,11 @@ from . import access, api, controls, views  # noqa: F401 (access registers the t
 app_name = "dashboard"
 
 urlpatterns = [
-    path("login/", auth_views.LoginView.as_view(template_name="registration/login.html",
-                                                redirect_authenticated_user=True), name="login"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="registration/login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
     path("logout/", auth_views.LogoutView.as_view(next_page="/login/"), name="logout"),
     path("", views.overview, name="overview"),
     path("tasks/<taskkey:task_id>/", views.task, name="task"),

@@ -28,16 +28,21 @@ def _scope(request) -> dict:
         raise Http404("No such project.")
     ids = [p.pk for p in projects if not chosen or p.name == chosen]
     every = request.user.is_staff and not chosen
-    return {"projects": projects, "project_filter": chosen, "project_ids": None if every else ids,
-            "many_projects": len(projects) > 1 and not chosen}
+    return {
+        "projects": projects,
+        "project_filter": chosen,
+        "project_ids": None if every else ids,
+        "many_projects": len(projects) > 1 and not chosen,
+    }
 
 
 @require_GET
 @login_required
 def overview(request):
     scope = _scope(request)
-    context = selectors.overview(search=request.GET.get("q", "").strip(), page=request.GET.get("page"),
-                                 project_ids=scope["project_ids"])
+    context = selectors.overview(
+        search=request.GET.get("q", "").strip(), page=request.GET.get("page"), project_ids=scope["project_ids"]
+    )
     template = "dashboard/_overview_table.html" if request.GET.get("fragment") else "dashboard/overview.html"
     return render(request, template, {**context, **scope})
 
@@ -67,8 +72,9 @@ def graph(request, task_id: str):
         context = selectors.task_counts(task_id=task_id)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/graph.html", {**context, **allowed, "initial": initial,
-                                                    "levels": selectors.GRAPH_LEVELS})
+    return render(
+        request, "dashboard/graph.html", {**context, **allowed, "initial": initial, "levels": selectors.GRAPH_LEVELS}
+    )
 
 
 @require_GET
@@ -79,8 +85,11 @@ def node(request, task_id: str, node_id: int):
         detail = selectors.node_detail(task_id=task_id, node_id=node_id)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/node.html", {**detail, **allowed, "task_id": task_id,
-                                                   "task": detail["node"].task, "here": f"node {node_id}"})
+    return render(
+        request,
+        "dashboard/node.html",
+        {**detail, **allowed, "task_id": task_id, "task": detail["node"].task, "here": f"node {node_id}"},
+    )
 
 
 @require_GET
@@ -89,8 +98,9 @@ def pools(request):
     scope = _scope(request)
     template = "dashboard/_pools_body.html" if request.GET.get("fragment") else "dashboard/pools.html"
     can_stop = MAINTAINER in (access.roles(request.user) or {}).values()
-    return render(request, template, {**scope, "can_stop": can_stop,
-                                      "pools": selectors.pools(project_ids=scope["project_ids"])})
+    return render(
+        request, template, {**scope, "can_stop": can_stop, "pools": selectors.pools(project_ids=scope["project_ids"])}
+    )
 
 
 @require_GET
@@ -103,8 +113,15 @@ def project(request, name: str):
         detail = selectors.project_detail(name=name)
     except NotFound as exc:
         raise Http404(exc.message) from None
-    return render(request, "dashboard/project.html", {**detail, "projects": access.visible_projects(request.user),
-                                                      "can_control": access.can_control(request.user, name)})
+    return render(
+        request,
+        "dashboard/project.html",
+        {
+            **detail,
+            "projects": access.visible_projects(request.user),
+            "can_control": access.can_control(request.user, name),
+        },
+    )
 
 
 @require_GET

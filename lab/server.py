@@ -26,10 +26,25 @@ START_TIMEOUT_S = 60.0
 
 SERVERS = {
     # ASGI (HTTP + websockets), the application the run command serves: the deployment.
-    "uvicorn": lambda port, workers: [sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application",
-                                      "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-                                      "--log-level", "warning", "--no-access-log", "--http", "httptools",
-                                      "--loop", "uvloop"],
+    "uvicorn": lambda port, workers: [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "tvcache_site.asgi:application",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--http",
+        "httptools",
+        "--loop",
+        "uvloop",
+    ],
 }
 
 
@@ -132,10 +147,19 @@ def _cpu_s(pid: int) -> float:
 
 
 @contextmanager
-def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None = None, redis_url: str | None = None,
-                    celery: bool = False, beat: bool = False, log_dir: Path | None = None,
-                    ready_path: str = "/api/schema/", root: Path = ROOT,
-                    release_on_stop: bool = False) -> Iterator[RunningServer]:
+def service_running(
+    *,
+    kind: str = "uvicorn",
+    workers: int = 2,
+    db: dict | None = None,
+    redis_url: str | None = None,
+    celery: bool = False,
+    beat: bool = False,
+    log_dir: Path | None = None,
+    ready_path: str = "/api/schema/",
+    root: Path = ROOT,
+    release_on_stop: bool = False,
+) -> Iterator[RunningServer]:
     """Serve tvcache as deployed (production settings, `workers` processes, a psycopg pool of 16
     per process) on a free loopback port, on `db` and `redis_url` (default: this process's
     environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
@@ -149,10 +173,14 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     sandboxes of the instance's database, as the run command does (`manage.py release_sandboxes`)."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
     queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tvcache_site.settings", "DEBUG": "0",
-           # A psycopg pool per process: ASGI runs Django's requests in threads of their own, and
-           # per-thread persistent connections would pile up.
-           "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16")}
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tvcache_site.settings",
+        "DEBUG": "0",
+        # A psycopg pool per process: ASGI runs Django's requests in threads of their own, and
+        # per-thread persistent connections would pile up.
+        "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16"),
+    }
     if db is not None:
         env["DATABASE_URL"] = database_url(db)
     env["REDIS_URL"] = broker
@@ -161,16 +189,39 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
     port = free_port()
     commands = {kind: SERVERS[kind](port, workers)}
     if queue and celery:
-        commands["celery"] = [sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-Q", queue, "-n",
-                              f"{queue}@%h", "--pool", "threads", "--concurrency", "2", "-l", "info",
-                              "--without-heartbeat", "--without-gossip", "--without-mingle"]
+        commands["celery"] = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tvcache_site",
+            "worker",
+            "-Q",
+            queue,
+            "-n",
+            f"{queue}@%h",
+            "--pool",
+            "threads",
+            "--concurrency",
+            "2",
+            "-l",
+            "info",
+            "--without-heartbeat",
+            "--without-gossip",
+            "--without-mingle",
+        ]
         if beat:
-            commands["celery"] += ["-B", "-s", str(Path(log_dir or tempfile.mkdtemp(prefix="tvcache-beat-"))
-                                                  / f"{queue}-beat-schedule")]
+            commands["celery"] += [
+                "-B",
+                "-s",
+                str(Path(log_dir or tempfile.mkdtemp(prefix="tvcache-beat-")) / f"{queue}-beat-schedule"),
+            ]
     with contextlib.ExitStack() as stack:
         processes = []
-        logs = {name: stack.enter_context(open(log_dir / f"{name}.log", "wb")) if log_dir else subprocess.DEVNULL
-                for name in commands}
+        logs = {
+            name: stack.enter_context(open(log_dir / f"{name}.log", "wb")) if log_dir else subprocess.DEVNULL
+            for name in commands
+        }
         url = f"http://127.0.0.1:{port}"
 
         def restart_web(start: bool) -> int:
@@ -180,7 +231,9 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
                 old.wait()
                 wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} to stop")
                 return old.pid
-            processes[0] = subprocess.Popen(commands[kind], cwd=root, env=env, stdout=logs[kind], stderr=subprocess.STDOUT)
+            processes[0] = subprocess.Popen(
+                commands[kind], cwd=root, env=env, stdout=logs[kind], stderr=subprocess.STDOUT
+            )
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} (restarted)", processes)
             return processes[0].pid
 
@@ -189,14 +242,21 @@ def service_running(*, kind: str = "uvicorn", workers: int = 2, db: dict | None 
                 processes.append(subprocess.Popen(argv, cwd=root, env=env, stdout=logs[name], stderr=subprocess.STDOUT))
             wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
             if "celery" in commands:
-                wait_until(lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"), START_TIMEOUT_S,
-                           "the Celery worker", processes)
-            yield RunningServer(url, processes[0].pid, queue, processes[1].pid if len(processes) > 1 else None, restart_web)
+                wait_until(
+                    lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"),
+                    START_TIMEOUT_S,
+                    "the Celery worker",
+                    processes,
+                )
+            yield RunningServer(
+                url, processes[0].pid, queue, processes[1].pid if len(processes) > 1 else None, restart_web
+            )
         finally:
             stop(processes, timeout_s=30)
             if release_on_stop:
-                subprocess.run([sys.executable, "manage.py", "release_sandboxes"], cwd=root, env=env, check=False,
-                               timeout=300)
+                subprocess.run(
+                    [sys.executable, "manage.py", "release_sandboxes"], cwd=root, env=env, check=False, timeout=300
+                )
             if queue:
                 _queue_delete(broker, queue)
 

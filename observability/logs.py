@@ -81,9 +81,11 @@ def json_formatter() -> logging.Formatter:
     """The stdlib formatter of LOGGING's handlers: one JSON object per line."""
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*_PRE_CHAIN, structlog.stdlib.ExtraAdder()],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
     )
 
 
@@ -92,9 +94,13 @@ def logs_configure() -> None:
     and so do Python's warnings (logger "py.warnings"), which would otherwise print plain text."""
     logging.captureWarnings(True)
     structlog.configure(
-        processors=[structlog.stdlib.filter_by_level, *_PRE_CHAIN, structlog.stdlib.PositionalArgumentsFormatter(),
-                    structlog.processors.StackInfoRenderer(),
-                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *_PRE_CHAIN,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,

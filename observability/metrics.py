@@ -55,8 +55,10 @@ def _alive(pid: int) -> bool:
 
 if MULTIPROC_DIR:
     if not getattr(values.ValueClass, "_multiprocess", False):
-        raise RuntimeError("PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported: "
-                           "set it in the environment (or let tvcache_site.settings set it) first")
+        raise RuntimeError(
+            "PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported: "
+            "set it in the environment (or let tvcache_site.settings set it) first"
+        )
     os.makedirs(MULTIPROC_DIR, exist_ok=True)
     _prune_dead_processes(MULTIPROC_DIR)
 
@@ -64,22 +66,35 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 TOOL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 SANDBOX_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-LOOKUPS = Counter("tvcache_lookups", "Lookups answered (client mode and tool-server calls), by result: hit or miss.",
-                  ["project", "tool", "result"])
-LOOKUP_SECONDS = Histogram("tvcache_lookup_seconds",
-                           "Time to answer a client-mode lookup once its request is read (parse, statement, answer).",
-                           buckets=LATENCY_BUCKETS)
-TOOL_CALL_SECONDS = Histogram("tvcache_tool_call_seconds",
-                              "Tool-server calls: time to answer, from the cache (cached=true) or by executing.",
-                              ["tool", "cached"], buckets=TOOL_BUCKETS)
+LOOKUPS = Counter(
+    "tvcache_lookups",
+    "Lookups answered (client mode and tool-server calls), by result: hit or miss.",
+    ["project", "tool", "result"],
+)
+LOOKUP_SECONDS = Histogram(
+    "tvcache_lookup_seconds",
+    "Time to answer a client-mode lookup once its request is read (parse, statement, answer).",
+    buckets=LATENCY_BUCKETS,
+)
+TOOL_CALL_SECONDS = Histogram(
+    "tvcache_tool_call_seconds",
+    "Tool-server calls: time to answer, from the cache (cached=true) or by executing.",
+    ["tool", "cached"],
+    buckets=TOOL_BUCKETS,
+)
 SANDBOX_START_SECONDS = Histogram(
     "tvcache_sandbox_start_seconds",
     "Time to start a sandbox: origin=snapshot is a fork, origin=root a fresh start; path=critical on a "
     "rollout's miss, path=pool ahead of it (pre-forks and warm roots).",
-    ["backend", "origin", "path"], buckets=SANDBOX_BUCKETS)
-SNAPSHOT_SECONDS = Histogram("tvcache_snapshot_commit_seconds",
-                             "Time to snapshot a managed sandbox (docker commit, folder or database copy).",
-                             ["backend"], buckets=SANDBOX_BUCKETS)
+    ["backend", "origin", "path"],
+    buckets=SANDBOX_BUCKETS,
+)
+SNAPSHOT_SECONDS = Histogram(
+    "tvcache_snapshot_commit_seconds",
+    "Time to snapshot a managed sandbox (docker commit, folder or database copy).",
+    ["backend"],
+    buckets=SANDBOX_BUCKETS,
+)
 
 _children: dict[tuple, object] = {}
 _tools: set[str] = set()

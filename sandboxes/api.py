@@ -29,12 +29,18 @@ class CallResultSerializer(serializers.Serializer):
     cached = serializers.BooleanField()
     node_id = serializers.IntegerField(allow_null=True, help_text="null when the result was not cached (a timeout)")
     latency_ms = serializers.FloatField()
-    phases_ms = serializers.DictField(child=serializers.FloatField(), help_text=(
-        "where the call's time went: lookup, wait (for another rollout executing the same call), background_wait "
-        "(for work on the rollout's sandbox after its previous answer), snapshot_wait (for a snapshot to fork rather "
-        "than replay), materialize, replay, verify, exec, fingerprint, record, snapshot"))
-    mutates = serializers.BooleanField(help_text="The call changed the rollout's state. False for a read-only tool, "
-                                                 "and for a call the sandbox observed to change nothing.")
+    phases_ms = serializers.DictField(
+        child=serializers.FloatField(),
+        help_text=(
+            "where the call's time went: lookup, wait (for another rollout executing the same call), background_wait "
+            "(for work on the rollout's sandbox after its previous answer), snapshot_wait (for a snapshot to fork rather "
+            "than replay), materialize, replay, verify, exec, fingerprint, record, snapshot"
+        ),
+    )
+    mutates = serializers.BooleanField(
+        help_text="The call changed the rollout's state. False for a read-only tool, "
+        "and for a call the sandbox observed to change nothing."
+    )
 
 
 class StepSerializer(serializers.Serializer):
@@ -49,19 +55,25 @@ class LiveSandboxSerializer(serializers.Serializer):
     pool = serializers.ChoiceField(choices=Sandbox.Pool.choices)
     state = serializers.ChoiceField(choices=Sandbox.State.choices)
     rollout_id = serializers.CharField(allow_null=True, help_text="the rollout it serves; null while in a pool")
-    ref = serializers.CharField(allow_blank=True, help_text="the backend's id of it (a container id); empty while "
-                                                             "it starts")
+    ref = serializers.CharField(
+        allow_blank=True, help_text="the backend's id of it (a container id); empty while it starts"
+    )
 
 
 class TaskSandboxesSerializer(serializers.Serializer):
-    started = serializers.IntegerField(help_text="sandboxes the service started or forked for the task, stopped "
-                                                 "ones included")
+    started = serializers.IntegerField(
+        help_text="sandboxes the service started or forked for the task, stopped ones included"
+    )
     live = LiveSandboxSerializer(many=True, help_text="those not stopped, oldest first")
 
 
-@extend_schema_view(post=extend_schema(
-    request=CallSerializer, responses={200: CallResultSerializer, **ERRORS},
-    summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)"))
+@extend_schema_view(
+    post=extend_schema(
+        request=CallSerializer,
+        responses={200: CallResultSerializer, **ERRORS},
+        summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)",
+    )
+)
 class RolloutCallView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls"
     lane = "tool"  # a miss executes the tool
@@ -69,12 +81,23 @@ class RolloutCallView(LeanPostView):
     @staticmethod
     def answer(*, principal, task_id: str, rollout_id: str, payload) -> bytes:
         parsed = parse_rollout_call(payload)
-        outcome = services.rollout_call(task_id=principal.task_key(task_id), rollout_id=parse_id(rollout_id, "rollout_id"),
-                                        call=parsed.call, epoch=parsed.epoch)
+        outcome = services.rollout_call(
+            task_id=principal.task_key(task_id),
+            rollout_id=parse_id(rollout_id, "rollout_id"),
+            call=parsed.call,
+            epoch=parsed.epoch,
+        )
         metrics.tool_call_observed(tool=parsed.call.tool, cached=outcome.cached, ms=outcome.latency_ms)
-        return orjson.dumps({"result": outcome.result, "cached": outcome.cached, "node_id": outcome.node_id,
-                             "latency_ms": round(outcome.latency_ms, 3), "mutates": outcome.mutates,
-                             "phases_ms": {k: round(v, 3) for k, v in outcome.phases_ms.items()}})
+        return orjson.dumps(
+            {
+                "result": outcome.result,
+                "cached": outcome.cached,
+                "node_id": outcome.node_id,
+                "latency_ms": round(outcome.latency_ms, 3),
+                "mutates": outcome.mutates,
+                "phases_ms": {k: round(v, 3) for k, v in outcome.phases_ms.items()},
+            }
+        )
 
 
 class RolloutView(APIView):
@@ -85,27 +108,36 @@ class RolloutView(APIView):
 
 
 class StepsView(APIView):
-    @extend_schema(request=StepSerializer, responses={202: dict, **ERRORS},
-                   summary="Announce a training step: warm root sandboxes and pre-fork hot snapshots")
+    @extend_schema(
+        request=StepSerializer,
+        responses={202: dict, **ERRORS},
+        summary="Announce a training step: warm root sandboxes and pre-fork hot snapshots",
+    )
     def post(self, request):
         serializer = StepSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        planned = services.step_announce(task_ids=[request.user.task_key(t) for t in data["tasks"]],
-                                         rollouts_per_task=data["rollouts_per_task"])
-        return Response({"planned": {task_public_id(key): plan for key, plan in planned.items()}},
-                        status=status.HTTP_202_ACCEPTED)
+        planned = services.step_announce(
+            task_ids=[request.user.task_key(t) for t in data["tasks"]], rollouts_per_task=data["rollouts_per_task"]
+        )
+        return Response(
+            {"planned": {task_public_id(key): plan for key, plan in planned.items()}}, status=status.HTTP_202_ACCEPTED
+        )
 
 
 class TaskSandboxesView(APIView):
-    @extend_schema(responses={200: TaskSandboxesSerializer, **ERRORS},
-                   summary="A task's sandboxes: how many the service started, and those alive now with their rollouts")
+    @extend_schema(
+        responses={200: TaskSandboxesSerializer, **ERRORS},
+        summary="A task's sandboxes: how many the service started, and those alive now with their rollouts",
+    )
     def get(self, request, task_id: str):
         return Response(selectors.task_sandboxes(task_id=request.user.task_key(task_id)))
 
 
 class PoolsView(APIView):
-    @extend_schema(responses={200: dict},
-                   summary="The project's sandboxes by pool and state, live snapshots, fork latency; engine health")
+    @extend_schema(
+        responses={200: dict},
+        summary="The project's sandboxes by pool and state, live snapshots, fork latency; engine health",
+    )
     def get(self, request):
         return Response(selectors.pools_overview(project_id=request.user.project_id, public_ids=True))

@@ -10,5 +10,8 @@ class SandboxesConfig(AppConfig):
 
         from .services.runtime import env_check_project, env_fingerprint_material, service_images
 
-        sandbox_hooks_register(SandboxHooks(fingerprint_material=env_fingerprint_material,
-                                            grants_check=env_check_project, images=service_images))
+        sandbox_hooks_register(
+            SandboxHooks(
+                fingerprint_material=env_fingerprint_material, grants_check=env_check_project, images=service_images
+            )
+        )

@@ -140,7 +140,14 @@ def _debian_rootfs_tarball(cache_dir: Path, mirror: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".rootfs-") as workdir:
         rootfs = Path(workdir) / "rootfs"
         subprocess.run(
-            ["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE, str(rootfs), mirror],
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(DEBIAN_PACKAGES)}",
+                DEBIAN_SUITE,
+                str(rootfs),
+                mirror,
+            ],
             check=True,
             stdout=subprocess.DEVNULL,
         )

@@ -26,11 +26,13 @@ class Sandbox(models.Model):
     engine = models.CharField(max_length=200, blank=True, default="")
     ref = models.CharField(max_length=200, blank=True, default="")  # the backend's sandbox id
     pool = models.CharField(max_length=10, choices=Pool.choices)
-    snapshot = models.ForeignKey("cache.Snapshot", null=True, blank=True, on_delete=models.SET_NULL,
-                                 related_name="forks")
+    snapshot = models.ForeignKey(
+        "cache.Snapshot", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks"
+    )
     state = models.CharField(max_length=10, choices=State.choices, default=State.WARMING)
-    rollout = models.ForeignKey("cache.Rollout", null=True, blank=True, on_delete=models.SET_NULL,
-                                related_name="sandboxes")
+    rollout = models.ForeignKey(
+        "cache.Rollout", null=True, blank=True, on_delete=models.SET_NULL, related_name="sandboxes"
+    )
     applied = models.PositiveIntegerField(default=0)  # leading calls of the rollout's history it reflects
     # Set (and committed) before a call runs in the sandbox, cleared once its outcome is stored: a
     # sandbox found executing by its rollout's next call was cut off mid-call (a killed server)

@@ -30,8 +30,12 @@ def engine_health(engine: Engine) -> dict:
         report = engine_backend("docker", engine.name).health()
     except SandboxError as exc:
         report = {"ok": False, "detail": exc.message}
-    report = {"backend": "docker", "ok": bool(report.get("ok")), "detail": report.get("detail") or report.get("error", ""),
-              **{k: v for k, v in report.items() if k not in ("ok", "detail")}}
+    report = {
+        "backend": "docker",
+        "ok": bool(report.get("ok")),
+        "detail": report.get("detail") or report.get("error", ""),
+        **{k: v for k, v in report.items() if k not in ("ok", "detail")},
+    }
     _health.put(engine.name, report, HEALTH_TTL_S)
     return report
 
@@ -40,13 +44,26 @@ def engines_health() -> tuple[dict, list[dict]]:
     """The deployment's docker engines: together (the one engine's health as it is, or whether all
     of several answer), and each with its capacity, live sandboxes and Celery queue."""
     live = live_per_engine()
-    each = [{"url": engine.label, "capacity": engine.capacity, "live_sandboxes": live[engine.name],
-             "queue": engine.queue, **engine_health(engine)} for engine in engines()]
+    each = [
+        {
+            "url": engine.label,
+            "capacity": engine.capacity,
+            "live_sandboxes": live[engine.name],
+            "queue": engine.queue,
+            **engine_health(engine),
+        }
+        for engine in engines()
+    ]
     if len(each) == 1:
         return engine_health(engines()[0]), each
     down = [entry["url"] for entry in each if not entry["ok"]]
-    together = {"backend": "docker", "ok": not down, "detail": f"down: {', '.join(down)}" if down else "",
-                "engines": len(each), "running_sandboxes": sum(entry.get("running_sandboxes", 0) for entry in each)}
+    together = {
+        "backend": "docker",
+        "ok": not down,
+        "detail": f"down: {', '.join(down)}" if down else "",
+        "engines": len(each),
+        "running_sandboxes": sum(entry.get("running_sandboxes", 0) for entry in each),
+    }
     return together, each
 
 
@@ -66,8 +83,9 @@ def live_sandboxes(*, project_id: int) -> int:
     return Sandbox.objects.filter(task__project_id=project_id).exclude(state__in=LIVE_EXCLUDED).count()
 
 
-def pools_overview(*, project_id: int | None = None, project_ids: list[int] | None = None,
-                   public_ids: bool = False) -> dict:
+def pools_overview(
+    *, project_id: int | None = None, project_ids: list[int] | None = None, public_ids: bool = False
+) -> dict:
     """Pools, live snapshots and fork latency of one project's tasks, of several, or (both None)
     of every project; the engine's health. `public_ids`: tasks named as their project knows them
     (the API), else by key (the dashboard), each entry with its project's name."""
@@ -81,26 +99,46 @@ def pools_overview(*, project_id: int | None = None, project_ids: list[int] | No
     pools: dict[tuple[str, str, str], dict] = {}
     for row in live.values("task_id", "backend", "pool", "state").annotate(n=Count("id")):
         key = (row["task_id"], row["backend"], row["pool"])
-        entry = pools.setdefault(key, {"task_id": name(row["task_id"]), "project": key_project(row["task_id"]),
-                                       "backend": row["backend"], "pool": row["pool"],
-                                       "states": {state: 0 for state in ("warming", "ready", "leased", "stopping")}})
+        entry = pools.setdefault(
+            key,
+            {
+                "task_id": name(row["task_id"]),
+                "project": key_project(row["task_id"]),
+                "backend": row["backend"],
+                "pool": row["pool"],
+                "states": {state: 0 for state in ("warming", "ready", "leased", "stopping")},
+            },
+        )
         entry["states"][row["state"]] = row["n"]
     snapshots = [
-        {"task_id": name(s["task_id"]), "project": key_project(s["task_id"]), "node_id": s["node_id"], "ref": s["ref"],
-         "backend": s["backend"], "size_bytes": s["size_bytes"], "status": s["status"]}
-        for s in Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope).order_by("-created_at")
+        {
+            "task_id": name(s["task_id"]),
+            "project": key_project(s["task_id"]),
+            "node_id": s["node_id"],
+            "ref": s["ref"],
+            "backend": s["backend"],
+            "size_bytes": s["size_bytes"],
+            "status": s["status"],
+        }
+        for s in Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope)
+        .order_by("-created_at")
         .values("task_id", "node_id", "ref", "backend", "size_bytes", "status")[:500]
     ]
     recent = Sandbox.objects.filter(**scope).exclude(start_ms=None).order_by("-created_at")
     warm = [ms for ms in recent.filter(pool=Sandbox.Pool.FORK, rollout=None).values_list("start_ms", flat=True)[:500]]
-    cold = [ms for ms in recent.filter(pool=Sandbox.Pool.FORK).exclude(rollout=None).values_list("start_ms", flat=True)[:500]]
+    cold = [
+        ms
+        for ms in recent.filter(pool=Sandbox.Pool.FORK).exclude(rollout=None).values_list("start_ms", flat=True)[:500]
+    ]
     warm_p50, warm_p95 = _percentiles(warm)
     cold_p50, cold_p95 = _percentiles(cold)
     engine, engines_each = engines_health()
     if project_id is not None or project_ids is not None:  # the engines' counts span every project
         engine = {k: v for k, v in engine.items() if k != "running_sandboxes"}
-        engines_each = [{k: v for k, v in entry.items() if k not in ("running_sandboxes", "live_sandboxes")}
-                        for entry in engines_each]
+        engines_each = [
+            {k: v for k, v in entry.items() if k not in ("running_sandboxes", "live_sandboxes")}
+            for entry in engines_each
+        ]
     return {
         "engine": engine,
         "engines": engines_each,
@@ -115,8 +153,22 @@ def task_sandboxes(*, task_id: str) -> dict:
     running), and those alive now with the rollout each serves (/api/v1/tasks/{id}/sandboxes)."""
     task_get(task_id=task_id)
     rows = Sandbox.objects.filter(task_id=task_id)
-    live = (rows.exclude(state__in=LIVE_EXCLUDED).order_by("pk")
-            .values("pk", "backend", "pool", "state", "rollout__rollout_id", "ref"))
-    return {"started": rows.filter(ready_at__isnull=False).count(),
-            "live": [{"id": row["pk"], "backend": row["backend"], "pool": row["pool"], "state": row["state"],
-                      "rollout_id": row["rollout__rollout_id"], "ref": row["ref"]} for row in live]}
+    live = (
+        rows.exclude(state__in=LIVE_EXCLUDED)
+        .order_by("pk")
+        .values("pk", "backend", "pool", "state", "rollout__rollout_id", "ref")
+    )
+    return {
+        "started": rows.filter(ready_at__isnull=False).count(),
+        "live": [
+            {
+                "id": row["pk"],
+                "backend": row["backend"],
+                "pool": row["pool"],
+                "state": row["state"],
+                "rollout_id": row["rollout__rollout_id"],
+                "ref": row["ref"],
+            }
+            for row in live
+        ],
+    }

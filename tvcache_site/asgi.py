@@ -18,12 +18,24 @@ from sandboxes.api import RolloutCallView  # noqa: E402
 from workers.periodic import periodic_jobs_start  # noqa: E402
 
 conf = settings.TVCACHE
-http_application = HotPathASGI(django_asgi, [LookupView, RecordView, RolloutCallView],
-                               threads={"read": conf["HOT_PATH_THREADS"], "write": conf["RECORD_THREADS"],
-                                        "tool": conf["TOOLSERVER_HIT_THREADS"], "exec": conf["TOOLSERVER_THREADS"],
-                                        "auth": 1},
-                               queue={"read": conf["LANE_QUEUE"], "write": conf["LANE_QUEUE"], "tool": conf["LANE_QUEUE"],
-                                      "auth": conf["LANE_QUEUE"], "exec": conf["EXEC_QUEUE"]},
-                               waiters=conf["FLIGHT_WAITERS"])
+http_application = HotPathASGI(
+    django_asgi,
+    [LookupView, RecordView, RolloutCallView],
+    threads={
+        "read": conf["HOT_PATH_THREADS"],
+        "write": conf["RECORD_THREADS"],
+        "tool": conf["TOOLSERVER_HIT_THREADS"],
+        "exec": conf["TOOLSERVER_THREADS"],
+        "auth": 1,
+    },
+    queue={
+        "read": conf["LANE_QUEUE"],
+        "write": conf["LANE_QUEUE"],
+        "tool": conf["LANE_QUEUE"],
+        "auth": conf["LANE_QUEUE"],
+        "exec": conf["EXEC_QUEUE"],
+    },
+    waiters=conf["FLIGHT_WAITERS"],
+)
 application = ProtocolTypeRouter({"http": http_application, "websocket": websocket_application})
 periodic_jobs_start()  # without Celery beat (no Redis), this process runs the periodic jobs

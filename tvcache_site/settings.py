@@ -23,8 +23,10 @@ DEBUG = env.bool("DEBUG", default=False)
 SECRET_KEY = env("SECRET_KEY", default="")
 if not SECRET_KEY:
     if not DEBUG:
-        raise ImproperlyConfigured("SECRET_KEY is not set. Set it in the environment (or in .env); with DEBUG=1 a "
-                                   "development-only key is used instead.")
+        raise ImproperlyConfigured(
+            "SECRET_KEY is not set. Set it in the environment (or in .env); with DEBUG=1 a "
+            "development-only key is used instead."
+        )
     SECRET_KEY = "dev-only-insecure-key-do-not-deploy"
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=["http://127.0.0.1:8000", "http://localhost:8000"])
@@ -42,7 +44,11 @@ DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.
 # itself. A request whose connection died under it answers 503 database_unavailable.
 if env.int("DB_POOL_SIZE", default=0):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
-    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {"min_size": 1, "max_size": env.int("DB_POOL_SIZE"), "timeout": 10}
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": env.int("DB_POOL_SIZE"),
+        "timeout": 10,
+    }
 else:
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
@@ -151,11 +157,18 @@ CELERY_TASK_DEFAULT_QUEUE = env("CELERY_QUEUE", default="tvcache")
 # The periodic jobs: Celery beat's with Redis, else the service's own processes run them
 # (workers/periodic.py, TVCACHE["PERIODIC_IN_PROCESS"]). Intervals in seconds.
 CELERY_BEAT_SCHEDULE = {
-    "reap-sandboxes-and-leases": {"task": "workers.tasks.sandboxes_reap",
-                                  "schedule": env.float("TVCACHE_REAP_EVERY_S", default=15.0)},
-    "evict-and-free-snapshots": {"task": "workers.tasks.snapshots_collect",
-                                 "schedule": env.float("TVCACHE_COLLECT_EVERY_S", default=30.0)},
-    "reap-orphans": {"task": "workers.tasks.orphans_reap", "schedule": env.float("TVCACHE_ORPHANS_EVERY_S", default=300.0)},
+    "reap-sandboxes-and-leases": {
+        "task": "workers.tasks.sandboxes_reap",
+        "schedule": env.float("TVCACHE_REAP_EVERY_S", default=15.0),
+    },
+    "evict-and-free-snapshots": {
+        "task": "workers.tasks.snapshots_collect",
+        "schedule": env.float("TVCACHE_COLLECT_EVERY_S", default=30.0),
+    },
+    "reap-orphans": {
+        "task": "workers.tasks.orphans_reap",
+        "schedule": env.float("TVCACHE_ORPHANS_EVERY_S", default=300.0),
+    },
     "vacuum-tables": {"task": "workers.tasks.tables_vacuum", "schedule": 60.0},  # if autovacuum is off
     "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
     "prune-request-counts": {"task": "workers.tasks.project_requests_prune", "schedule": 3600.0},

@@ -23,17 +23,30 @@ ERRORS = {code: ErrorSerializer for code in (400, 401, 404)}
 class UpstreamPutSerializer(serializers.Serializer):
     protocol = serializers.ChoiceField(choices=["verl-tool"])
     url = serializers.URLField(help_text="The upstream tool server's endpoint, e.g. http://host:5000/get_observation")
-    task_fields = serializers.ListField(child=serializers.CharField(), help_text=(
-        "Extra fields whose values name the task (the tool call graph shared by its trajectories)"))
-    action_pattern = serializers.CharField(required=False, allow_null=True, help_text=(
-        "Regular expression (Python, '.' matches newlines): the call is its first group's match in the action, "
-        "or the whole match; an action it does not match passes through uncached. Default: the whole action"))
-    read_only = serializers.BooleanField(required=False, default=False, help_text=(
-        "The upstream's actions never change its state (mutates_state false)"))
-    ignore_fields = serializers.ListField(child=serializers.CharField(), required=False, help_text=(
-        "Extra fields left out of the call (still sent to the upstream). Default: none"))
+    task_fields = serializers.ListField(
+        child=serializers.CharField(),
+        help_text=("Extra fields whose values name the task (the tool call graph shared by its trajectories)"),
+    )
+    action_pattern = serializers.CharField(
+        required=False,
+        allow_null=True,
+        help_text=(
+            "Regular expression (Python, '.' matches newlines): the call is its first group's match in the action, "
+            "or the whole match; an action it does not match passes through uncached. Default: the whole action"
+        ),
+    )
+    read_only = serializers.BooleanField(
+        required=False, default=False, help_text=("The upstream's actions never change its state (mutates_state false)")
+    )
+    ignore_fields = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text=("Extra fields left out of the call (still sent to the upstream). Default: none"),
+    )
     timeout_s = serializers.FloatField(required=False, help_text="Per upstream request; default 120")
-    rotate_secret = serializers.BooleanField(required=False, help_text="Make a new proxy path; the old one stops working")
+    rotate_secret = serializers.BooleanField(
+        required=False, help_text="Make a new proxy path; the old one stops working"
+    )
 
 
 class UpstreamSerializer(serializers.Serializer):
@@ -46,9 +59,11 @@ class UpstreamSerializer(serializers.Serializer):
     ignore_fields = serializers.ListField(child=serializers.CharField())
     timeout_s = serializers.FloatField()
     proxy_path = serializers.CharField(help_text="Path of the proxy under the service; it carries a secret")
-    proxy_url = serializers.CharField(help_text=(
-        "The proxy's URL as this request reached the service: the trainer's "
-        "actor_rollout_ref.agent.tool_server_url"))
+    proxy_url = serializers.CharField(
+        help_text=(
+            "The proxy's URL as this request reached the service: the trainer's actor_rollout_ref.agent.tool_server_url"
+        )
+    )
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
 
@@ -56,8 +71,9 @@ class UpstreamSerializer(serializers.Serializer):
 class UpstreamStatsSerializer(UpstreamSerializer):
     hits = serializers.IntegerField(help_text="Actions answered from the tool call graph")
     misses = serializers.IntegerField(help_text="Actions looked up, not found and sent to the upstream")
-    passed_through = serializers.IntegerField(help_text=(
-        "Actions sent as they are: finish, pattern mismatch, trajectories off the shared graph"))
+    passed_through = serializers.IntegerField(
+        help_text=("Actions sent as they are: finish, pattern mismatch, trajectories off the shared graph")
+    )
     upstream_requests = serializers.IntegerField(help_text="HTTP requests sent to the upstream, catch-up included")
     upstream_errors = serializers.IntegerField(help_text="Upstream requests that got no verl-tool answer")
     trajectories = serializers.IntegerField()
@@ -65,23 +81,42 @@ class UpstreamStatsSerializer(UpstreamSerializer):
 
 def upstream_json(request, upstream) -> dict:
     path = services.proxy_path(upstream)
-    fields = ("name", "protocol", "url", "task_fields", "action_pattern", "read_only", "ignore_fields", "timeout_s",
-              "created_at", "updated_at")
-    return UpstreamSerializer({**{f: getattr(upstream, f) for f in fields}, "proxy_path": path,
-                               "proxy_url": request.build_absolute_uri(path)}).data
+    fields = (
+        "name",
+        "protocol",
+        "url",
+        "task_fields",
+        "action_pattern",
+        "read_only",
+        "ignore_fields",
+        "timeout_s",
+        "created_at",
+        "updated_at",
+    )
+    return UpstreamSerializer(
+        {**{f: getattr(upstream, f) for f in fields}, "proxy_path": path, "proxy_url": request.build_absolute_uri(path)}
+    ).data
 
 
 class UpstreamView(APIView):
-    @extend_schema(request=UpstreamPutSerializer, responses={200: UpstreamSerializer, 201: UpstreamSerializer, **ERRORS},
-                   operation_id="v1_upstreams_put",
-                   summary="Register (or update) an upstream tool server; the answer has the proxy URL for trainers")
+    @extend_schema(
+        request=UpstreamPutSerializer,
+        responses={200: UpstreamSerializer, 201: UpstreamSerializer, **ERRORS},
+        operation_id="v1_upstreams_put",
+        summary="Register (or update) an upstream tool server; the answer has the proxy URL for trainers",
+    )
     def put(self, request, name: str):
         selectors.upstream_for(principal=request.user, name=name, write=True)
         upstream, created = services.upstream_put(project_id=request.user.project_id, name=name, data=request.data)
-        return Response(upstream_json(request, upstream), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+        return Response(
+            upstream_json(request, upstream), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK
+        )
 
-    @extend_schema(responses={200: UpstreamStatsSerializer, **ERRORS}, operation_id="v1_upstreams_get",
-                   summary="An upstream's configuration, proxy URL and counters")
+    @extend_schema(
+        responses={200: UpstreamStatsSerializer, **ERRORS},
+        operation_id="v1_upstreams_get",
+        summary="An upstream's configuration, proxy URL and counters",
+    )
     def get(self, request, name: str):
         upstream = selectors.upstream_get(principal=request.user, name=name)
         return Response({**upstream_json(request, upstream), **selectors.upstream_stats(upstream=upstream)})

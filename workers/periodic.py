@@ -38,7 +38,9 @@ def periodic_jobs_start() -> bool:
         if _started == os.getpid():
             return False
         _started = os.getpid()
-    schedule = {name: (entry["task"], float(entry["schedule"])) for name, entry in settings.CELERY_BEAT_SCHEDULE.items()}
+    schedule = {
+        name: (entry["task"], float(entry["schedule"])) for name, entry in settings.CELERY_BEAT_SCHEDULE.items()
+    }
     threading.Thread(target=_run_forever, args=(schedule,), name="tvcache-periodic", daemon=True).start()
     return True
 

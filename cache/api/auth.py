@@ -23,8 +23,8 @@ from rest_framework.exceptions import AuthenticationFailed
 
 from cache.errors import RateLimited
 from cache.models import ApiToken
-from cache.services.projects import project_named
 from cache.projects import DEFAULT_PROJECT, MAINTAINER, ROLES, task_key
+from cache.services.projects import project_named
 from cache.ttl import TTLCache
 
 # A revoked or expired token is refused within this time in every process (docs/operations/projects.md).
@@ -67,8 +67,9 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def token_create(*, name: str, project: str = DEFAULT_PROJECT, role: str = MAINTAINER,
-                 expires_in: dt.timedelta | None = None) -> str:
+def token_create(
+    *, name: str, project: str = DEFAULT_PROJECT, role: str = MAINTAINER, expires_in: dt.timedelta | None = None
+) -> str:
     """A new token of `project` (made if it does not exist); returns the key, which is not stored.
     The service's own tools and tests default to the default project's maintainer; the command
     line (`manage.py create_token`) asks."""
@@ -77,8 +78,13 @@ def token_create(*, name: str, project: str = DEFAULT_PROJECT, role: str = MAINT
     key = new_key()
     with transaction.atomic():
         owner = project_named(project, create=True)
-        ApiToken.objects.create(name=name, key_digest=key_digest(key), project=owner, role=role,
-                                expires_at=timezone.now() + expires_in if expires_in is not None else None)
+        ApiToken.objects.create(
+            name=name,
+            key_digest=key_digest(key),
+            project=owner,
+            role=role,
+            expires_at=timezone.now() + expires_in if expires_in is not None else None,
+        )
     return key
 
 
@@ -105,9 +111,21 @@ def principal_for_key(key: str) -> Principal | None:
     if cached is not None:
         return cached
     wall = timezone.now()
-    row = (ApiToken.objects.filter(key_digest=digest, revoked_at__isnull=True)
-           .values_list("pk", "name", "role", "expires_at", "last_used_at", "project_id", "project__name",
-                        "project__rate_limit", "project__rate_burst").first())
+    row = (
+        ApiToken.objects.filter(key_digest=digest, revoked_at__isnull=True)
+        .values_list(
+            "pk",
+            "name",
+            "role",
+            "expires_at",
+            "last_used_at",
+            "project_id",
+            "project__name",
+            "project__rate_limit",
+            "project__rate_burst",
+        )
+        .first()
+    )
     if row is None or (row[3] is not None and row[3] <= wall):
         _verified.pop(digest)
         return None
@@ -161,8 +179,10 @@ def admit(principal: Principal) -> None:
         wait_s = 0.0 if admitted else (1.0 - bucket.tokens) / rate_here
     request_add(project_id=principal.project_id, admitted=admitted)
     if not admitted:
-        raise RateLimited(f"Project '{principal.project}' is over its rate limit of {rate} requests per second.",
-                          details={"project": principal.project, "rate_limit": rate, "retry_after_s": round(wait_s, 3)})
+        raise RateLimited(
+            f"Project '{principal.project}' is over its rate limit of {rate} requests per second.",
+            details={"project": principal.project, "rate_limit": rate, "retry_after_s": round(wait_s, 3)},
+        )
 
 
 class TrainerTokenAuthentication(BaseAuthentication):

@@ -28,8 +28,8 @@ from typing import Literal, NamedTuple
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.core.handlers.exception import response_for_exception
 from django.core.handlers.asgi import ASGIRequest
+from django.core.handlers.exception import response_for_exception
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.http import HttpResponse
 from django.http.request import split_domain_port, validate_host
@@ -42,8 +42,8 @@ from cache.lanes import ClaimAwaited, HandBack, LaneContext, SlowWork, lane_curr
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
 from .auth import INVALID_TOKEN, Principal, admit, principal_cached, principal_for_key
-from .errors import application_error
 from .claimwatch import ClaimWatch
+from .errors import application_error
 
 log = logging.getLogger("tvcache.api")
 
@@ -80,6 +80,7 @@ def lean_principal(authorization: str) -> Principal:
 def lean_refusal(authorization: str) -> Reply | None:
     """The answer refusing a request whose token is missing or invalid; None for a valid one.
     Runs before the body is read."""
+
     def check() -> None:
         lean_principal(authorization)
 
@@ -93,8 +94,9 @@ def token_verified(authorization: str) -> bool:
     return len(parts) == 2 and parts[0].lower() == "token" and principal_cached(parts[1])
 
 
-def lean_answer(answer: Answer, *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes]) -> Reply:
+def lean_answer(
+    answer: Answer, *, path_kwargs: dict[str, str], authorization: str, read_body: Callable[[], bytes]
+) -> Reply:
     """The answer to a POST to a hot endpoint: token, its project's rate limit, then body, then
     the answer (which gets the principal: the task id resolves in its project)."""
 
@@ -128,7 +130,6 @@ def _answered(work: Callable[[], Reply | None]) -> Reply | None:
 # Subclasses document `post` with extend_schema_view. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as the operation's description.)
 class LeanPostView(APIView):
-
     answer: Answer
     route: str
     lane: Lane = "read"
@@ -140,9 +141,12 @@ class LeanPostView(APIView):
         return self.post(request, *args, **kwargs)
 
     def post(self, request, **kwargs):
-        status, body, headers = lean_answer(type(self).answer, path_kwargs=kwargs,
-                                            authorization=request.META.get("HTTP_AUTHORIZATION", ""),
-                                            read_body=lambda: request.body)
+        status, body, headers = lean_answer(
+            type(self).answer,
+            path_kwargs=kwargs,
+            authorization=request.META.get("HTTP_AUTHORIZATION", ""),
+            read_body=lambda: request.body,
+        )
         response = json_response(body, status)
         for header, value in headers:
             response[header] = value
@@ -213,8 +217,9 @@ class HotPath:
             return False
         return True
 
-    def route(self, method: str, path: str, scheme: str, host: str,
-              content_length: str) -> tuple[dict[str, str], type[LeanPostView]] | None:
+    def route(
+        self, method: str, path: str, scheme: str, host: str, content_length: str
+    ) -> tuple[dict[str, str], type[LeanPostView]] | None:
         """(path arguments, view) for a request this path answers, else None. It answers a POST
         the middleware would pass untouched: an allowed host, over plain HTTP (no HSTS), with a
         Content-Length (a chunked body is left to Django)."""
@@ -238,20 +243,40 @@ class HotPath:
     def too_big(self, length: int) -> bool:
         return self.max_body is not None and length > self.max_body
 
-    def respond(self, view: type[LeanPostView], *, path_kwargs: dict[str, str], authorization: str,
-                read_body: Callable[[], bytes], request: Callable[[], object], incoming_id: str | None,
-                lane: Lane | None = None, context: LaneContext | None = None) -> Answered | HandBack:
+    def respond(
+        self,
+        view: type[LeanPostView],
+        *,
+        path_kwargs: dict[str, str],
+        authorization: str,
+        read_body: Callable[[], bytes],
+        request: Callable[[], object],
+        incoming_id: str | None,
+        lane: Lane | None = None,
+        context: LaneContext | None = None,
+    ) -> Answered | HandBack:
         """Status, headers, body and the time spent in database statements; `request` builds a
         Django request for the 500 path. The request's id (`incoming_id`, the X-Request-ID header,
         if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does.
         Run on `lane` (default the view's) with `context`, the work may hand the request back
         instead (cache/lanes.py): then the HandBack is returned."""
-        return self._run(lane or view.lane, lambda: lean_answer(view.answer, path_kwargs=path_kwargs,
-                                                                authorization=authorization, read_body=read_body),
-                         request, incoming_id, context)
+        return self._run(
+            lane or view.lane,
+            lambda: lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body),
+            request,
+            incoming_id,
+            context,
+        )
 
-    def refuse(self, view: type[LeanPostView], *, authorization: str, request: Callable[[], object],
-               incoming_id: str | None, lane: Lane | None = None) -> Answered | None:
+    def refuse(
+        self,
+        view: type[LeanPostView],
+        *,
+        authorization: str,
+        request: Callable[[], object],
+        incoming_id: str | None,
+        lane: Lane | None = None,
+    ) -> Answered | None:
         """The answer that refuses the request's token, or None if the token is valid: the check
         that runs before the body is read (the token is then cached, see `token_verified`)."""
         return self._run(lane or view.lane, lambda: lean_refusal(authorization), request, incoming_id)
@@ -259,16 +284,26 @@ class HotPath:
     def plain(self, reply: Reply, rid: str) -> Answered:
         """An answer made without a thread or the database (a refusal on the event loop)."""
         status, body, extra = reply
-        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra,
-                   (REQUEST_ID_HEADER, rid)]
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            *extra,
+            (REQUEST_ID_HEADER, rid),
+        ]
         return Answered(status, headers + self.headers, body, 0.0)
 
     def overloaded(self, lane: str, rid: str) -> Answered:
         error = Overloaded(f"The service is at capacity ({lane}); retry shortly.", details={"lane": lane})
         return self.plain((error.status, error.body(), error.headers()), rid)
 
-    def _run(self, lane: Lane, work: Callable[[], Reply | None], request: Callable[[], object],
-             incoming_id: str | None, context: LaneContext | None = None) -> Answered | HandBack | None:
+    def _run(
+        self,
+        lane: Lane,
+        work: Callable[[], Reply | None],
+        request: Callable[[], object],
+        incoming_id: str | None,
+        context: LaneContext | None = None,
+    ) -> Answered | HandBack | None:
         db = connections[DEFAULT_DB_ALIAS]
         keep = lane != "exec"  # an exec lane thread runs tools for minutes: it holds no connection meanwhile
         timer = _StatementTimer()
@@ -328,8 +363,11 @@ def server_timing(*, queue_s: float, app_s: float, db_s: float, total_s: float, 
     whole (the body read and the hops back to the event loop included), so that a client can tell
     its own share and the network's from the service's."""
     waited = f"wait;dur={wait_s * 1000:.3f}, " if wait_s else ""
-    return ("Server-Timing", f"queue;dur={queue_s * 1000:.3f}, app;dur={app_s * 1000:.3f}, db;dur={db_s * 1000:.3f}, "
-                             f"{waited}total;dur={total_s * 1000:.3f}")
+    return (
+        "Server-Timing",
+        f"queue;dur={queue_s * 1000:.3f}, app;dur={app_s * 1000:.3f}, db;dur={db_s * 1000:.3f}, "
+        f"{waited}total;dur={total_s * 1000:.3f}",
+    )
 
 
 class _Clock:
@@ -340,8 +378,13 @@ class _Clock:
         self.queue_s = self.app_s = self.db_s = self.wait_s = 0.0
 
     def header(self, answer: Answered) -> tuple[str, str]:
-        return server_timing(queue_s=self.queue_s, app_s=self.app_s, db_s=self.db_s + answer.db_s,
-                             total_s=time.perf_counter() - self.arrived, wait_s=self.wait_s)
+        return server_timing(
+            queue_s=self.queue_s,
+            app_s=self.app_s,
+            db_s=self.db_s + answer.db_s,
+            total_s=time.perf_counter() - self.arrived,
+            wait_s=self.wait_s,
+        )
 
 
 class HotPathASGI:
@@ -358,13 +401,22 @@ class HotPathASGI:
     not verified lately is checked on the "auth" lane before the body is read, so a flood of
     requests with bad tokens and large bodies costs a header each and queues behind no hit."""
 
-    def __init__(self, inner, views: list[type[LeanPostView]], *, threads: dict[Lane, int],
-                 queue: dict[Lane, int] | None = None, waiters: int = 1024):
+    def __init__(
+        self,
+        inner,
+        views: list[type[LeanPostView]],
+        *,
+        threads: dict[Lane, int],
+        queue: dict[Lane, int] | None = None,
+        waiters: int = 1024,
+    ):
         self.inner = inner
         self.hot = HotPath(views)
         threads = {"auth": 1, "exec": threads.get("tool", 1), **threads}
-        self.executors = {lane: ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"tvcache-{lane}")
-                          for lane, count in threads.items()}
+        self.executors = {
+            lane: ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"tvcache-{lane}")
+            for lane, count in threads.items()
+        }
         self.capacity = {lane: count + (queue or {}).get(lane, 256) for lane, count in threads.items()}
         self.busy = dict.fromkeys(threads, 0)  # requests running on a lane or waiting for one of its threads
         self.claims = ClaimWatch()
@@ -373,15 +425,20 @@ class HotPathASGI:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = dict(scope["headers"])
-            route = self.hot.route(scope["method"], scope["path"], scope.get("scheme", "http"),
-                                   headers.get(b"host", b"").decode("latin-1"),
-                                   headers.get(b"content-length", b"").decode("latin-1"))
+            route = self.hot.route(
+                scope["method"],
+                scope["path"],
+                scope.get("scheme", "http"),
+                headers.get(b"host", b"").decode("latin-1"),
+                headers.get(b"content-length", b"").decode("latin-1"),
+            )
             if route is not None:
                 return await self._answer(scope, receive, send, headers, *route)
         await self.inner(scope, receive, send)
 
-    async def _in_lane(self, lane: Lane, work: Callable[[], Answered | HandBack | None], clock: _Clock,
-                       rid: str) -> Answered | HandBack | None:
+    async def _in_lane(
+        self, lane: Lane, work: Callable[[], Answered | HandBack | None], clock: _Clock, rid: str
+    ) -> Answered | HandBack | None:
         """What `work` answers, run on a thread of `lane`; 503 overloaded if the lane is full."""
         if self.busy[lane] >= self.capacity[lane]:
             return self.hot.overloaded(f"{lane} lane", rid)
@@ -402,18 +459,30 @@ class HotPathASGI:
             clock.db_s += answer.db_s
         return answer
 
-    async def _refusal(self, view: type[LeanPostView], scope, authorization: str, rid: str,
-                       clock: _Clock) -> Answered | None:
+    async def _refusal(
+        self, view: type[LeanPostView], scope, authorization: str, rid: str, clock: _Clock
+    ) -> Answered | None:
         """The answer refusing the request's token (None: valid), before the body is read."""
         parts = authorization.split()
         if len(parts) != 2 or parts[0].lower() != "token":  # malformed: no database needed
             return self.hot.plain(lean_refusal(authorization), rid)
-        return await self._in_lane("auth", partial(self.hot.refuse, view, authorization=authorization, lane="auth",
-                                                   request=lambda: ASGIRequest(scope, io.BytesIO()), incoming_id=rid),
-                                   clock, rid)
+        return await self._in_lane(
+            "auth",
+            partial(
+                self.hot.refuse,
+                view,
+                authorization=authorization,
+                lane="auth",
+                request=lambda: ASGIRequest(scope, io.BytesIO()),
+                incoming_id=rid,
+            ),
+            clock,
+            rid,
+        )
 
-    async def _answer(self, scope, receive, send, headers: dict[bytes, bytes], path_kwargs: dict[str, str],
-                      view: type[LeanPostView]):
+    async def _answer(
+        self, scope, receive, send, headers: dict[bytes, bytes], path_kwargs: dict[str, str], view: type[LeanPostView]
+    ):
         clock = _Clock()
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
@@ -436,14 +505,21 @@ class HotPathASGI:
                 raise RequestDataTooBig()
             return body
 
-        respond = partial(self.hot.respond, view, path_kwargs=path_kwargs, authorization=authorization,
-                          read_body=read_body, request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
-                          incoming_id=rid)
+        respond = partial(
+            self.hot.respond,
+            view,
+            path_kwargs=path_kwargs,
+            authorization=authorization,
+            read_body=read_body,
+            request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
+            incoming_id=rid,
+        )
         answer = await self._handed_on(view, respond, clock, rid)
         await self._send(send, answer, clock.header(answer), unread=body is None and length > 0)
 
-    async def _handed_on(self, view: type[LeanPostView], respond: Callable[..., Answered | HandBack],
-                         clock: _Clock, rid: str) -> Answered:
+    async def _handed_on(
+        self, view: type[LeanPostView], respond: Callable[..., Answered | HandBack], clock: _Clock, rid: str
+    ) -> Answered:
         """The answer of `respond` on the view's lane, following the work where it hands the
         request back (cache/lanes.py): on to the "exec" lane, or back to the view's lane once the
         claim it waits for is free."""
@@ -475,8 +551,13 @@ class HotPathASGI:
         """The answer; with `unread` (a body left unread) the connection is closed after it, rather
         than the server reading and dropping the rest of the body to keep it alive."""
         headers = [*answer.headers, timing, ("Connection", "close")] if unread else [*answer.headers, timing]
-        await send({"type": "http.response.start", "status": answer.status,
-                    "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": answer.status,
+                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+            }
+        )
         await send({"type": "http.response.body", "body": answer.body})
 
     @staticmethod

@@ -31,9 +31,15 @@ class TaskPutSerializer(serializers.Serializer):
     env = serializers.DictField(help_text='{"backend": "docker"|"directory"|"sqlite"|"external", ...}')
     tools = serializers.DictField(child=ToolPolicySerializer(), required=False)
     sandbox_budget = serializers.IntegerField(min_value=0, max_value=INT32[1], required=False)
-    audit_rate = serializers.FloatField(min_value=0.0, max_value=1.0, required=False, help_text=(
-        "Determinism audit: the fraction of hits re-executed at their parent state and compared (default 0.02; "
-        "0 turns it off). Changing it keeps the graph."))
+    audit_rate = serializers.FloatField(
+        min_value=0.0,
+        max_value=1.0,
+        required=False,
+        help_text=(
+            "Determinism audit: the fraction of hits re-executed at their parent state and compared (default 0.02; "
+            "0 turns it off). Changing it keeps the graph."
+        ),
+    )
 
 
 class TaskSerializer(serializers.Serializer):
@@ -43,9 +49,13 @@ class TaskSerializer(serializers.Serializer):
     tools = serializers.DictField()
     sandbox_budget = serializers.IntegerField()
     audit_rate = serializers.FloatField()
-    uncacheable_tools = serializers.ListField(child=serializers.CharField(), help_text=(
-        "Tools the determinism audit made uncacheable for this task (more than TVCACHE_AUDIT_MAX_DIVERGENT "
-        "divergent nodes); cleared when the task's graph is dropped."))
+    uncacheable_tools = serializers.ListField(
+        child=serializers.CharField(),
+        help_text=(
+            "Tools the determinism audit made uncacheable for this task (more than TVCACHE_AUDIT_MAX_DIVERGENT "
+            "divergent nodes); cleared when the task's graph is dropped."
+        ),
+    )
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
 
@@ -61,28 +71,44 @@ class CallContextSerializer(serializers.Serializer):
     call = ToolCallSerializer()
     rollout_id = serializers.CharField(required=False, max_length=MAX_ID_LENGTH)
     epoch = serializers.IntegerField(required=False, min_value=INT32[0], max_value=INT32[1])
-    env_fingerprint = serializers.CharField(required=False, help_text="Refuse (409 env_changed) if the task's environment changed.")
+    env_fingerprint = serializers.CharField(
+        required=False, help_text="Refuse (409 env_changed) if the task's environment changed."
+    )
 
 
 class LookupSerializer(CallContextSerializer):
-    claim = serializers.BooleanField(required=False, default=False, help_text=(
-        "Client-mode single flight (needs rollout_id): on a miss of a cacheable call, take the call's claim. "
-        "The answer's claim is 'granted' (execute the call and record it; the record ends the claim) or "
-        "'in_flight' (another rollout is executing this call in this state: look up again shortly, it turns "
-        "into a hit once that rollout records; nothing was counted or leased). A rollout whose execution failed "
-        "gives the claim up (POST .../claims/release); a claim neither recorded nor given up lapses after "
-        "TVCACHE_CLAIM_TTL_S (60 s)."))
-    resume = serializers.BooleanField(required=False, default=True, help_text=(
-        "False: the caller's sandbox already follows the history (it will replay what it missed "
-        "rather than fork): a miss then offers no snapshot (resume is null) and leases none."))
+    claim = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text=(
+            "Client-mode single flight (needs rollout_id): on a miss of a cacheable call, take the call's claim. "
+            "The answer's claim is 'granted' (execute the call and record it; the record ends the claim) or "
+            "'in_flight' (another rollout is executing this call in this state: look up again shortly, it turns "
+            "into a hit once that rollout records; nothing was counted or leased). A rollout whose execution failed "
+            "gives the claim up (POST .../claims/release); a claim neither recorded nor given up lapses after "
+            "TVCACHE_CLAIM_TTL_S (60 s)."
+        ),
+    )
+    resume = serializers.BooleanField(
+        required=False,
+        default=True,
+        help_text=(
+            "False: the caller's sandbox already follows the history (it will replay what it missed "
+            "rather than fork): a miss then offers no snapshot (resume is null) and leases none."
+        ),
+    )
 
 
 class ClaimReleaseSerializer(CallContextSerializer):
-    rollout_id = serializers.CharField(min_length=1, max_length=MAX_ID_LENGTH, help_text="The rollout that holds the claim.")
+    rollout_id = serializers.CharField(
+        min_length=1, max_length=MAX_ID_LENGTH, help_text="The rollout that holds the claim."
+    )
 
 
 class ClaimReleasedSerializer(serializers.Serializer):
-    released = serializers.BooleanField(help_text="False: the rollout held no claim on this call (lapsed, or taken over).")
+    released = serializers.BooleanField(
+        help_text="False: the rollout held no claim on this call (lapsed, or taken over)."
+    )
 
 
 class ResumeSerializer(serializers.Serializer):
@@ -97,59 +123,102 @@ class LookupResponseSerializer(serializers.Serializer):
     hit = serializers.BooleanField()
     node_id = serializers.IntegerField(required=False, help_text="Hits only.")
     result = serializers.JSONField(required=False, help_text="Hits only.")
-    mutates = serializers.BooleanField(required=False, help_text=(
-        "Hits only. False: the call left the state as it was (a read-only tool, or a call observed to change "
-        "nothing); a client may then leave it out of the history it sends."))
+    mutates = serializers.BooleanField(
+        required=False,
+        help_text=(
+            "Hits only. False: the call left the state as it was (a read-only tool, or a call observed to change "
+            "nothing); a client may then leave it out of the history it sends."
+        ),
+    )
     matched = serializers.IntegerField(required=False, help_text="Misses: leading history calls whose state is stored.")
-    resume = ResumeSerializer(required=False, allow_null=True, help_text="Misses: where to fork from; null = fresh sandbox.")
-    replay = ToolCallSerializer(many=True, required=False, help_text="Misses: every state-changing call of the history.")
-    claim = serializers.ChoiceField(choices=["granted", "in_flight"], required=False,
-                                    help_text="Misses of lookups that asked for a claim.")
-    snapshot_after_ms = serializers.FloatField(required=False, allow_null=True, help_text=(
-        "Misses: if the call changes the state and runs longer than this, its record will most likely answer "
-        "\"snapshot\": \"wanted\" (null: it will not), so a client may start freezing its environment as soon as "
-        "the call returns. The record's answer is the one that counts: a snapshot it does not want is dropped."))
-    audit = serializers.BooleanField(required=False, help_text=(
-        "Hits only, present when true: the hit was sampled for the determinism audit. A client whose environment "
-        "is at the hit's parent state re-executes the call there and reports the result "
-        "(POST .../nodes/{node_id}/audit)."))
+    resume = ResumeSerializer(
+        required=False, allow_null=True, help_text="Misses: where to fork from; null = fresh sandbox."
+    )
+    replay = ToolCallSerializer(
+        many=True, required=False, help_text="Misses: every state-changing call of the history."
+    )
+    claim = serializers.ChoiceField(
+        choices=["granted", "in_flight"], required=False, help_text="Misses of lookups that asked for a claim."
+    )
+    snapshot_after_ms = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        help_text=(
+            "Misses: if the call changes the state and runs longer than this, its record will most likely answer "
+            '"snapshot": "wanted" (null: it will not), so a client may start freezing its environment as soon as '
+            "the call returns. The record's answer is the one that counts: a snapshot it does not want is dropped."
+        ),
+    )
+    audit = serializers.BooleanField(
+        required=False,
+        help_text=(
+            "Hits only, present when true: the hit was sampled for the determinism audit. A client whose environment "
+            "is at the hit's parent state re-executes the call there and reports the result "
+            "(POST .../nodes/{node_id}/audit)."
+        ),
+    )
 
 
 class RecordSerializer(CallContextSerializer):
-    result = serializers.JSONField(help_text=(
-        "What the tool answered. Stored and served as sent: a hit answers the same JSON, its objects' keys in the "
-        "order they were recorded in."))
+    result = serializers.JSONField(
+        help_text=(
+            "What the tool answered. Stored and served as sent: a hit answers the same JSON, its objects' keys in the "
+            "order they were recorded in."
+        )
+    )
     exec_ms = serializers.FloatField(min_value=0, max_value=MAX_MS)
-    mutated = serializers.BooleanField(required=False, allow_null=True, help_text=(
-        "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
-        "whatever its tool declares; omit it when unsure."))
-    file_times = serializers.DictField(child=serializers.IntegerField(min_value=0, max_value=INT64[1]), required=False,
-                                       allow_null=True, help_text=(
-        f"The modification times (ns since the epoch) of what the call changed in the client's sandbox, by path "
-        f"(at most {MAX_FILE_TIMES} entries; paths of 1 to {MAX_PATH_LENGTH} characters without NUL, "
-        f"{MAX_FILE_TIMES_PATHS} in all). A replay of the call writes them back after it (POST .../file-times), so "
-        "that tools reading file times (make, bytecode caches) see the live run's. {}: the call changed no entry's "
-        "time. Omit it when unknown: a replay then restores no time from this call on."))
-    replay = serializers.BooleanField(required=False, default=False, help_text=(
-        "true: the call ran again only to rebuild a sandbox's state after hits. Its time comes off the task's "
-        "saved_ms, which counts only time really not spent."))
+    mutated = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text=(
+            "Whether the call changed the sandbox, if the client observed it. false records the call as read-only "
+            "whatever its tool declares; omit it when unsure."
+        ),
+    )
+    file_times = serializers.DictField(
+        child=serializers.IntegerField(min_value=0, max_value=INT64[1]),
+        required=False,
+        allow_null=True,
+        help_text=(
+            f"The modification times (ns since the epoch) of what the call changed in the client's sandbox, by path "
+            f"(at most {MAX_FILE_TIMES} entries; paths of 1 to {MAX_PATH_LENGTH} characters without NUL, "
+            f"{MAX_FILE_TIMES_PATHS} in all). A replay of the call writes them back after it (POST .../file-times), so "
+            "that tools reading file times (make, bytecode caches) see the live run's. {}: the call changed no entry's "
+            "time. Omit it when unknown: a replay then restores no time from this call on."
+        ),
+    )
+    replay = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text=(
+            "true: the call ran again only to rebuild a sandbox's state after hits. Its time comes off the task's "
+            "saved_ms, which counts only time really not spent."
+        ),
+    )
 
 
 class FileTimesQuerySerializer(serializers.Serializer):
     history = ToolCallSerializer(many=True)
     call = ToolCallSerializer(help_text="The call the replay leads up to (the miss's).")
-    replay = ToolCallSerializer(many=True, help_text=(
-        "The calls the client replays: the last state-changing calls of the history, in order (the miss's replay, "
-        "or its tail after a fork)."))
+    replay = ToolCallSerializer(
+        many=True,
+        help_text=(
+            "The calls the client replays: the last state-changing calls of the history, in order (the miss's replay, "
+            "or its tail after a fork)."
+        ),
+    )
 
 
 class FileTimesSerializer(serializers.Serializer):
-    file_times = serializers.ListField(child=serializers.DictField(child=serializers.IntegerField(), allow_null=True),
-                                       help_text=(
-        "One entry per replayed call, in order: the modification times (ns, by path) its call left when it was "
-        "recorded; the client writes them back after replaying it. null where they were not kept, or where "
-        "'replay' is not the history's last state-changing calls: from the first null on, the client restores "
-        "no times (later calls' past times after a replayed call's own would reverse their order)."))
+    file_times = serializers.ListField(
+        child=serializers.DictField(child=serializers.IntegerField(), allow_null=True),
+        help_text=(
+            "One entry per replayed call, in order: the modification times (ns, by path) its call left when it was "
+            "recorded; the client writes them back after replaying it. null where they were not kept, or where "
+            "'replay' is not the history's last state-changing calls: from the first null on, the client restores "
+            "no times (later calls' past times after a replayed call's own would reverse their order)."
+        ),
+    )
 
 
 class RecordResponseSerializer(serializers.Serializer):
@@ -193,9 +262,13 @@ class ErrorSerializer(serializers.Serializer):
 
 
 class NodeEvictSerializer(serializers.Serializer):
-    subtree = serializers.BooleanField(default=False, help_text=(
-        "false: evict only the node's live snapshot (its result stays cached); true: evict the live snapshots of "
-        "the node and its descendants and delete those nodes with their results."))
+    subtree = serializers.BooleanField(
+        default=False,
+        help_text=(
+            "false: evict only the node's live snapshot (its result stays cached); true: evict the live snapshots of "
+            "the node and its descendants and delete those nodes with their results."
+        ),
+    )
 
 
 class NodePinSerializer(serializers.Serializer):

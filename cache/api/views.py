@@ -11,9 +11,21 @@ from rest_framework.views import APIView
 
 from cache import selectors, services
 from cache.errors import InvalidInput
+from cache.inputs import (
+    INT32,
+    INT64,
+    MAX_MS,
+    check_json,
+    parse_claim_release,
+    parse_file_times_query,
+    parse_id,
+    parse_lookup,
+    parse_node_id,
+    parse_query_int,
+    parse_record,
+    parse_task,
+)
 from cache.projects import task_public_id
-from cache.inputs import (INT32, INT64, MAX_MS, check_json, parse_claim_release, parse_file_times_query, parse_id,
-                          parse_lookup, parse_node_id, parse_query_int, parse_record, parse_task)
 from observability import metrics
 
 from . import serializers as s
@@ -42,11 +54,16 @@ def task_key(request, task_id: str) -> str:
 
 
 class TaskListView(APIView):
-    @extend_schema(parameters=[OpenApiParameter("q", str, description="task id contains (any case)"),
-                               OpenApiParameter("limit", int, description=f"1 to {TASK_PAGE_MAX}, default {TASK_PAGE}"),
-                               OpenApiParameter("offset", int)],
-                   responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
-                   operation_id="v1_tasks_list", summary="List tasks with their totals, a page at a time (by id)")
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("q", str, description="task id contains (any case)"),
+            OpenApiParameter("limit", int, description=f"1 to {TASK_PAGE_MAX}, default {TASK_PAGE}"),
+            OpenApiParameter("offset", int),
+        ],
+        responses={200: s.TaskListSerializer, 400: s.ErrorSerializer, 401: s.ErrorSerializer},
+        operation_id="v1_tasks_list",
+        summary="List tasks with their totals, a page at a time (by id)",
+    )
     def get(self, request):
         limit = parse_query_int(request.query_params, "limit", TASK_PAGE, low=1, high=TASK_PAGE_MAX)
         offset = parse_query_int(request.query_params, "offset", 0, low=0, high=INT32[1])
@@ -54,20 +71,41 @@ class TaskListView(APIView):
         check_json(search, "q")
         ids = selectors.task_ids(project_id=request.user.project_id, search=search.strip())
         count = ids.count()
-        rows = selectors.task_list_stats(task_ids=list(ids[offset:offset + limit]))
-        return Response({"tasks": [{**taskjson_response(r["task"]), "stats": r["stats"], "nodes": r["nodes"],
-                                    "live_snapshots": r["live_snapshots"]} for r in rows],
-                         "count": count, "next_offset": offset + limit if offset + limit < count else None})
+        rows = selectors.task_list_stats(task_ids=list(ids[offset : offset + limit]))
+        return Response(
+            {
+                "tasks": [
+                    {
+                        **taskjson_response(r["task"]),
+                        "stats": r["stats"],
+                        "nodes": r["nodes"],
+                        "live_snapshots": r["live_snapshots"],
+                    }
+                    for r in rows
+                ],
+                "count": count,
+                "next_offset": offset + limit if offset + limit < count else None,
+            }
+        )
 
 
 class TaskView(APIView):
-    @extend_schema(request=s.TaskPutSerializer, responses={200: s.TaskSerializer, 201: s.TaskSerializer, **ERRORS},
-                   summary="Create or update a task")
+    @extend_schema(
+        request=s.TaskPutSerializer,
+        responses={200: s.TaskSerializer, 201: s.TaskSerializer, **ERRORS},
+        summary="Create or update a task",
+    )
     def put(self, request, task_id: str):
         key = task_key(request, parse_id(task_id, "task_id"))
         spec = parse_task(request.data)
-        task, created = services.task_put(task_id=key, env=spec.env, tools=spec.tools, sandbox_budget=spec.sandbox_budget,
-                                          audit_rate=spec.audit_rate, actor=request.user)
+        task, created = services.task_put(
+            task_id=key,
+            env=spec.env,
+            tools=spec.tools,
+            sandbox_budget=spec.sandbox_budget,
+            audit_rate=spec.audit_rate,
+            actor=request.user,
+        )
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(responses={200: s.TaskSerializer, **ERRORS}, summary="A task with its stats")
@@ -78,8 +116,10 @@ class TaskView(APIView):
 
 
 class TaskStatsView(APIView):
-    @extend_schema(responses={200: dict, **ERRORS},
-                   summary="Calls, hits, hit rate, oracle hit rate, executed and saved ms; per epoch and per tool")
+    @extend_schema(
+        responses={200: dict, **ERRORS},
+        summary="Calls, hits, hit rate, oracle hit rate, executed and saved ms; per epoch and per tool",
+    )
     def get(self, request, task_id: str):
         key = task_key(request, task_id)
         selectors.task_get(task_id=key)
@@ -91,11 +131,20 @@ _CLONE = {"tool": "bash", "args": {"command": "git clone /src/repo /repo"}}
 _TEST = {"tool": "bash", "args": {"command": "cd /repo && make test", "timeout_s": 600}}
 
 
-@extend_schema_view(post=extend_schema(
-    request=s.LookupSerializer, responses={200: s.LookupResponseSerializer, **ERRORS},
-    summary="Longest-prefix lookup of a call after a history",
-    examples=[OpenApiExample("The second call of a rollout", request_only=True,
-                             value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1})]))
+@extend_schema_view(
+    post=extend_schema(
+        request=s.LookupSerializer,
+        responses={200: s.LookupResponseSerializer, **ERRORS},
+        summary="Longest-prefix lookup of a call after a history",
+        examples=[
+            OpenApiExample(
+                "The second call of a rollout",
+                request_only=True,
+                value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1},
+            )
+        ],
+    )
+)
 class LookupView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/lookup"
 
@@ -103,34 +152,61 @@ class LookupView(LeanPostView):
     @metrics.lookup_timed
     def answer(*, principal, task_id: str, payload) -> bytes:
         query = parse_lookup(payload)
-        answer = services.tcg_lookup(task_id=principal.task_key(task_id), context=query.context, claim=query.claim,
-                                     resume=query.resume)
+        answer = services.tcg_lookup(
+            task_id=principal.task_key(task_id), context=query.context, claim=query.claim, resume=query.resume
+        )
         if isinstance(answer, services.LookupHit):
             # The stored result is canonical JSON already: splice it in rather than re-encode it.
             return b'{"hit":true,"node_id":%d,"mutates":%s,%s"result":%s}' % (
-                answer.node_id, b"true" if answer.mutates else b"false", b'"audit":true,' if answer.audit else b"",
-                answer.result_json.encode())
+                answer.node_id,
+                b"true" if answer.mutates else b"false",
+                b'"audit":true,' if answer.audit else b"",
+                answer.result_json.encode(),
+            )
         match = answer.match
         resume = None
         if match.resume is not None:
-            resume = {"node_id": match.resume.node_id, "snapshot_id": match.resume.snapshot_id,
-                      "snapshot_ref": match.resume.snapshot_ref, "lease_id": answer.lease_id,
-                      "replay": match.replay}
+            resume = {
+                "node_id": match.resume.node_id,
+                "snapshot_id": match.resume.snapshot_id,
+                "snapshot_ref": match.resume.snapshot_ref,
+                "lease_id": answer.lease_id,
+                "replay": match.replay,
+            }
         # orjson writes a ToolCall dataclass as {"tool", "args"}, field order: what to_json() gives.
-        body = {"hit": False, "matched": match.matched, "resume": resume, "replay": answer.full_replay,
-                "snapshot_after_ms": answer.snapshot_after_ms}
+        body = {
+            "hit": False,
+            "matched": match.matched,
+            "resume": resume,
+            "replay": answer.full_replay,
+            "snapshot_after_ms": answer.snapshot_after_ms,
+        }
         if answer.claim is not None:
             body["claim"] = answer.claim
         return orjson.dumps(body)
 
 
-@extend_schema_view(post=extend_schema(
-    request=s.RecordSerializer, responses={200: s.RecordResponseSerializer, **ERRORS},
-    summary="Record a call's result (idempotent)",
-    examples=[OpenApiExample("The result of a miss, executed by the client", request_only=True,
-                             value={"history": [_CLONE], "call": _TEST, "rollout_id": "step-3-rollout-5", "epoch": 1,
-                                    "result": {"stdout": "4 passed\n", "stderr": "", "exit_code": 0, "timed_out": False},
-                                    "exec_ms": 8250.0})]))
+@extend_schema_view(
+    post=extend_schema(
+        request=s.RecordSerializer,
+        responses={200: s.RecordResponseSerializer, **ERRORS},
+        summary="Record a call's result (idempotent)",
+        examples=[
+            OpenApiExample(
+                "The result of a miss, executed by the client",
+                request_only=True,
+                value={
+                    "history": [_CLONE],
+                    "call": _TEST,
+                    "rollout_id": "step-3-rollout-5",
+                    "epoch": 1,
+                    "result": {"stdout": "4 passed\n", "stderr": "", "exit_code": 0, "timed_out": False},
+                    "exec_ms": 8250.0,
+                },
+            )
+        ],
+    )
+)
 class RecordView(LeanPostView):
     route = "/api/v1/tasks/{task_id}/record"
     lane = "write"
@@ -139,22 +215,34 @@ class RecordView(LeanPostView):
     def answer(*, principal, task_id: str, payload) -> bytes:
         record = parse_record(payload)
         outcome = services.node_record(task_id=principal.task_key(task_id), record=record, file_times=record.file_times)
-        return orjson.dumps({"node_id": outcome.node_id, "created": outcome.created, "mutates": outcome.mutates,
-                             "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
-                             "evicted": outcome.evicted})
+        return orjson.dumps(
+            {
+                "node_id": outcome.node_id,
+                "created": outcome.created,
+                "mutates": outcome.mutates,
+                "snapshot": "wanted" if outcome.snapshot_wanted else "skipped",
+                "evicted": outcome.evicted,
+            }
+        )
 
 
 class ClaimReleaseView(APIView):
-    @extend_schema(request=s.ClaimReleaseSerializer, responses={200: s.ClaimReleasedSerializer, **ERRORS},
-                   summary="Give up a claim taken by a lookup (the call's execution failed): the next rollout executes it")
+    @extend_schema(
+        request=s.ClaimReleaseSerializer,
+        responses={200: s.ClaimReleasedSerializer, **ERRORS},
+        summary="Give up a claim taken by a lookup (the call's execution failed): the next rollout executes it",
+    )
     def post(self, request, task_id: str):
         context = parse_claim_release(request.data)
         return Response({"released": services.claim_release(task_id=task_key(request, task_id), context=context)})
 
 
 class FileTimesView(APIView):
-    @extend_schema(request=s.FileTimesQuerySerializer, responses={200: s.FileTimesSerializer, **ERRORS},
-                   summary="The file times a client writes back after each call of a replay (the live run's)")
+    @extend_schema(
+        request=s.FileTimesQuerySerializer,
+        responses={200: s.FileTimesSerializer, **ERRORS},
+        summary="The file times a client writes back after each call of a replay (the live run's)",
+    )
     def post(self, request, task_id: str):
         query = parse_file_times_query(request.data)
         key = task_key(request, task_id)
@@ -164,33 +252,47 @@ class FileTimesView(APIView):
 
 
 class SnapshotRegisterView(APIView):
-    @extend_schema(request=s.SnapshotRegisterSerializer, responses={201: s.SnapshotRegisteredSerializer, **ERRORS},
-                   summary="Register a snapshot a client took after 'snapshot: wanted'")
+    @extend_schema(
+        request=s.SnapshotRegisterSerializer,
+        responses={201: s.SnapshotRegisteredSerializer, **ERRORS},
+        summary="Register a snapshot a client took after 'snapshot: wanted'",
+    )
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.SnapshotRegisterSerializer, request.data)
         parse_node_id(node_id)
         key = task_key(request, task_id)
         selectors.task_get(task_id=key)
         snapshot, evicted = services.snapshot_register(task_id=key, node_id=node_id, **data)
-        return Response({"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted},
-                        status=status.HTTP_201_CREATED)
+        return Response(
+            {"snapshot_id": snapshot.pk, "ref": snapshot.ref, "evicted": evicted}, status=status.HTTP_201_CREATED
+        )
 
 
 class NodeAuditView(APIView):
-    @extend_schema(request=s.NodeAuditSerializer, responses={200: s.NodeAuditedSerializer, **ERRORS},
-                   summary="Report a client's re-execution of a hit (determinism audit); a differing result "
-                           "makes the node divergent: it is no longer served")
+    @extend_schema(
+        request=s.NodeAuditSerializer,
+        responses={200: s.NodeAuditedSerializer, **ERRORS},
+        summary="Report a client's re-execution of a hit (determinism audit); a differing result "
+        "makes the node divergent: it is no longer served",
+    )
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.NodeAuditSerializer, request.data)
         parse_node_id(node_id)
-        divergent = services.node_audit(task_id=task_key(request, task_id), node_id=node_id, result=data["result"],
-                                        rollout_id=data.get("rollout_id", ""))
+        divergent = services.node_audit(
+            task_id=task_key(request, task_id),
+            node_id=node_id,
+            result=data["result"],
+            rollout_id=data.get("rollout_id", ""),
+        )
         return Response({"divergent": divergent})
 
 
 class LeaseView(APIView):
-    @extend_schema(parameters=[OpenApiParameter("restore_ms", float, description="Time the fork from the snapshot took")],
-                   responses={204: None, **ERRORS}, summary="Release a lease")
+    @extend_schema(
+        parameters=[OpenApiParameter("restore_ms", float, description="Time the fork from the snapshot took")],
+        responses={204: None, **ERRORS},
+        summary="Release a lease",
+    )
     def delete(self, request, lease_id: str):
         restore_ms = request.query_params.get("restore_ms")
         try:
@@ -198,15 +300,20 @@ class LeaseView(APIView):
         except ValueError:
             restore_ms = -1.0
         if restore_ms is not None and not 0 <= restore_ms <= MAX_MS:  # nan and inf too
-            raise InvalidInput(f"'restore_ms' must be a number from 0 to {MAX_MS:.0f}.",
-                               details={"field": "restore_ms", "min": 0, "max": MAX_MS})
+            raise InvalidInput(
+                f"'restore_ms' must be a number from 0 to {MAX_MS:.0f}.",
+                details={"field": "restore_ms", "min": 0, "max": MAX_MS},
+            )
         services.lease_release(lease_id=lease_id, restore_ms=restore_ms, project=request.user.project)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 class GraphView(APIView):
-    @extend_schema(parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
-                   responses={200: dict, **ERRORS}, summary="Nodes and edges of the task's tool call graph (optionally a subtree)")
+    @extend_schema(
+        parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
+        responses={200: dict, **ERRORS},
+        summary="Nodes and edges of the task's tool call graph (optionally a subtree)",
+    )
     def get(self, request, task_id: str):
         root = parse_query_int(request.query_params, "root", None, low=1, high=INT64[1])
         depth = parse_query_int(request.query_params, "depth", None, low=0, high=INT32[1])
@@ -217,8 +324,11 @@ class GraphView(APIView):
 # Maintainer actions (the role is checked after the task and node are found: another project's
 # task or node is a 404 to every role). Each is written to the audit log with the token's name, refusals too.
 class TaskFlushView(APIView):
-    @extend_schema(request=None, responses={200: s.AuditedSerializer, **ERRORS},
-                   summary="Maintainers: drop every node, snapshot, rollout and counter of the task (audited)")
+    @extend_schema(
+        request=None,
+        responses={200: s.AuditedSerializer, **ERRORS},
+        summary="Maintainers: drop every node, snapshot, rollout and counter of the task (audited)",
+    )
     def post(self, request, task_id: str):
         key = task_key(request, task_id)
         selectors.task_get(task_id=key)
@@ -226,8 +336,11 @@ class TaskFlushView(APIView):
 
 
 class NodeEvictView(APIView):
-    @extend_schema(request=s.NodeEvictSerializer, responses={200: s.AuditedSerializer, **ERRORS},
-                   summary="Maintainers: evict a node's snapshot, or its whole subtree (audited)")
+    @extend_schema(
+        request=s.NodeEvictSerializer,
+        responses={200: s.AuditedSerializer, **ERRORS},
+        summary="Maintainers: evict a node's snapshot, or its whole subtree (audited)",
+    )
     def post(self, request, task_id: str, node_id: int):
         data = _valid(s.NodeEvictSerializer, request.data)
         parse_node_id(node_id)
@@ -238,12 +351,18 @@ class NodeEvictView(APIView):
 
 
 class NodePinView(APIView):
-    @extend_schema(request=s.NodePinSerializer, responses={200: s.AuditedSerializer, **ERRORS},
-                   summary="Maintainers: pin a node (its snapshot is never evicted by the budget) or unpin it (audited)")
+    @extend_schema(
+        request=s.NodePinSerializer,
+        responses={200: s.AuditedSerializer, **ERRORS},
+        summary="Maintainers: pin a node (its snapshot is never evicted by the budget) or unpin it (audited)",
+    )
     def put(self, request, task_id: str, node_id: int):
         data = _valid(s.NodePinSerializer, request.data)
         parse_node_id(node_id)
         key = task_key(request, task_id)
         selectors.node_check(task_id=key, node_id=node_id)
-        return Response(s.audited_json(services.admin_node_pin(actor=request.user, task_id=key, node_id=node_id,
-                                                               pinned=data["pinned"])))
+        return Response(
+            s.audited_json(
+                services.admin_node_pin(actor=request.user, task_id=key, node_id=node_id, pinned=data["pinned"])
+            )
+        )

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0001_initial'),
+        ("cache", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='task',
-            name='version',
+            model_name="task",
+            name="version",
             field=models.PositiveIntegerField(default=1),
         ),
     ]

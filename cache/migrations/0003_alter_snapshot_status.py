@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0002_task_version'),
+        ("cache", "0002_task_version"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='snapshot',
-            name='status',
-            field=models.CharField(choices=[('live', 'Live'), ('evicted', 'Evicted'), ('deleted', 'Deleted')], default='live', max_length=10),
+            model_name="snapshot",
+            name="status",
+            field=models.CharField(
+                choices=[("live", "Live"), ("evicted", "Evicted"), ("deleted", "Deleted")],
+                default="live",
+                max_length=10,
+            ),
         ),
     ]

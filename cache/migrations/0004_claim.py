@@ -4,24 +4,25 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0003_alter_snapshot_status'),
+        ("cache", "0003_alter_snapshot_status"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Claim',
+            name="Claim",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('task_id', models.CharField(max_length=200)),
-                ('anchor_key', models.CharField(max_length=64)),
-                ('call_digest', models.CharField(max_length=64)),
-                ('holder', models.CharField(max_length=200)),
-                ('expires_at', models.DateTimeField()),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("task_id", models.CharField(max_length=200)),
+                ("anchor_key", models.CharField(max_length=64)),
+                ("call_digest", models.CharField(max_length=64)),
+                ("holder", models.CharField(max_length=200)),
+                ("expires_at", models.DateTimeField()),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('task_id', 'anchor_key', 'call_digest'), name='claim_key')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("task_id", "anchor_key", "call_digest"), name="claim_key")
+                ],
             },
         ),
         # Claims are seconds-lived and worthless after a crash: no WAL, so taking one costs no

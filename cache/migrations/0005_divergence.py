@@ -5,42 +5,55 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0004_claim'),
+        ("cache", "0004_claim"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='divergent',
+            model_name="node",
+            name="divergent",
             field=models.BooleanField(db_default=False, default=False),
         ),
         migrations.AddField(
-            model_name='task',
-            name='audit_rate',
+            model_name="task",
+            name="audit_rate",
             field=models.FloatField(default=0.02),
         ),
         migrations.AddField(
-            model_name='task',
-            name='uncacheable_tools',
+            model_name="task",
+            name="uncacheable_tools",
             field=models.JSONField(default=list),
         ),
         migrations.CreateModel(
-            name='Divergence',
+            name="Divergence",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('tool', models.CharField(max_length=200)),
-                ('kind', models.CharField(choices=[('audit', 'Audit'), ('state', 'State')], max_length=10)),
-                ('expected', models.JSONField(null=True)),
-                ('observed', models.JSONField(null=True)),
-                ('rollout_id', models.CharField(blank=True, default='', max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='divergences', to='cache.node')),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='divergences', to='cache.task')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("tool", models.CharField(max_length=200)),
+                ("kind", models.CharField(choices=[("audit", "Audit"), ("state", "State")], max_length=10)),
+                ("expected", models.JSONField(null=True)),
+                ("observed", models.JSONField(null=True)),
+                ("rollout_id", models.CharField(blank=True, default="", max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="divergences",
+                        to="cache.node",
+                    ),
+                ),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="divergences", to="cache.task"
+                    ),
+                ),
             ],
             options={
-                'indexes': [models.Index(fields=['task', 'tool'], name='divergence_task_tool')],
+                "indexes": [models.Index(fields=["task", "tool"], name="divergence_task_tool")],
             },
         ),
     ]

@@ -4,30 +4,29 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0005_divergence'),
+        ("cache", "0005_divergence"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='state_fingerprint',
-            field=models.CharField(blank=True, db_default='', default='', max_length=64),
+            model_name="node",
+            name="state_fingerprint",
+            field=models.CharField(blank=True, db_default="", default="", max_length=64),
         ),
         migrations.AddField(
-            model_name='node',
-            name='state_shape',
-            field=models.CharField(blank=True, db_default='', default='', max_length=64),
+            model_name="node",
+            name="state_shape",
+            field=models.CharField(blank=True, db_default="", default="", max_length=64),
         ),
         migrations.AddField(
-            model_name='rollout',
-            name='detached_at',
+            model_name="rollout",
+            name="detached_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='rollout',
-            name='detached_reason',
-            field=models.TextField(blank=True, db_default='', default=''),
+            model_name="rollout",
+            name="detached_reason",
+            field=models.TextField(blank=True, db_default="", default=""),
         ),
     ]

@@ -4,14 +4,17 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0006_node_state_fingerprint_rollout_detached'),
+        ("cache", "0006_node_state_fingerprint_rollout_detached"),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name='node',
-            index=models.Index(condition=models.Q(('divergent', True), ('mutates', True)), fields=['task', 'state_key'], name='node_divergent_state'),
+            model_name="node",
+            index=models.Index(
+                condition=models.Q(("divergent", True), ("mutates", True)),
+                fields=["task", "state_key"],
+                name="node_divergent_state",
+            ),
         ),
     ]

@@ -16,9 +16,8 @@ def move_into_default(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0008_projects'),
+        ("cache", "0008_projects"),
     ]
 
     operations = [

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0011_auditentry'),
+        ("cache", "0011_auditentry"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='snapshot',
-            name='engine',
-            field=models.CharField(blank=True, default='', max_length=200),
+            model_name="snapshot",
+            name="engine",
+            field=models.CharField(blank=True, default="", max_length=200),
         ),
     ]

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0012_snapshot_engine'),
+        ("cache", "0012_snapshot_engine"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='file_times',
+            model_name="node",
+            name="file_times",
             field=models.JSONField(blank=True, null=True),
         ),
     ]

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0013_node_file_times'),
+        ("cache", "0013_node_file_times"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='state_order',
-            field=models.CharField(blank=True, db_default='', default='', max_length=64),
+            model_name="node",
+            name="state_order",
+            field=models.CharField(blank=True, db_default="", default="", max_length=64),
         ),
     ]

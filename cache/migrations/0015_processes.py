@@ -5,38 +5,58 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0014_node_state_order'),
+        ("cache", "0014_node_state_order"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='live_processes',
+            model_name="node",
+            name="live_processes",
             field=models.PositiveIntegerField(db_default=0, default=0),
         ),
         migrations.AddField(
-            model_name='snapshot',
-            name='keeps_processes',
+            model_name="snapshot",
+            name="keeps_processes",
             field=models.BooleanField(db_default=False, default=False),
         ),
         migrations.AlterField(
-            model_name='divergence',
-            name='kind',
-            field=models.CharField(choices=[('audit', 'Audit'), ('state', 'State'), ('drift', 'Drift')], max_length=10),
+            model_name="divergence",
+            name="kind",
+            field=models.CharField(choices=[("audit", "Audit"), ("state", "State"), ("drift", "Drift")], max_length=10),
         ),
         migrations.CreateModel(
-            name='MaterializationStat',
+            name="MaterializationStat",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('how', models.CharField(choices=[('own', 'its own sandbox, caught up'), ('prefork', 'a ready fork of a snapshot'), ('fork', 'a fork of a snapshot'), ('checkpoint', 'a fork of a snapshot keeping processes'), ('root', 'a fresh sandbox and a replay'), ('rebuilt', 'a replay from the root after a divergence'), ('uncached', 'none: the call ran uncached')], max_length=12)),
-                ('processes', models.BooleanField()),
-                ('count', models.PositiveIntegerField(default=0)),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='materializations', to='cache.task')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "how",
+                    models.CharField(
+                        choices=[
+                            ("own", "its own sandbox, caught up"),
+                            ("prefork", "a ready fork of a snapshot"),
+                            ("fork", "a fork of a snapshot"),
+                            ("checkpoint", "a fork of a snapshot keeping processes"),
+                            ("root", "a fresh sandbox and a replay"),
+                            ("rebuilt", "a replay from the root after a divergence"),
+                            ("uncached", "none: the call ran uncached"),
+                        ],
+                        max_length=12,
+                    ),
+                ),
+                ("processes", models.BooleanField()),
+                ("count", models.PositiveIntegerField(default=0)),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="materializations", to="cache.task"
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('task', 'how', 'processes'), name='materialization_unique')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("task", "how", "processes"), name="materialization_unique")
+                ],
             },
         ),
     ]

@@ -14,7 +14,8 @@ A snapshot held by a lease blocks both: eviction never touches a referenced snap
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from django.db import transaction
 
@@ -27,6 +28,7 @@ from . import ledger
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush, task_version_move
 
+
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
     """Run the action `run` in one transaction with its audit entry (its details are what `run`
     returns); a refused or failed action is logged too, and its error re-raised."""
@@ -37,12 +39,19 @@ def action_audited(*, actor, action: str, task_id: str, target: str, run: Callab
             details = run()
             return _entry(actor, action, task_id, target, AuditEntry.Outcome.OK, details)
     except ApplicationError as exc:
-        _entry(actor, action, task_id, target, AuditEntry.Outcome.REFUSED,
-               {"code": exc.code, "message": exc.message, "details": exc.details})
+        _entry(
+            actor,
+            action,
+            task_id,
+            target,
+            AuditEntry.Outcome.REFUSED,
+            {"code": exc.code, "message": exc.message, "details": exc.details},
+        )
         raise
     except Exception as exc:
-        _entry(actor, action, task_id, target, AuditEntry.Outcome.FAILED,
-               {"code": type(exc).__name__, "message": str(exc)})
+        _entry(
+            actor, action, task_id, target, AuditEntry.Outcome.FAILED, {"code": type(exc).__name__, "message": str(exc)}
+        )
         raise
 
 
@@ -50,8 +59,16 @@ def _entry(actor, action: str, task_id: str, target: str, outcome: str, details:
     user = actor if getattr(actor, "pk", None) is not None else None
     name = actor.get_username() if user is not None else str(actor or "system")  # a token: "token:<name>"
     project = Project.objects.filter(name=key_project(task_id)).first() if task_id else None
-    return AuditEntry.objects.create(actor=user, actor_name=name[:150], action=action, task_id=task_id,
-                                     project=project, target=target[:300], outcome=outcome, details=details)
+    return AuditEntry.objects.create(
+        actor=user,
+        actor_name=name[:150],
+        action=action,
+        task_id=task_id,
+        project=project,
+        target=target[:300],
+        outcome=outcome,
+        details=details,
+    )
 
 
 def audit_entry(*, actor, action: str, task_id: str, target: str, details: dict) -> AuditEntry:
@@ -80,13 +97,24 @@ def _node_for_update(task_id: str, node_id: int) -> Node:
 def _open_leases(snapshots: list[Snapshot]) -> list[int]:
     from django.utils import timezone
 
-    return sorted(set(Lease.objects.filter(snapshot__in=snapshots, released_at__isnull=True,
-                                           expires_at__gt=timezone.now()).values_list("snapshot_id", flat=True)))
+    return sorted(
+        set(
+            Lease.objects.filter(
+                snapshot__in=snapshots, released_at__isnull=True, expires_at__gt=timezone.now()
+            ).values_list("snapshot_id", flat=True)
+        )
+    )
 
 
 def _snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
-    return {"snapshot_id": snapshot.pk, "node_id": snapshot.node_id, "ref": snapshot.ref,
-            "backend": snapshot.backend, "owner": snapshot.owner, "size_bytes": snapshot.size_bytes}
+    return {
+        "snapshot_id": snapshot.pk,
+        "node_id": snapshot.node_id,
+        "ref": snapshot.ref,
+        "backend": snapshot.backend,
+        "owner": snapshot.owner,
+        "size_bytes": snapshot.size_bytes,
+    }
 
 
 def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
@@ -101,12 +129,16 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
             raise unknown_task(task_id)
         node = _node_for_update(task_id, node_id)
         ids = selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
-        live = list(Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE)
-                    .order_by("pk"))
+        live = list(
+            Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE).order_by("pk")
+        )
         leased = _open_leases(live)
         if leased:
-            raise Conflict("A rollout holds a lease on a snapshot in this subtree; try again once it is released.",
-                           code="snapshot_leased", details={"snapshot_ids": leased})
+            raise Conflict(
+                "A rollout holds a lease on a snapshot in this subtree; try again once it is released.",
+                code="snapshot_leased",
+                details={"snapshot_ids": leased},
+            )
         evicted = [_snapshot_json(s) for s in live]
         # Deleting the nodes cascades to their snapshots (live and evicted) and released leases; the
         # live ones are announced here since they do not go through snapshot_evict.
@@ -115,31 +147,58 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         task.save(update_fields=["version", "updated_at"])
         ledger.nodes_removed(task_id, ids)
         for snapshot in evicted:
-            ledger.snapshot_event(task_id, "evicted", node_id=snapshot["node_id"], ref=snapshot["ref"],
-                                     snapshot_id=snapshot["snapshot_id"])
-        return {"node": {"id": node.pk, "tool": node.tool, "depth": node.depth}, "nodes_deleted": len(ids),
-                "snapshots_evicted": evicted}
+            ledger.snapshot_event(
+                task_id,
+                "evicted",
+                node_id=snapshot["node_id"],
+                ref=snapshot["ref"],
+                snapshot_id=snapshot["snapshot_id"],
+            )
+        return {
+            "node": {"id": node.pk, "tool": node.tool, "depth": node.depth},
+            "nodes_deleted": len(ids),
+            "snapshots_evicted": evicted,
+        }
 
-    return action_audited(actor=actor, action=AuditEntry.Action.SUBTREE_EVICT, task_id=task_id,
-                          target=f"{_named(task_id)} / node {node_id} (subtree)", run=run)
+    return action_audited(
+        actor=actor,
+        action=AuditEntry.Action.SUBTREE_EVICT,
+        task_id=task_id,
+        target=f"{_named(task_id)} / node {node_id} (subtree)",
+        run=run,
+    )
 
 
 def admin_snapshot_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
     """Evict only the node's live snapshot; its result stays cached."""
 
     def run() -> dict:
-        snapshot = (Snapshot.objects.select_for_update().filter(task_id=task_id, node_id=node_id,
-                                                                status=Snapshot.Status.LIVE).first())
+        snapshot = (
+            Snapshot.objects.select_for_update()
+            .filter(task_id=task_id, node_id=node_id, status=Snapshot.Status.LIVE)
+            .first()
+        )
         if snapshot is None:
-            raise NotFound(f"Node {node_id} of task '{task_public_id(task_id)}' has no live snapshot.",
-                           code="no_live_snapshot", details={"task_id": task_public_id(task_id), "node_id": node_id})
+            raise NotFound(
+                f"Node {node_id} of task '{task_public_id(task_id)}' has no live snapshot.",
+                code="no_live_snapshot",
+                details={"task_id": task_public_id(task_id), "node_id": node_id},
+            )
         if not snapshot_evict(snapshot=snapshot):
-            raise Conflict("A rollout holds a lease on this snapshot; try again once it is released.",
-                           code="snapshot_leased", details={"snapshot_ids": [snapshot.pk]})
+            raise Conflict(
+                "A rollout holds a lease on this snapshot; try again once it is released.",
+                code="snapshot_leased",
+                details={"snapshot_ids": [snapshot.pk]},
+            )
         return {"snapshot": _snapshot_json(snapshot)}  # snapshot_evict announces it
 
-    return action_audited(actor=actor, action=AuditEntry.Action.SNAPSHOT_EVICT, task_id=task_id,
-                          target=f"{_named(task_id)} / node {node_id} (snapshot)", run=run)
+    return action_audited(
+        actor=actor,
+        action=AuditEntry.Action.SNAPSHOT_EVICT,
+        task_id=task_id,
+        target=f"{_named(task_id)} / node {node_id} (snapshot)",
+        run=run,
+    )
 
 
 def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditEntry:
@@ -153,22 +212,23 @@ def admin_node_pin(*, actor, task_id: str, node_id: int, pinned: bool) -> AuditE
         return {"pinned": pinned, "was_pinned": was}
 
     action = AuditEntry.Action.NODE_PIN if pinned else AuditEntry.Action.NODE_UNPIN
-    return action_audited(actor=actor, action=action, task_id=task_id, target=f"{_named(task_id)} / node {node_id}",
-                          run=run)
+    return action_audited(
+        actor=actor, action=action, task_id=task_id, target=f"{_named(task_id)} / node {node_id}", run=run
+    )
 
 
 def admin_task_flush(*, actor, task_id: str) -> AuditEntry:
     """Drop every node, snapshot, rollout and counter of the task (the task stays)."""
 
     def run() -> dict:
-        live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE)
-                    .values_list("ref", flat=True))
+        live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).values_list("ref", flat=True))
         nodes = task_flush(task_id=task_id)
         ledger.task_changed(task_id, "flushed")
         return {"nodes_deleted": nodes, "snapshots_evicted": live}
 
-    return action_audited(actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=_named(task_id),
-                          run=run)
+    return action_audited(
+        actor=actor, action=AuditEntry.Action.TASK_FLUSH, task_id=task_id, target=_named(task_id), run=run
+    )
 
 
 def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
@@ -176,8 +236,11 @@ def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
 
     def run() -> dict:
         if not isinstance(sandbox_budget, int) or isinstance(sandbox_budget, bool) or sandbox_budget < 0:
-            raise InvalidInput("The budget must be a non-negative integer.", code="invalid_budget",
-                               details={"sandbox_budget": sandbox_budget})
+            raise InvalidInput(
+                "The budget must be a non-negative integer.",
+                code="invalid_budget",
+                details={"sandbox_budget": sandbox_budget},
+            )
         task = Task.objects.select_for_update().filter(pk=task_id).first()
         if task is None:
             raise unknown_task(task_id)
@@ -188,5 +251,10 @@ def admin_budget_set(*, actor, task_id: str, sandbox_budget: Any) -> AuditEntry:
         ledger.task_changed(task_id, "budget")
         return {"old": old, "new": sandbox_budget, "snapshots_evicted": [_snapshot_json(s) for s in evicted]}
 
-    return action_audited(actor=actor, action=AuditEntry.Action.BUDGET_SET, task_id=task_id,
-                          target=f"{_named(task_id)} (budget {sandbox_budget})", run=run)
+    return action_audited(
+        actor=actor,
+        action=AuditEntry.Action.BUDGET_SET,
+        task_id=task_id,
+        target=f"{_named(task_id)} (budget {sandbox_budget})",
+        run=run,
+    )

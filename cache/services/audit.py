@@ -28,8 +28,9 @@ from .admin import system_entry
 from .tasks import task_version_move
 
 
-def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str, expected: Any, observed: Any,
-                      rollout_id: str = "") -> Divergence:
+def divergence_record(
+    *, task_id: str, node_id: int | None, tool: str, kind: str, expected: Any, observed: Any, rollout_id: str = ""
+) -> Divergence:
     """Store a divergence. Kind "audit" also marks the node divergent (no longer served) and,
     past the task's limit of divergent nodes for the tool, makes the tool uncacheable. Kind "drift"
     (the state the node's call left kept changing: it depends on timing) marks the node only."""
@@ -43,8 +44,15 @@ def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str
             raise unknown_task(task_id)
         if node_id is not None and not Node.objects.filter(task_id=task_id, pk=node_id).exists():
             node_id = None  # evicted meanwhile: the divergence still happened
-        divergence = Divergence.objects.create(task=task, node_id=node_id, tool=tool, kind=kind, expected=expected,
-                                               observed=observed, rollout_id=rollout_id[:200])
+        divergence = Divergence.objects.create(
+            task=task,
+            node_id=node_id,
+            tool=tool,
+            kind=kind,
+            expected=expected,
+            observed=observed,
+            rollout_id=rollout_id[:200],
+        )
         if kind in (Divergence.Kind.AUDIT, Divergence.Kind.DRIFT) and node_id is not None:
             marked = _mark(task, node_id)
             limited = _limit_tool(task, tool) if kind == Divergence.Kind.AUDIT else None
@@ -52,8 +60,12 @@ def divergence_record(*, task_id: str, node_id: int | None, tool: str, kind: str
                 task_version_move(task)
                 task.save(update_fields=["version", "uncacheable_tools", "updated_at"])
             if limited:
-                system_entry(action=AuditEntry.Action.TOOL_UNCACHEABLE, task_id=task.pk,
-                             target=f"task {task.pk} / tool {tool}", details=limited)
+                system_entry(
+                    action=AuditEntry.Action.TOOL_UNCACHEABLE,
+                    task_id=task.pk,
+                    target=f"task {task.pk} / tool {tool}",
+                    details=limited,
+                )
                 ledger.task_changed(task.pk, "uncacheable")
     return divergence
 
@@ -94,6 +106,13 @@ def node_audit(*, task_id: str, node_id: int, result: Any, rollout_id: str = "")
     tool, result_json = row
     if same_result(result_json, result):
         return False
-    divergence_record(task_id=task_id, node_id=node_id, tool=tool, kind=Divergence.Kind.AUDIT,
-                      expected=orjson.loads(result_json), observed=result, rollout_id=rollout_id)
+    divergence_record(
+        task_id=task_id,
+        node_id=node_id,
+        tool=tool,
+        kind=Divergence.Kind.AUDIT,
+        expected=orjson.loads(result_json),
+        observed=result,
+        rollout_id=rollout_id,
+    )
     return True

@@ -26,9 +26,11 @@ from .snapshots import lease_release
 from .tasks import TaskHandle
 
 # Lead (the claim was taken) or go on (the node exists now: its leader recorded it).
-LEAD_SQL = ("WITH claimed AS (" + CLAIM_INSERT.format(condition="true") + ") SELECT EXISTS (SELECT FROM claimed)"
-            " OR EXISTS (SELECT FROM cache_node n WHERE n.task_id = %(task)s AND n.anchor_key = %(anchor)s"
-            " AND n.call_digest = %(digest)s)")
+LEAD_SQL = (
+    "WITH claimed AS (" + CLAIM_INSERT.format(condition="true") + ") SELECT EXISTS (SELECT FROM claimed)"
+    " OR EXISTS (SELECT FROM cache_node n WHERE n.task_id = %(task)s AND n.anchor_key = %(anchor)s"
+    " AND n.call_digest = %(digest)s)"
+)
 
 
 class Flight:
@@ -42,7 +44,7 @@ class Flight:
         self.key, self.answer, self.waited, self.holder = key, answer, False, holder
 
     @classmethod
-    def for_answer(cls, *, task: TaskHandle, context: CallContext, answer) -> "Flight":
+    def for_answer(cls, *, task: TaskHandle, context: CallContext, answer) -> Flight:
         key = None
         if isinstance(answer, LookupMiss) and task.policy.for_tool(context.call.tool).cacheable and not answer.seen:
             key = (task.task_id, answer.anchor_key, answer.call_digest)
@@ -50,8 +52,13 @@ class Flight:
 
     def _params(self) -> dict:
         task, anchor, digest = self.key
-        return {"task": task, "anchor": anchor, "digest": digest, "holder": self.holder,
-                "ttl": settings.TVCACHE["CLAIM_TTL_S"]}
+        return {
+            "task": task,
+            "anchor": anchor,
+            "digest": digest,
+            "holder": self.holder,
+            "ttl": settings.TVCACHE["CLAIM_TTL_S"],
+        }
 
     def try_lead(self) -> bool:
         """True if this rollout leads now, or the leader has recorded the call meanwhile."""

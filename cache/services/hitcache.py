@@ -123,8 +123,11 @@ def hit_cache() -> HitCache:
     global _cache
     if _cache is None:
         tvcache = settings.TVCACHE
-        _cache = HitCache(entries=tvcache["HIT_CACHE_ENTRIES"], max_bytes=tvcache["HIT_CACHE_MB"] * 1024 * 1024,
-                          window_s=tvcache["HIT_CACHE_WINDOW_MS"] / 1000)
+        _cache = HitCache(
+            entries=tvcache["HIT_CACHE_ENTRIES"],
+            max_bytes=tvcache["HIT_CACHE_MB"] * 1024 * 1024,
+            window_s=tvcache["HIT_CACHE_WINDOW_MS"] / 1000,
+        )
     return _cache
 
 

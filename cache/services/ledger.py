@@ -143,28 +143,63 @@ class Counts:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
             if self.stats:
                 keys, values = list(self.stats), list(self.stats.values())
-                cursor.execute(STATS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
-                                           [v[0] for v in values], [v[1] for v in values], [v[2] for v in values],
-                                           [v[3] for v in values]])
+                cursor.execute(
+                    STATS_SQL,
+                    [
+                        [k[0] for k in keys],
+                        [k[1] for k in keys],
+                        [k[2] for k in keys],
+                        [v[0] for v in values],
+                        [v[1] for v in values],
+                        [v[2] for v in values],
+                        [v[3] for v in values],
+                    ],
+                )
             if self.nodes:
                 cursor.execute(NODES_SQL, [[k[1] for k in self.nodes], list(self.nodes.values())])
             if self.rollouts:
                 keys, values = list(self.rollouts), list(self.rollouts.values())
-                cursor.execute(ROLLOUTS_SQL, [[k[0] for k in keys], [k[1] for k in keys], [v[2] for v in values],
-                                              [v[0] for v in values], [v[1] for v in values]])
+                cursor.execute(
+                    ROLLOUTS_SQL,
+                    [
+                        [k[0] for k in keys],
+                        [k[1] for k in keys],
+                        [v[2] for v in values],
+                        [v[0] for v in values],
+                        [v[1] for v in values],
+                    ],
+                )
             if self.requests:
-                cursor.execute(REQUESTS_SQL, [list(self.requests), [v[0] for v in self.requests.values()],
-                                              [v[1] for v in self.requests.values()]])
+                cursor.execute(
+                    REQUESTS_SQL,
+                    [
+                        list(self.requests),
+                        [v[0] for v in self.requests.values()],
+                        [v[1] for v in self.requests.values()],
+                    ],
+                )
             if self.materialized:
                 keys = list(self.materialized)
-                cursor.execute(MATERIALIZED_SQL, [[k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
-                                                  list(self.materialized.values())])
+                cursor.execute(
+                    MATERIALIZED_SQL,
+                    [
+                        [k[0] for k in keys],
+                        [k[1] for k in keys],
+                        [k[2] for k in keys],
+                        list(self.materialized.values()),
+                    ],
+                )
 
 
 def _storable(task_id: str, epoch: int, tool: str, rollout_id: str) -> bool:
     """The key fits the columns of the flush's statements (text without NUL, int epoch)."""
-    return (INT32[0] <= epoch <= INT32[1] and len(task_id) <= MAX_TASK_KEY and len(tool) <= MAX_ID_LENGTH
-            and len(rollout_id) <= MAX_ID_LENGTH and "\x00" not in task_id + tool + rollout_id)
+    return (
+        INT32[0] <= epoch <= INT32[1]
+        and len(task_id) <= MAX_TASK_KEY
+        and len(tool) <= MAX_ID_LENGTH
+        and len(rollout_id) <= MAX_ID_LENGTH
+        and "\x00" not in task_id + tool + rollout_id
+    )
 
 
 class _Ledger:
@@ -255,13 +290,20 @@ _ledger = _Ledger()
 
 # --- what the rest of the service calls -------------------------------------------------------
 
-def lookup_add(*, task_id: str, epoch: int, tool: str, rollout_id: str, node_id: int | None, hit: bool,
-               seen: bool, saved_ms: float) -> None:
+
+def lookup_add(
+    *, task_id: str, epoch: int, tool: str, rollout_id: str, node_id: int | None, hit: bool, seen: bool, saved_ms: float
+) -> None:
     """One lookup answered (hot path). `seen`: the state and call had been seen (a node exists,
     cacheable or not: the oracle's hit)."""
     if not _storable(task_id, epoch, tool, rollout_id):
-        log.error("counters of a key no column can hold dropped: task %r epoch %r tool %r rollout %r",
-                  task_id[:MAX_ID_LENGTH], epoch, tool[:MAX_ID_LENGTH], rollout_id[:MAX_ID_LENGTH])
+        log.error(
+            "counters of a key no column can hold dropped: task %r epoch %r tool %r rollout %r",
+            task_id[:MAX_ID_LENGTH],
+            epoch,
+            tool[:MAX_ID_LENGTH],
+            rollout_id[:MAX_ID_LENGTH],
+        )
         return
     with _ledger.lock:
         _ledger.started()
@@ -328,12 +370,16 @@ def node_created(task_id: str, node_id: int) -> None:
 
 
 def nodes_removed(task_id: str, node_ids: list[int]) -> None:
-    _after_commit(lambda: _task_event(task_id, {"kind": "nodes_removed", "node_ids": list(node_ids)},
-                                      nodes=-len(node_ids), changed=True))
+    _after_commit(
+        lambda: _task_event(
+            task_id, {"kind": "nodes_removed", "node_ids": list(node_ids)}, nodes=-len(node_ids), changed=True
+        )
+    )
 
 
-def snapshot_event(task_id: str, kind: str, *, node_id: int | None = None, ref: str = "",
-                   snapshot_id: int | None = None) -> None:
+def snapshot_event(
+    task_id: str, kind: str, *, node_id: int | None = None, ref: str = "", snapshot_id: int | None = None
+) -> None:
     """A snapshot was created ("created") or evicted ("evicted")."""
     event = {"kind": "snapshot", "event": kind, "node_id": node_id, "ref": ref, "snapshot_id": snapshot_id}
     delta = {"created": 1, "evicted": -1}.get(kind, 0)
@@ -366,6 +412,7 @@ def flush_now() -> None:
 
 
 # --- internals -------------------------------------------------------------------------------
+
 
 def _task_event(task_id: str, event: dict, *, nodes: int = 0, snapshots: int = 0, changed: bool = False) -> None:
     try:

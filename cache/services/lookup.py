@@ -15,11 +15,11 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from observability import metrics
 from cache.inputs import CallContext
 from cache.projects import unknown_task
 from cache.tcg import CatchUp, Match, NodeRef, StateChain, ToolCall, catch_up, longest_prefix_match, state_chain
 from cache.tcg.snapshots import snapshot_after_ms
+from observability import metrics
 
 from . import ledger
 from .hitcache import CachedHit, TaskStamp, hit_cache
@@ -86,22 +86,31 @@ _WRITES_SQL = """SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.
            FROM cache_node w
            WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))"""
 
-_READ_SQL = """
-WITH claimed AS (""" + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s") + """
+_READ_SQL = (
+    """
+WITH claimed AS ("""
+    + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s")
+    + """
 )
 SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
-       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN (""" + _WRITES_SQL + """) END,
+       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN ("""
+    + _WRITES_SQL
+    + """) END,
        EXISTS (SELECT FROM claimed)
 FROM cache_task t
 LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
 {below}
 WHERE t.id = %(task)s
 """
+)
 READ_SQL = _READ_SQL.format(tainted="false", below="")
-READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(tainted="x.tainted", below="""CROSS JOIN LATERAL (
+READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(
+    tainted="x.tainted",
+    below="""CROSS JOIN LATERAL (
     SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
         SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
-                                   AND d.state_key = ANY(string_to_array(%(keys)s, ','))) END AS tainted) x""")
+                                   AND d.state_key = ANY(string_to_array(%(keys)s, ','))) END AS tainted) x""",
+)
 
 # The task's stamp alone, to renew this process's lease on it when a cached hit waits (hitcache.py).
 STAMP_SQL = "SELECT version, created_at FROM cache_task WHERE id = %s"
@@ -148,8 +157,9 @@ class LookupMiss:
     snapshot_after_ms: float | None = None  # (_snapshot_after_ms)
 
 
-def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim: bool = False,
-               resume: bool = True) -> LookupHit | LookupMiss:
+def tcg_lookup(
+    *, task_id: str, context: CallContext, count: bool = True, claim: bool = False, resume: bool = True
+) -> LookupHit | LookupMiss:
     """Hit or miss. With count=False the caller counts the lookup itself (`lookup_count`), once
     it knows how the call was served (tool-server mode may wait for a concurrent identical miss).
     With `claim`, a miss of a cacheable call also takes the call's claim for the context's rollout
@@ -179,16 +189,29 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
     if claim and node_id is None and cacheable:
         claimed = GRANTED if granted else IN_FLIGHT
         if claimed == IN_FLIGHT:
-            return LookupMiss(match=Match(0, None, None, ()), lease_id=None, full_replay=(), anchor_key=last.anchor,
-                              call_digest=last.digest, seen=False, claim=IN_FLIGHT)
+            return LookupMiss(
+                match=Match(0, None, None, ()),
+                lease_id=None,
+                full_replay=(),
+                anchor_key=last.anchor,
+                call_digest=last.digest,
+                seen=False,
+                claim=IN_FLIGHT,
+            )
     if hit:
         answer = CachedHit(node_id, result_json, exec_ms, mutates)
         if (version, created_at) == task.stamp:
             _hit_keep(task, last.anchor, last.digest, answer)
         return _hit(task, context, answer, count)
     if count:
-        lookup_count(task_id=task.task_id, context=context, node_id=node_id, hit=False, seen=node_id is not None,
-                     saved_ms=exec_ms or 0.0)
+        lookup_count(
+            task_id=task.task_id,
+            context=context,
+            node_id=node_id,
+            hit=False,
+            seen=node_id is not None,
+            saved_ms=exec_ms or 0.0,
+        )
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, _node_refs(writes or ()))
     full_replay = tuple(step.call for step in history.writes)
@@ -198,9 +221,16 @@ def tcg_lookup(*, task_id: str, context: CallContext, count: bool = True, claim:
         lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
     if match.resume is not None and lease_id is None:  # not wanted, or evicted since the match: start fresh
         match = Match(match.matched, match.node, None, full_replay)
-    return LookupMiss(match=match, lease_id=lease_id, full_replay=full_replay,
-                      anchor_key=last.anchor, call_digest=last.digest, seen=node_id is not None, claim=claimed,
-                      snapshot_after_ms=snapshot_after)
+    return LookupMiss(
+        match=match,
+        lease_id=lease_id,
+        full_replay=full_replay,
+        anchor_key=last.anchor,
+        call_digest=last.digest,
+        seen=node_id is not None,
+        claim=claimed,
+        snapshot_after_ms=snapshot_after,
+    )
 
 
 def _snapshot_after_ms(task: TaskHandle, match: Match, history_length: int) -> float | None:
@@ -222,18 +252,29 @@ def claim_release(*, task_id: str, context: CallContext) -> bool:
     task = task_handle(task_id=task_id, cached=True)
     last = task_chain(task, context).steps[-1]
     with connection.cursor() as cursor:
-        cursor.execute(CLAIM_RELEASE_SQL, {"task": task.task_id, "anchor": last.anchor, "digest": last.digest,
-                                           "holder": context.rollout_id})
+        cursor.execute(
+            CLAIM_RELEASE_SQL,
+            {"task": task.task_id, "anchor": last.anchor, "digest": last.digest, "holder": context.rollout_id},
+        )
         return cursor.rowcount > 0
 
 
-def lookup_count(*, task_id: str, context: CallContext, node_id: int | None, hit: bool, seen: bool,
-                 saved_ms: float) -> None:
+def lookup_count(
+    *, task_id: str, context: CallContext, node_id: int | None, hit: bool, seen: bool, saved_ms: float
+) -> None:
     """Count a lookup: calls, hits, the oracle's hits (`seen`: the call was executed before in
     this state) and the time a hit saved."""
     call = context.call
-    ledger.lookup_add(task_id=task_id, epoch=context.epoch, tool=call.tool, rollout_id=context.rollout_id,
-                      node_id=node_id, hit=hit, seen=seen, saved_ms=saved_ms)
+    ledger.lookup_add(
+        task_id=task_id,
+        epoch=context.epoch,
+        tool=call.tool,
+        rollout_id=context.rollout_id,
+        node_id=node_id,
+        hit=hit,
+        seen=seen,
+        saved_ms=saved_ms,
+    )
     metrics.lookup_counted(tool=call.tool, hit=hit)
 
 
@@ -241,12 +282,18 @@ def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool)
     """A hit's answer, counted (unless the caller counts it) and sampled for the audit, whether
     the database or this process's cache served it."""
     if count:
-        lookup_count(task_id=task.task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
-                     saved_ms=answer.exec_ms)
+        lookup_count(
+            task_id=task.task_id, context=context, node_id=answer.node_id, hit=True, seen=True, saved_ms=answer.exec_ms
+        )
     # Sampled here, in process: the audit costs the hit path no statement.
     audit = task.audit_rate > 0.0 and random.random() < task.audit_rate
-    return LookupHit(node_id=answer.node_id, result_json=answer.result_json, exec_ms=answer.exec_ms,
-                     mutates=answer.mutates, audit=audit)
+    return LookupHit(
+        node_id=answer.node_id,
+        result_json=answer.result_json,
+        exec_ms=answer.exec_ms,
+        mutates=answer.mutates,
+        audit=audit,
+    )
 
 
 def _hit_cached(task: TaskHandle, anchor: str, digest: str) -> CachedHit | None:
@@ -292,11 +339,18 @@ def _chain(task: TaskHandle, context: CallContext) -> StateChain:
 def _exact_read(task: TaskHandle, chain: StateChain, context: CallContext, claim: bool) -> tuple | None:
     """The lookup statement's row; it renews this process's lease on the task's stamp."""
     last = chain.steps[-1]
-    params = {"task": task.task_id, "version": task.version, "anchor": last.anchor, "digest": last.digest,
-              "cacheable": task.policy.for_tool(context.call.tool).cacheable,
-              "claim": claim, "holder": context.rollout_id or "", "ttl": settings.TVCACHE["CLAIM_TTL_S"],
-              # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
-              "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)}
+    params = {
+        "task": task.task_id,
+        "version": task.version,
+        "anchor": last.anchor,
+        "digest": last.digest,
+        "cacheable": task.policy.for_tool(context.call.tool).cacheable,
+        "claim": claim,
+        "holder": context.rollout_id or "",
+        "ttl": settings.TVCACHE["CLAIM_TTL_S"],
+        # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
+        "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates),
+    }
     sent_at = time.monotonic()
     with prepared_cursor() as cursor:
         cursor.execute(READ_SQL_BELOW_DIVERGENT if task.divergent_writes else READ_SQL, params)
@@ -325,9 +379,16 @@ def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
 
 def _node_refs(rows) -> dict[str, NodeRef]:
     return {
-        state_key: NodeRef(node_id=node_id, state_key=state_key, depth=depth, cum_exec_ms=cum,
-                           snapshot_id=snapshot[0] if snapshot else None, snapshot_ref=snapshot[1] if snapshot else None,
-                           processes=processes or 0, snapshot_keeps_processes=bool(snapshot and snapshot[2]))
+        state_key: NodeRef(
+            node_id=node_id,
+            state_key=state_key,
+            depth=depth,
+            cum_exec_ms=cum,
+            snapshot_id=snapshot[0] if snapshot else None,
+            snapshot_ref=snapshot[1] if snapshot else None,
+            processes=processes or 0,
+            snapshot_keeps_processes=bool(snapshot and snapshot[2]),
+        )
         for node_id, state_key, depth, cum, snapshot, processes in rows
     }
 

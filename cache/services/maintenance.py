@@ -6,8 +6,16 @@ from django.apps import apps
 from django.db import connection
 
 # The tables whose plans and dead rows matter: lookups, records, claims, leases, rollouts, pools.
-HOT_MODELS = ("cache.Task", "cache.Node", "cache.Claim", "cache.Snapshot", "cache.Lease", "cache.Rollout",
-              "cache.ToolStat", "sandboxes.Sandbox")
+HOT_MODELS = (
+    "cache.Task",
+    "cache.Node",
+    "cache.Claim",
+    "cache.Snapshot",
+    "cache.Lease",
+    "cache.Rollout",
+    "cache.ToolStat",
+    "sandboxes.Sandbox",
+)
 
 
 def claims_clear() -> int:

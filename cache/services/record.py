@@ -75,9 +75,15 @@ class RecordOutcome:
     evicted: list[str]
 
 
-def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str] = ("", "", ""),
-                file_times: Mapping[str, int] | None = None, processes: int = 0,
-                keeps_processes: bool = False) -> RecordOutcome:
+def node_record(
+    *,
+    task_id: str,
+    record: RecordInput,
+    state: tuple[str, str, str] = ("", "", ""),
+    file_times: Mapping[str, int] | None = None,
+    processes: int = 0,
+    keeps_processes: bool = False,
+) -> RecordOutcome:
     """`state`: the sandbox's state fingerprint after the call, (full, shape, order), where the service
     ran it: what a sandbox materialized for this node is checked against. `file_times`: the
     modification times of what the call changed there, written back after each replay of it.
@@ -89,8 +95,11 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
     stored = result_json(record.result).decode()
     limit = settings.TVCACHE["MAX_RESULT_BYTES"]
     if len(stored) > limit:
-        raise PayloadTooLarge(f"Result is {len(stored)} bytes; the limit is {limit}.", code="result_too_large",
-                              details={"limit": limit, "size": len(stored)})
+        raise PayloadTooLarge(
+            f"Result is {len(stored)} bytes; the limit is {limit}.",
+            code="result_too_large",
+            details={"limit": limit, "size": len(stored)},
+        )
     chain = task_chain(task, context)
     last = chain.steps[-1]
     plan = record_plan(chain, task.policy, record.mutated)
@@ -130,11 +139,21 @@ def node_record(*, task_id: str, record: RecordInput, state: tuple[str, str, str
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.
         if created and plan.mutates and task.sandbox_budget > 0:
-            cursor.execute(NEAREST_SNAPSHOT_SQL, [plan.state_key, task.task_id, [step.state_key for step in chain.writes]])
+            cursor.execute(
+                NEAREST_SNAPSHOT_SQL, [plan.state_key, task.task_id, [step.state_key for step in chain.writes]]
+            )
             nearest_cum, has_own = cursor.fetchone()
             wanted = not has_own and snapshot_wanted(
-                mutates=True, replay_cost_ms=cum_exec_ms - nearest_cum, costs=backend_costs(task.backend),
-                live_processes=processes, keeps_processes=keeps_processes,
+                mutates=True,
+                replay_cost_ms=cum_exec_ms - nearest_cum,
+                costs=backend_costs(task.backend),
+                live_processes=processes,
+                keeps_processes=keeps_processes,
             )
-    return RecordOutcome(node_id=node_id, created=created, mutates=node_mutates, snapshot_wanted=wanted,
-                         evicted=recently_evicted_refs(task_id=task.task_id))
+    return RecordOutcome(
+        node_id=node_id,
+        created=created,
+        mutates=node_mutates,
+        snapshot_wanted=wanted,
+        evicted=recently_evicted_refs(task_id=task.task_id),
+    )

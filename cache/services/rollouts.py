@@ -63,8 +63,9 @@ def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra_column
         raise unknown_task(task_id)
     pk, claimed, history, finished, detached, extra = row
     if not claimed:
-        raise Conflict("Another call of this rollout is running; a rollout's calls come one after the other.",
-                       code="rollout_busy")
+        raise Conflict(
+            "Another call of this rollout is running; a rollout's calls come one after the other.", code="rollout_busy"
+        )
     if finished:
         rollout_unclaim(rollout_pk=pk)
         raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")

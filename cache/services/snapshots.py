@@ -57,14 +57,24 @@ def _cost_sample(backend: str, *, snapshot_ms: float | None = None, restore_ms: 
 def recently_evicted_refs(*, task_id: str) -> list[str]:
     since = timezone.now() - timedelta(seconds=EVICTION_NOTICE_S)
     return list(
-        Snapshot.objects.filter(task_id=task_id, owner=Snapshot.Owner.CLIENT, status=Snapshot.Status.EVICTED,
-                                evicted_at__gte=since).values_list("ref", flat=True)
+        Snapshot.objects.filter(
+            task_id=task_id, owner=Snapshot.Owner.CLIENT, status=Snapshot.Status.EVICTED, evicted_at__gte=since
+        ).values_list("ref", flat=True)
     )
 
 
-def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, engine: str = "",
-                      size_bytes: int | None = None, create_ms: float | None = None,
-                      owner: str = Snapshot.Owner.CLIENT, keeps_processes: bool = False) -> tuple[Snapshot, list[str]]:
+def snapshot_register(
+    *,
+    task_id: str,
+    node_id: int,
+    ref: str,
+    backend: str,
+    engine: str = "",
+    size_bytes: int | None = None,
+    create_ms: float | None = None,
+    owner: str = Snapshot.Owner.CLIENT,
+    keeps_processes: bool = False,
+) -> tuple[Snapshot, list[str]]:
     """`keeps_processes`: the snapshot holds the sandbox's processes (a checkpoint), so that it may
     be forked for the node's state when that has live processes."""
     with transaction.atomic():
@@ -72,18 +82,30 @@ def snapshot_register(*, task_id: str, node_id: int, ref: str, backend: str, eng
         if node is None:
             raise unknown_node(task_id, node_id)
         if not node.mutates:
-            raise InvalidInput("A read-only call leaves its parent's state: snapshot the parent instead.",
-                               code="snapshot_on_read_only")
+            raise InvalidInput(
+                "A read-only call leaves its parent's state: snapshot the parent instead.", code="snapshot_on_read_only"
+            )
         existing = node.snapshots.filter(status=Snapshot.Status.LIVE).first()
         if existing is not None:
-            raise Conflict("The node already has a live snapshot.", code="snapshot_exists",
-                           details={"snapshot_id": existing.pk, "ref": existing.ref})
+            raise Conflict(
+                "The node already has a live snapshot.",
+                code="snapshot_exists",
+                details={"snapshot_id": existing.pk, "ref": existing.ref},
+            )
         if Snapshot.objects.filter(task_id=task_id, ref=ref).exists():
             raise Conflict(f"Snapshot ref '{ref}' is already registered.", code="duplicate_ref")
         _snapshot_bytes_granted(task_id, size_bytes)
-        snapshot = Snapshot.objects.create(task_id=task_id, node=node, backend=backend, engine=engine, ref=ref,
-                                           owner=owner, size_bytes=size_bytes, create_ms=create_ms,
-                                           keeps_processes=keeps_processes)
+        snapshot = Snapshot.objects.create(
+            task_id=task_id,
+            node=node,
+            backend=backend,
+            engine=engine,
+            ref=ref,
+            owner=owner,
+            size_bytes=size_bytes,
+            create_ms=create_ms,
+            keeps_processes=keeps_processes,
+        )
         ledger.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
     if create_ms is not None:
         _cost_sample(backend, snapshot_ms=create_ms)
@@ -95,16 +117,26 @@ def _snapshot_bytes_granted(task_id: str, size_bytes: int | None) -> None:
     """Refuse a snapshot that would take its project past its grant of live snapshot bytes
     (403 snapshot_quota_exceeded); projects without the grant are not bounded. The project's row
     is locked: two snapshots registered at once are counted one after the other."""
-    project = (Project.objects.select_for_update(of=("self",)).filter(tasks__pk=task_id)
-               .values_list("pk", "name", "max_snapshot_bytes").first())
+    project = (
+        Project.objects.select_for_update(of=("self",))
+        .filter(tasks__pk=task_id)
+        .values_list("pk", "name", "max_snapshot_bytes")
+        .first()
+    )
     if project is None or project[2] is None:
         return
     pk, name, most = project
-    live = Snapshot.objects.filter(task__project_id=pk, status=Snapshot.Status.LIVE).aggregate(n=Sum("size_bytes"))["n"] or 0
+    live = (
+        Snapshot.objects.filter(task__project_id=pk, status=Snapshot.Status.LIVE).aggregate(n=Sum("size_bytes"))["n"]
+        or 0
+    )
     if live + (size_bytes or 0) > most:
-        raise Forbidden(f"Project '{name}' may keep {most} bytes of live snapshots; it keeps {live}, and this one is "
-                        f"{size_bytes or 0}.", code="snapshot_quota_exceeded",
-                        details={"project": name, "max_snapshot_bytes": most, "live_bytes": live, "size_bytes": size_bytes})
+        raise Forbidden(
+            f"Project '{name}' may keep {most} bytes of live snapshots; it keeps {live}, and this one is "
+            f"{size_bytes or 0}.",
+            code="snapshot_quota_exceeded",
+            details={"project": name, "max_snapshot_bytes": most, "live_bytes": live, "size_bytes": size_bytes},
+        )
 
 
 def lease_release(*, lease_id: str, restore_ms: float | None = None, project: str | None = None) -> None:
@@ -143,18 +175,27 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
         if budget is None:
             return []
         live = list(
-            Snapshot.objects.select_for_update(of=("self",)).filter(task_id=task_id, status=Snapshot.Status.LIVE)
-            .select_related("node").order_by("pk")
+            Snapshot.objects.select_for_update(of=("self",))
+            .filter(task_id=task_id, status=Snapshot.Status.LIVE)
+            .select_related("node")
+            .order_by("pk")
         )
         over = len(live) - budget
         if over <= 0:
             return []
         now = timezone.now()
         ids = [s.pk for s in live]
-        leased = set(Lease.objects.filter(snapshot_id__in=ids, released_at__isnull=True, expires_at__gt=now)
-                     .values_list("snapshot_id", flat=True))
-        children = dict(Node.objects.filter(parent_id__in=[s.node_id for s in live]).values("parent_id")
-                        .annotate(n=Count("id")).values_list("parent_id", "n"))
+        leased = set(
+            Lease.objects.filter(snapshot_id__in=ids, released_at__isnull=True, expires_at__gt=now).values_list(
+                "snapshot_id", flat=True
+            )
+        )
+        children = dict(
+            Node.objects.filter(parent_id__in=[s.node_id for s in live])
+            .values("parent_id")
+            .annotate(n=Count("id"))
+            .values_list("parent_id", "n")
+        )
         candidates = [_candidate(s, now, children.get(s.node_id, 0), s.pk in leased) for s in live]
         chosen = set(eviction_order(candidates, over))
         evicted = [s for s in live if s.pk in chosen]
@@ -165,8 +206,9 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
 
 def _announce_evicted(snapshots: list[Snapshot]) -> None:
     for snapshot in snapshots:
-        ledger.snapshot_event(snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref,
-                                 snapshot_id=snapshot.pk)
+        ledger.snapshot_event(
+            snapshot.task_id, "evicted", node_id=snapshot.node_id, ref=snapshot.ref, snapshot_id=snapshot.pk
+        )
 
 
 def _candidate(snapshot: Snapshot, now, children: int, leased: bool) -> SnapshotCandidate:

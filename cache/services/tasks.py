@@ -72,8 +72,17 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         _handles.pop(task_id, None)
         raise unknown_task(task_id)
     version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes, created_at = row
-    handle = TaskHandle(task_id, version, fingerprint, _policy(tools, uncacheable), backend or "external", budget,
-                        audit_rate, divergent_writes, created_at)
+    handle = TaskHandle(
+        task_id,
+        version,
+        fingerprint,
+        _policy(tools, uncacheable),
+        backend or "external",
+        budget,
+        audit_rate,
+        divergent_writes,
+        created_at,
+    )
     if len(_handles) >= MAX_CACHED_HANDLES:
         _handles.clear()
     _handles[task_id] = handle
@@ -111,14 +120,25 @@ def task_policy(tools: dict, uncacheable: list[str]) -> TaskPolicy:
     policy = TaskPolicy.from_json(tools)
     if not uncacheable:
         return policy
-    return TaskPolicy(tools={**policy.tools, **{
-        name: ToolPolicy(mutates_state=policy.for_tool(name).mutates_state, cacheable=False) for name in uncacheable}})
+    return TaskPolicy(
+        tools={
+            **policy.tools,
+            **{
+                name: ToolPolicy(mutates_state=policy.for_tool(name).mutates_state, cacheable=False)
+                for name in uncacheable
+            },
+        }
+    )
 
 
 def _check_backend(env: dict) -> None:
     backend = env.get("backend", "external")
     if backend not in BACKENDS:
-        raise InvalidInput(f"Unknown backend '{backend}'.", code="unknown_backend", details={"field": "env.backend", "allowed": sorted(BACKENDS)})
+        raise InvalidInput(
+            f"Unknown backend '{backend}'.",
+            code="unknown_backend",
+            details={"field": "env.backend", "allowed": sorted(BACKENDS)},
+        )
 
 
 def _project_of(task_id: str) -> Project:
@@ -132,8 +152,15 @@ def _project_of(task_id: str) -> Project:
 
 
 @transaction.atomic
-def task_put(*, task_id: str, env: dict, tools: dict | None = None, sandbox_budget: int | None = None,
-             audit_rate: float | None = None, actor: Any = None) -> tuple[Task, bool]:
+def task_put(
+    *,
+    task_id: str,
+    env: dict,
+    tools: dict | None = None,
+    sandbox_budget: int | None = None,
+    audit_rate: float | None = None,
+    actor: Any = None,
+) -> tuple[Task, bool]:
     """Create or update the task keyed `task_id` (cache.projects.task_key: its project is part of
     the key). A changed environment changes the fingerprint and drops the task's old nodes: they
     can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
@@ -159,15 +186,29 @@ def task_put(*, task_id: str, env: dict, tools: dict | None = None, sandbox_budg
     if task is None:
         if sandbox_budget is None:
             sandbox_budget = settings.TVCACHE["DEFAULT_SANDBOX_BUDGET"]
-        task = Task.objects.create(id=task_id, project=project, name=task_public_id(task_id), env=env,
-                                   env_fingerprint=fingerprint, tools=tools, sandbox_budget=sandbox_budget,
-                                   audit_rate=audit_rate)
+        task = Task.objects.create(
+            id=task_id,
+            project=project,
+            name=task_public_id(task_id),
+            env=env,
+            env_fingerprint=fingerprint,
+            tools=tools,
+            sandbox_budget=sandbox_budget,
+            audit_rate=audit_rate,
+        )
         ledger.task_changed(task_id, "created")
         return task, True
     if sandbox_budget is None:
         sandbox_budget = task.sandbox_budget
-    changed = [field for field, differs in (("env", task.env_fingerprint != fingerprint), ("tools", task.tools != tools),
-                                            ("sandbox_budget", task.sandbox_budget != sandbox_budget)) if differs]
+    changed = [
+        field
+        for field, differs in (
+            ("env", task.env_fingerprint != fingerprint),
+            ("tools", task.tools != tools),
+            ("sandbox_budget", task.sandbox_budget != sandbox_budget),
+        )
+        if differs
+    ]
     if changed and actor is not None:
         role_check(principal=actor, action=f"change an existing task's {' and '.join(changed)}")
     dropped = 0
@@ -183,9 +224,18 @@ def task_put(*, task_id: str, env: dict, tools: dict | None = None, sandbox_budg
     if changed and actor is not None:
         from .admin import audit_entry
 
-        audit_entry(actor=actor, action="task_update", task_id=task_id, target=f"task {task.name} ({', '.join(changed)})",
-                    details={"changed": changed, "nodes_dropped": dropped, "old": old,
-                             "new": {"env_fingerprint": fingerprint, "tools": tools, "sandbox_budget": sandbox_budget}})
+        audit_entry(
+            actor=actor,
+            action="task_update",
+            task_id=task_id,
+            target=f"task {task.name} ({', '.join(changed)})",
+            details={
+                "changed": changed,
+                "nodes_dropped": dropped,
+                "old": old,
+                "new": {"env_fingerprint": fingerprint, "tools": tools, "sandbox_budget": sandbox_budget},
+            },
+        )
     ledger.task_changed(task_id, "updated")
     return task, False
 

@@ -4,10 +4,29 @@ Imports nothing from Django, DRF, Celery, Channels or docker (an import-linter c
 test keep it so). Everything the service stores is derived from these functions.
 """
 
-from .keys import (ToolCall, call_digest, canonical_call, canonical_json, env_fingerprint, next_state_key, result_json,
-                   root_state_key, same_result)
-from .match import (CatchUp, ChainStep, Match, NodeRef, RecordPlan, StateChain, catch_up, longest_prefix_match,
-                    record_plan, state_chain)
+from .keys import (
+    ToolCall,
+    call_digest,
+    canonical_call,
+    canonical_json,
+    env_fingerprint,
+    next_state_key,
+    result_json,
+    root_state_key,
+    same_result,
+)
+from .match import (
+    CatchUp,
+    ChainStep,
+    Match,
+    NodeRef,
+    RecordPlan,
+    StateChain,
+    catch_up,
+    longest_prefix_match,
+    record_plan,
+    state_chain,
+)
 from .policy import TaskPolicy, ToolPolicy
 
 __all__ = [

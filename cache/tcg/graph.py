@@ -6,8 +6,9 @@ the algorithm against, and a model of what the store must answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .keys import ToolCall
 from .match import Match, NodeRef, StateChain, longest_prefix_match, record_plan, state_chain

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import orjson
 
@@ -15,7 +16,7 @@ class ToolCall:
     args: Mapping[str, Any]
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ToolCall":
+    def from_json(cls, data: Mapping[str, Any]) -> ToolCall:
         return cls(tool=data["tool"], args=data["args"])
 
     def to_json(self) -> dict[str, Any]:

@@ -13,8 +13,8 @@ and replaying from it would not start them again (docs/design/state.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from .keys import ToolCall, call_digest, next_state_key, root_state_key
 from .policy import TaskPolicy
@@ -128,7 +128,6 @@ def longest_prefix_match(chain: StateChain, found: Mapping[str, NodeRef]) -> Mat
     resume = found[writes[resume_index - 1].state_key] if resume_index else None
     replay = tuple(step.call for step in writes[resume_index:])
     return Match(matched=matched, node=node, resume=resume, replay=replay)
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,5 +29,5 @@ class TaskPolicy:
         return self.tools.get(tool, DEFAULT_TOOL_POLICY)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Mapping[str, Any]]) -> "TaskPolicy":
+    def from_json(cls, data: Mapping[str, Mapping[str, Any]]) -> TaskPolicy:
         return cls(tools={name: ToolPolicy(**spec) for name, spec in data.items()})

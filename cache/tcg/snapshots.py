@@ -15,8 +15,14 @@ class SnapshotCosts:
     restore_ms: float
 
 
-def snapshot_wanted(*, mutates: bool, replay_cost_ms: float, costs: SnapshotCosts, live_processes: int = 0,
-                    keeps_processes: bool = False) -> bool:
+def snapshot_wanted(
+    *,
+    mutates: bool,
+    replay_cost_ms: float,
+    costs: SnapshotCosts,
+    live_processes: int = 0,
+    keeps_processes: bool = False,
+) -> bool:
     """Snapshot when re-executing the path since the nearest snapshot costs more than taking
     plus restoring one. Read-only calls never change the state, so never need one; nor does a
     state with live processes where the snapshot would not keep them: no fork could use it."""

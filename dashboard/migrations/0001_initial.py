@@ -7,7 +7,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -16,21 +15,49 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='AuditEntry',
+            name="AuditEntry",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('actor_name', models.CharField(max_length=150)),
-                ('action', models.CharField(choices=[('subtree_evict', 'Evict subtree'), ('snapshot_evict', 'Evict snapshot'), ('node_pin', 'Pin node'), ('node_unpin', 'Unpin node'), ('task_flush', 'Flush task'), ('budget_set', 'Set budget'), ('sandbox_stop', 'Stop sandbox')], max_length=40)),
-                ('task_id', models.CharField(blank=True, db_index=True, default='', max_length=200)),
-                ('target', models.CharField(max_length=300)),
-                ('outcome', models.CharField(choices=[('ok', 'Ok'), ('refused', 'Refused'), ('failed', 'Failed')], max_length=10)),
-                ('details', models.JSONField(blank=True, default=dict)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("at", models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
+                ("actor_name", models.CharField(max_length=150)),
+                (
+                    "action",
+                    models.CharField(
+                        choices=[
+                            ("subtree_evict", "Evict subtree"),
+                            ("snapshot_evict", "Evict snapshot"),
+                            ("node_pin", "Pin node"),
+                            ("node_unpin", "Unpin node"),
+                            ("task_flush", "Flush task"),
+                            ("budget_set", "Set budget"),
+                            ("sandbox_stop", "Stop sandbox"),
+                        ],
+                        max_length=40,
+                    ),
+                ),
+                ("task_id", models.CharField(blank=True, db_index=True, default="", max_length=200)),
+                ("target", models.CharField(max_length=300)),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[("ok", "Ok"), ("refused", "Refused"), ("failed", "Failed")], max_length=10
+                    ),
+                ),
+                ("details", models.JSONField(blank=True, default=dict)),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'verbose_name_plural': 'audit entries',
-                'ordering': ['-at', '-id'],
+                "verbose_name_plural": "audit entries",
+                "ordering": ["-at", "-id"],
             },
         ),
     ]

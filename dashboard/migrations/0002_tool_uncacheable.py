@@ -4,15 +4,26 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('dashboard', '0001_initial'),
+        ("dashboard", "0001_initial"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='auditentry',
-            name='action',
-            field=models.CharField(choices=[('subtree_evict', 'Evict subtree'), ('snapshot_evict', 'Evict snapshot'), ('node_pin', 'Pin node'), ('node_unpin', 'Unpin node'), ('task_flush', 'Flush task'), ('budget_set', 'Set budget'), ('sandbox_stop', 'Stop sandbox'), ('tool_uncacheable', 'Tool made uncacheable (audit)')], max_length=40),
+            model_name="auditentry",
+            name="action",
+            field=models.CharField(
+                choices=[
+                    ("subtree_evict", "Evict subtree"),
+                    ("snapshot_evict", "Evict snapshot"),
+                    ("node_pin", "Pin node"),
+                    ("node_unpin", "Unpin node"),
+                    ("task_flush", "Flush task"),
+                    ("budget_set", "Set budget"),
+                    ("sandbox_stop", "Stop sandbox"),
+                    ("tool_uncacheable", "Tool made uncacheable (audit)"),
+                ],
+                max_length=40,
+            ),
         ),
     ]

@@ -5,12 +5,11 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0011_auditentry'),
-        ('dashboard', '0003_auditentry_project'),
+        ("cache", "0011_auditentry"),
+        ("dashboard", "0003_auditentry_project"),
     ]
 
     operations = [
-        migrations.SeparateDatabaseAndState(state_operations=[migrations.DeleteModel(name='AuditEntry')]),
+        migrations.SeparateDatabaseAndState(state_operations=[migrations.DeleteModel(name="AuditEntry")]),
     ]

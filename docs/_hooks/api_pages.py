@@ -297,8 +297,11 @@ def describe(outer: dict[str, Any], definition: dict[str, Any]) -> str:
     description = outer.get("description") or definition.get("description") or ""
     # drf-spectacular appends an enum's values as a bullet list; the type column already names them.
     description = description.split("\n\n* `")[0]
-    bounds = [bound(template, json.dumps(definition[key]) if key == "default" else definition[key])
-              for key, template in BOUNDS if key in definition]
+    bounds = [
+        bound(template, json.dumps(definition[key]) if key == "default" else definition[key])
+        for key, template in BOUNDS
+        if key in definition
+    ]
     if bounds and description:
         description = f"{description} ({', '.join(bounds)})"
     elif bounds:

@@ -51,8 +51,10 @@ WARMUP_S = 5
 
 
 def branch_calls(branch: int) -> list[dict]:
-    return [bash(f"make step {depth}") if depth < SHARED else bash(f"branch {branch} step {depth}")
-            for depth in range(DEPTH)]
+    return [
+        bash(f"make step {depth}") if depth < SHARED else bash(f"branch {branch} step {depth}")
+        for depth in range(DEPTH)
+    ]
 
 
 def result_of(branch: int, depth: int) -> dict:
@@ -64,15 +66,24 @@ def result_of(branch: int, depth: int) -> dict:
 
 def build(client: httpx.Client, task: str) -> None:
     """The task and its 8,192 records, over the REST API, 4 branches at a time."""
-    client.put(f"/api/v1/tasks/{task}", json={"env": {"backend": "external", "bench": "hits", "task": task},
-                                              "tools": {}, "sandbox_budget": 0}).raise_for_status()
+    client.put(
+        f"/api/v1/tasks/{task}",
+        json={"env": {"backend": "external", "bench": "hits", "task": task}, "tools": {}, "sandbox_budget": 0},
+    ).raise_for_status()
 
     def record_branch(branch: int) -> None:
         calls = branch_calls(branch)
         for depth, call in enumerate(calls):
-            client.post(f"/api/v1/tasks/{task}/record",
-                        json={"history": calls[:depth], "call": call, "result": result_of(branch, depth),
-                              "exec_ms": 100.0, "rollout_id": f"build-{branch}"}).raise_for_status()
+            client.post(
+                f"/api/v1/tasks/{task}/record",
+                json={
+                    "history": calls[:depth],
+                    "call": call,
+                    "result": result_of(branch, depth),
+                    "exec_ms": 100.0,
+                    "rollout_id": f"build-{branch}",
+                },
+            ).raise_for_status()
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(record_branch, range(BRANCHES)))
@@ -85,7 +96,7 @@ def lookups(seed: int) -> list[tuple[dict, dict]]:
     for _ in range(LOOKUPS):
         branch, depth = rng.randrange(BRANCHES), rng.randint(1, DEPTH)
         calls = branch_calls(branch)
-        chosen.append(({"history": calls[:depth - 1], "call": calls[depth - 1]}, result_of(branch, depth - 1)))
+        chosen.append(({"history": calls[: depth - 1], "call": calls[depth - 1]}, result_of(branch, depth - 1)))
     return chosen
 
 
@@ -135,8 +146,12 @@ def cpu_ticks() -> tuple[int, int]:
 
 
 def wrk(url: str, script: Path, duration: float) -> dict:
-    done = subprocess.run(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{duration:g}s", "--timeout", "10s", "-s", str(script),
-                           url], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{duration:g}s", "--timeout", "10s", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     line = next(line for line in done.stdout.splitlines() if line.startswith("WRK_JSON "))
     figures = json.loads(line.removeprefix("WRK_JSON "))
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", done.stdout)
@@ -186,23 +201,41 @@ def main() -> None:
     task = f"hits-{uuid.uuid4().hex[:8]}"
     path = f"/api/v1/tasks/{task}/lookup"
     chosen = lookups(args.seed)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=served_from, capture_output=True,
-                            text=True, check=False).stdout.strip()
-    figures: dict = {"meta": {"label": args.label, "served_from": str(served_from), "commit": commit,
-                              "workers": args.workers, "duration_s": args.duration, "repeat": args.repeat,
-                              "seed": args.seed, "connections": CONNECTIONS, "wrk_threads": 1, "cores": os.cpu_count(),
-                              "branches": BRANCHES, "depth": DEPTH, "shared_prefix": SHARED, "lookups": LOOKUPS,
-                              "hit_cache_entries": os.environ.get("TVCACHE_HIT_CACHE_ENTRIES", "default"),
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S")},
-                     "runs": {}}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=served_from, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    figures: dict = {
+        "meta": {
+            "label": args.label,
+            "served_from": str(served_from),
+            "commit": commit,
+            "workers": args.workers,
+            "duration_s": args.duration,
+            "repeat": args.repeat,
+            "seed": args.seed,
+            "connections": CONNECTIONS,
+            "wrk_threads": 1,
+            "cores": os.cpu_count(),
+            "branches": BRANCHES,
+            "depth": DEPTH,
+            "shared_prefix": SHARED,
+            "lookups": LOOKUPS,
+            "hit_cache_entries": os.environ.get("TVCACHE_HIT_CACHE_ENTRIES", "default"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "runs": {},
+    }
     built = False
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "hits.lua"
-        script.write_text(lua_script(path, token, [json.dumps(body, separators=(",", ":")).encode()
-                                                   for body, _ in chosen]))
+        script.write_text(
+            lua_script(path, token, [json.dumps(body, separators=(",", ":")).encode() for body, _ in chosen])
+        )
         for workers in [int(w) for w in args.workers.split(",")]:
-            with service_running(workers=workers, root=served_from) as service, \
-                    httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client:
+            with (
+                service_running(workers=workers, root=served_from) as service,
+                httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=60) as client,
+            ):
                 if not built:
                     started = time.monotonic()
                     build(client, task)
@@ -217,8 +250,12 @@ def main() -> None:
                 checks += checked(client, path, chosen)
             median_rps = percentile([r["requests_per_s"] for r in runs], 50)
             median = next(r for r in runs if r["requests_per_s"] == median_rps)
-            figures["runs"][str(workers)] = {"median": median, "runs": runs, "hits_checked": checks,
-                                             "requests_per_s": [r["requests_per_s"] for r in runs]}
+            figures["runs"][str(workers)] = {
+                "median": median,
+                "runs": runs,
+                "hits_checked": checks,
+                "requests_per_s": [r["requests_per_s"] for r in runs],
+            }
     write(args.out, figures)
 
 
@@ -227,20 +264,29 @@ def write(out: Path, figures: dict) -> None:
     name = f"hits-{figures['meta']['label']}" if figures["meta"]["label"] else "hits"
     (out / f"{name}.json").write_text(json.dumps(figures, indent=2))
     meta = figures["meta"]
-    lines = [(f"`wrk -t1 -c{meta['connections']} -d{meta['duration_s']:g}s`, {meta['lookups']} hit lookups cycled "
-              f"(task of {meta['branches']} branches x {meta['depth']} calls, shared prefix of {meta['shared_prefix']}), "
-              f"{meta['cores']} cores shared with wrk and PostgreSQL; served from {meta['commit']}, hit cache entries: "
-              f"{meta['hit_cache_entries']}. Runs per worker count: {meta['repeat']}; the row is the median run."), "",
-             ("| uvicorn workers | req/s (median) | req/s (runs) | P50 / P90 / P99 ms | errors | server CPU ms/req "
-              "| machine busy | load avg before |"),
-             "|---:|---:|---|---|---:|---:|---:|---:|"]
+    lines = [
+        (
+            f"`wrk -t1 -c{meta['connections']} -d{meta['duration_s']:g}s`, {meta['lookups']} hit lookups cycled "
+            f"(task of {meta['branches']} branches x {meta['depth']} calls, shared prefix of {meta['shared_prefix']}), "
+            f"{meta['cores']} cores shared with wrk and PostgreSQL; served from {meta['commit']}, hit cache entries: "
+            f"{meta['hit_cache_entries']}. Runs per worker count: {meta['repeat']}; the row is the median run."
+        ),
+        "",
+        (
+            "| uvicorn workers | req/s (median) | req/s (runs) | P50 / P90 / P99 ms | errors | server CPU ms/req "
+            "| machine busy | load avg before |"
+        ),
+        "|---:|---:|---|---|---:|---:|---:|---:|",
+    ]
     for workers, row in figures["runs"].items():
         m = row["median"]
         errors = m["non_2xx"] + sum(m["errors"].values())
-        lines.append(f"| {workers} | {m['requests_per_s']:.0f} | {', '.join(f'{r:.0f}' for r in row['requests_per_s'])} "
-                     f"| {m['latency_ms']['p50']:.2f} / {m['latency_ms']['p90']:.2f} / {m['latency_ms']['p99']:.2f} "
-                     f"| {errors} | {1000 * m['server_cpu_s'] / max(1, m['requests']):.3f} "
-                     f"| {100 * m['machine_busy']:.0f} % | {m['load_avg_before']} |")
+        lines.append(
+            f"| {workers} | {m['requests_per_s']:.0f} | {', '.join(f'{r:.0f}' for r in row['requests_per_s'])} "
+            f"| {m['latency_ms']['p50']:.2f} / {m['latency_ms']['p90']:.2f} / {m['latency_ms']['p99']:.2f} "
+            f"| {errors} | {1000 * m['server_cpu_s'] / max(1, m['requests']):.3f} "
+            f"| {100 * m['machine_busy']:.0f} % | {m['load_avg_before']} |"
+        )
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -35,8 +35,10 @@ def encode_requests(requests: list[dict], host: str, port: int, token: str) -> l
     encoded = []
     for request in requests:
         body = json.dumps(request["body"]).encode()
-        head = (f"POST {request['path']} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Token {token}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {request['path']} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Token {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         encoded.append((request["kind"], head + body))
     return encoded
 
@@ -44,7 +46,7 @@ def encode_requests(requests: list[dict], host: str, port: int, token: str) -> l
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; parses just enough HTTP/1.1 to find each response's end."""
 
-    def __init__(self, pool: "_Pool"):
+    def __init__(self, pool: _Pool):
         self.pool = pool
         self.transport = None
         self.buffer = bytearray()
@@ -73,7 +75,7 @@ class _Connection(asyncio.Protocol):
         if len(self.buffer) < end + 4 + length:
             return
         status = int(head[9:12])
-        del self.buffer[:end + 4 + length]
+        del self.buffer[: end + 4 + length]
         request, self.request = self.request, None
         if not keep_alive:
             self.transport.close()
@@ -156,8 +158,18 @@ class _Pool:
             self._dispatch(self.waiting.popleft())
 
 
-async def run(host: str, port: int, rate: float, duration: float, encoded: list, connections: int, start: float,
-              shard: int = 0, shards: int = 1, drain: float = 30.0) -> tuple[list, float]:
+async def run(
+    host: str,
+    port: int,
+    rate: float,
+    duration: float,
+    encoded: list,
+    connections: int,
+    start: float,
+    shard: int = 0,
+    shards: int = 1,
+    drain: float = 30.0,
+) -> tuple[list, float]:
     loop = asyncio.get_running_loop()
     results: list = []
     pool = _Pool(loop, host, port, connections, results)
@@ -200,8 +212,20 @@ def _shard(args, shard: int, start: float, queue) -> None:
         pass
     with open(args.requests) as handle:
         encoded = encode_requests(json.load(handle), args.host, args.port, args.token)
-    results, finished = asyncio.run(run(args.host, args.port, args.rate, args.duration, encoded,
-                              max(1, args.connections // args.processes), start, shard, args.processes, args.drain))
+    results, finished = asyncio.run(
+        run(
+            args.host,
+            args.port,
+            args.rate,
+            args.duration,
+            encoded,
+            max(1, args.connections // args.processes),
+            start,
+            shard,
+            args.processes,
+            args.drain,
+        )
+    )
     queue.put((results, finished))
 
 
@@ -222,8 +246,10 @@ def main() -> None:
     _loopback(args.host)
     start = time.monotonic() + 0.5  # every shard is up and has encoded its requests by then
     queue = multiprocessing.get_context("fork").Queue()
-    workers = [multiprocessing.get_context("fork").Process(target=_shard, args=(args, shard, start, queue))
-               for shard in range(args.processes)]
+    workers = [
+        multiprocessing.get_context("fork").Process(target=_shard, args=(args, shard, start, queue))
+        for shard in range(args.processes)
+    ]
     for worker in workers:
         worker.start()
     shards = [queue.get() for _ in workers]

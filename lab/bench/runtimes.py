@@ -25,10 +25,12 @@ CALLS = ("true", "echo hi > f")
 # The state a snapshot is taken of: a daemonized web server, a background process, and a shell
 # holding about MEMORY bytes of random text in a variable (base64: a checkpoint compresses memory),
 # all left running by the call. The shell loops so that it is not replaced by its last command.
-SETUP = ("mkdir -p /www && echo page > /www/index.html && busybox httpd -p 8089 -h /www && "
-         "(sleep 100000 >/dev/null 2>&1 &) && "
-         "(v=$(head -c {memory} /dev/urandom | base64); touch /held; while :; do sleep 100000; done) >/dev/null 2>&1 & "
-         "while [ ! -e /held ]; do sleep 0.1; done; echo started")
+SETUP = (
+    "mkdir -p /www && echo page > /www/index.html && busybox httpd -p 8089 -h /www && "
+    "(sleep 100000 >/dev/null 2>&1 &) && "
+    "(v=$(head -c {memory} /dev/urandom | base64); touch /held; while :; do sleep 100000; done) >/dev/null 2>&1 & "
+    "while [ ! -e /held ]; do sleep 0.1; done; echo started"
+)
 PROBE = "wget -qO- http://127.0.0.1:8089/ 2>/dev/null || echo unreachable; ps -o args | grep -c '^sleep 100000'"
 
 
@@ -59,8 +61,11 @@ def calls(backend, image: str, labels: dict[str, str], rounds: int) -> dict[str,
                 for observed in (False, True):
                     for runtime in _order(i):
                         sandbox = sandboxes[runtime]
-                        ms, result = timed_ms(lambda: (sandbox.execute_observed if observed else sandbox.execute)(
-                            "bash", {"command": command}))
+                        ms, result = timed_ms(
+                            lambda: (sandbox.execute_observed if observed else sandbox.execute)(
+                                "bash", {"command": command}
+                            )
+                        )
                         result = result[0] if observed else result
                         if result["exit_code"] != 0:
                             raise RuntimeError(f"{runtime}: {command!r} answered {result}")
@@ -68,16 +73,20 @@ def calls(backend, image: str, labels: dict[str, str], rounds: int) -> dict[str,
     finally:
         for sandbox in sandboxes.values():
             sandbox.stop()
-    return {"image": image, **{runtime: {name: summary(v) for name, v in values.items()} for runtime, values in found.items()}}
+    return {
+        "image": image,
+        **{runtime: {name: summary(v) for name, v in values.items()} for runtime, values in found.items()},
+    }
 
 
 def snapshots_and_forks(backend, image: str, labels: dict[str, str], memory_mb: int, rounds: int) -> dict[str, Any]:
     """Per runtime: snapshot a sandbox holding live processes, fork it, probe the fork; what the
     fork's container uses. The source's own next call is timed too (under runsc it was restored
     from its checkpoint)."""
-    figures: dict[str, dict[str, list[float]]] = {r: {"snapshot": [], "size_mb": [], "fork": [], "first_call": [],
-                                                      "source_next_call": [], "fork_memory_mb": []}
-                                                  for r in RUNTIMES}
+    figures: dict[str, dict[str, list[float]]] = {
+        r: {"snapshot": [], "size_mb": [], "fork": [], "first_call": [], "source_next_call": [], "fork_memory_mb": []}
+        for r in RUNTIMES
+    }
     answers: dict[str, set[str]] = {r: set() for r in RUNTIMES}
     keeps: dict[str, set[bool]] = {r: set() for r in RUNTIMES}
     setup = SETUP.format(memory=memory_mb * 750_000)  # base64: 4 bytes of text per 3
@@ -92,8 +101,9 @@ def snapshots_and_forks(backend, image: str, labels: dict[str, str], memory_mb: 
                 figures[runtime]["snapshot"].append(ms)
                 figures[runtime]["size_mb"].append(info.size_bytes / 1e6)
                 keeps[runtime].add(info.keeps_processes)
-                figures[runtime]["source_next_call"].append(timed_ms(
-                    lambda: source.execute("bash", {"command": "true"}))[0])
+                figures[runtime]["source_next_call"].append(
+                    timed_ms(lambda: source.execute("bash", {"command": "true"}))[0]
+                )
             try:
                 ms, fork = timed_ms(lambda: backend.fork(info.ref, env, labels=labels))
                 with fork:
@@ -107,11 +117,15 @@ def snapshots_and_forks(backend, image: str, labels: dict[str, str], memory_mb: 
     out: dict[str, Any] = {"image": image, "memory_mb": memory_mb}
     for runtime, values in figures.items():
         out[runtime] = {
-            "snapshot": summary(values["snapshot"]), "fork": summary(values["fork"]),
+            "snapshot": summary(values["snapshot"]),
+            "fork": summary(values["fork"]),
             "fork_and_first_call": summary([f + c for f, c in zip(values["fork"], values["first_call"])]),
             "source_next_call": summary(values["source_next_call"]),
-            "size_mb": _median(values["size_mb"]), "fork_memory_mb": _median(values["fork_memory_mb"]),
-            "keeps_processes": sorted(keeps[runtime]), "fork_probe": sorted(answers[runtime])}
+            "size_mb": _median(values["size_mb"]),
+            "fork_memory_mb": _median(values["fork_memory_mb"]),
+            "keeps_processes": sorted(keeps[runtime]),
+            "fork_probe": sorted(answers[runtime]),
+        }
     return out
 
 

@@ -34,8 +34,12 @@ def summary(values: list[float]) -> dict[str, Any]:
     """median / P95 / max in ms, rounded; n samples."""
     if not values:
         return {"n": 0, "median_ms": None, "p95_ms": None, "max_ms": None}
-    return {"n": len(values), "median_ms": percentile(values, 50, 1), "p95_ms": percentile(values, 95, 1),
-            "max_ms": round(max(values), 1)}
+    return {
+        "n": len(values),
+        "median_ms": percentile(values, 50, 1),
+        "p95_ms": percentile(values, 95, 1),
+        "max_ms": round(max(values), 1),
+    }
 
 
 def timed_ms(action: Callable[[], Any]) -> tuple[float, Any]:
@@ -54,15 +58,19 @@ def bash(command: str) -> dict[str, Any]:
 CALL_COMMANDS = ("true", "echo hi > f")
 
 
-def call_latency(make_backend: Callable[[bool], Any], image: str, labels: dict[str, str], rounds: int) -> dict[str, Any]:
+def call_latency(
+    make_backend: Callable[[bool], Any], image: str, labels: dict[str, str], rounds: int
+) -> dict[str, Any]:
     """A bash call's latency in one running sandbox, by a `docker exec` per call against the
     session agent (one per container): plain (`execute`: a replay, the no-cache arm) and observed
     (`execute_observed`: a tool-server miss, the layer listed before and after). Modes, commands
     and observation alternate call by call (the mode that goes first alternates each round), so
     load on the machine weighs on all alike; each sandbox's first call is reported apart."""
     env = {"backend": "docker", "image": image}
-    sandboxes = {"exec": make_backend(False).start(env, labels=labels),
-                 "session": make_backend(True).start(env, labels=labels)}
+    sandboxes = {
+        "exec": make_backend(False).start(env, labels=labels),
+        "session": make_backend(True).start(env, labels=labels),
+    }
     figures: dict[str, dict[str, list[float]]] = {mode: {"first": []} for mode in sandboxes}
     try:
         for mode, sandbox in sandboxes.items():
@@ -81,8 +89,11 @@ def call_latency(make_backend: Callable[[bool], Any], image: str, labels: dict[s
     finally:
         for sandbox in sandboxes.values():
             sandbox.stop()
-    return {"image": image, "rounds": rounds,
-            **{mode: {kind: summary(values) for kind, values in kinds.items()} for mode, kinds in figures.items()}}
+    return {
+        "image": image,
+        "rounds": rounds,
+        **{mode: {kind: summary(values) for kind, values in kinds.items()} for mode, kinds in figures.items()},
+    }
 
 
 def cold_forks(backend, image: str, labels: dict[str, str], rounds: int) -> dict[str, Any]:
@@ -98,7 +109,9 @@ def cold_forks(backend, image: str, labels: dict[str, str], rounds: int) -> dict
             commits.append(info.create_ms)
             for attempt in range(2):
                 fork_ms, fork = timed_ms(lambda: backend.fork(info.ref, env, labels=labels))
-                exec_ms, result = timed_ms(lambda: fork.execute("bash", {"command": f'test "$PWD/$ROUND" = /w/{i} && cat r{i}'}))
+                exec_ms, result = timed_ms(
+                    lambda: fork.execute("bash", {"command": f'test "$PWD/$ROUND" = /w/{i} && cat r{i}'})
+                )
                 fork.stop()
                 if result["exit_code"] != 0:
                     raise RuntimeError(f"a fork lost its session state: {result}")
@@ -111,12 +124,19 @@ def cold_forks(backend, image: str, labels: dict[str, str], rounds: int) -> dict
             backend.delete_snapshot(info.ref)
     finally:
         source.stop()
-    return {"image": image, "snapshot_commit": summary(commits), "fork": summary(first_fork),
-            "first_exec": summary(first_exec), "fork_and_first_exec": summary(first_total),
-            "second_fork_and_first_exec": summary(second_total)}
+    return {
+        "image": image,
+        "snapshot_commit": summary(commits),
+        "fork": summary(first_fork),
+        "first_exec": summary(first_exec),
+        "fork_and_first_exec": summary(first_total),
+        "second_fork_and_first_exec": summary(second_total),
+    }
 
 
-def snapshot_sizes(backend, image: str, labels: dict[str, str], sizes_mb: list[int], rounds: int) -> list[dict[str, Any]]:
+def snapshot_sizes(
+    backend, image: str, labels: dict[str, str], sizes_mb: list[int], rounds: int
+) -> list[dict[str, Any]]:
     """Commit time and snapshot size of a sandbox that wrote N MB, and a fork of it."""
     env = {"backend": "docker", "image": image}
     rows = []
@@ -137,13 +157,25 @@ def snapshot_sizes(backend, image: str, labels: dict[str, str], sizes_mb: list[i
                 backend.delete_snapshot(info.ref)
             finally:
                 sandbox.stop()
-        rows.append({"written_mb": size_mb, "commit": summary(commits),
-                     "size_mb": round(sorted(sizes)[len(sizes) // 2] / 1e6, 1), "fork_and_first_exec": summary(forks)})
+        rows.append(
+            {
+                "written_mb": size_mb,
+                "commit": summary(commits),
+                "size_mb": round(sorted(sizes)[len(sizes) // 2] / 1e6, 1),
+                "fork_and_first_exec": summary(forks),
+            }
+        )
     return rows
 
 
-def start_rates(make_backend: Callable[[int], Any], image: str, labels: dict[str, str], concurrencies: list[int],
-                count: int, threads: int = 8) -> list[dict[str, Any]]:
+def start_rates(
+    make_backend: Callable[[int], Any],
+    image: str,
+    labels: dict[str, str],
+    concurrencies: list[int],
+    count: int,
+    threads: int = 8,
+) -> list[dict[str, Any]]:
     """`count` starts (container created, running, shell session initialised) requested by
     `threads` callers at once, with the start limiter set to each concurrency."""
     env = {"backend": "docker", "image": image}
@@ -163,8 +195,15 @@ def start_rates(make_backend: Callable[[int], Any], image: str, labels: dict[str
             wall_ms, sandboxes = timed_ms(lambda: list(pool.map(start_one, range(count))))
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(lambda s: s.stop(), sandboxes))
-        rows.append({"max_concurrent_starts": concurrency, "starts": count, "callers": threads,
-                     "starts_per_s": round(count / (wall_ms / 1000), 2), "start": summary(latencies)})
+        rows.append(
+            {
+                "max_concurrent_starts": concurrency,
+                "starts": count,
+                "callers": threads,
+                "starts_per_s": round(count / (wall_ms / 1000), 2),
+                "start": summary(latencies),
+            }
+        )
     return rows
 
 
@@ -201,7 +240,7 @@ class TaskPolicy:
     def plan(self, rng: random.Random, epoch: int) -> list[tuple[float, str]]:
         """(think time before the call in s, command) for one rollout."""
         sharpness = 1.0 + 0.75 * epoch
-        weights = [a.weight ** sharpness for a in self.actions]
+        weights = [a.weight**sharpness for a in self.actions]
         commands = list(self.setup)
         for _ in range(self.steps):
             action = rng.choices(self.actions, weights)[0]
@@ -211,32 +250,52 @@ class TaskPolicy:
 
 
 def _edits(template: str, keys: list[str], values: list[int]) -> list[Action]:
-    return [Action(4.0 / (1 + i + j), template.format(key=key, value=value))
-            for i, key in enumerate(keys) for j, value in enumerate(values)]
+    return [
+        Action(4.0 / (1 + i + j), template.format(key=key, value=value))
+        for i, key in enumerate(keys)
+        for j, value in enumerate(values)
+    ]
 
 
 POLICIES = {
     # Shell configuration fixing in busybox: edit a config, inspect, run a slow check.
     "busybox": TaskPolicy(
-        name="busybox", image="tvcache/busybox:latest",
-        setup=("sleep 1; mkdir -p /app && cd /app && printf 'A=1\\nB=2\\nC=3\\n' > config"
-               " && printf '. ./config\\necho $((A + B * C))\\n' > run.sh",
-               "sh run.sh"),
-        actions=(*_edits("sed -i 's/^{key}=.*/{key}={value}/' config", ["A", "B", "C"], [1, 2, 3]),
-                 Action(3.0, "cat config"), Action(4.0, "sh run.sh"), Action(1.0, "ls"), Action(1.0, "grep -c = config"),
-                 Action(3.0, 'sleep 0.5; test "$(sh run.sh)" = 7 && echo PASS || echo FAIL'), Action(1.5, None)),
+        name="busybox",
+        image="tvcache/busybox:latest",
+        setup=(
+            "sleep 1; mkdir -p /app && cd /app && printf 'A=1\\nB=2\\nC=3\\n' > config"
+            " && printf '. ./config\\necho $((A + B * C))\\n' > run.sh",
+            "sh run.sh",
+        ),
+        actions=(
+            *_edits("sed -i 's/^{key}=.*/{key}={value}/' config", ["A", "B", "C"], [1, 2, 3]),
+            Action(3.0, "cat config"),
+            Action(4.0, "sh run.sh"),
+            Action(1.0, "ls"),
+            Action(1.0, "grep -c = config"),
+            Action(3.0, 'sleep 0.5; test "$(sh run.sh)" = 7 && echo PASS || echo FAIL'),
+            Action(1.5, None),
+        ),
         steps=7,
     ),
     # A C program in Debian: write it, build it with gcc, then edit / rebuild / run / inspect.
     "gcc": TaskPolicy(
-        name="gcc", image="tvcache/debian:bookworm",
-        setup=("sleep 1; mkdir -p /src && cd /src && printf '#include <stdio.h>\\nint f(int x) { return x * 2; }\\n"
-               "int main(void) { printf(\"%%d\\\\n\", f(21)); return 0; }\\n' > main.c",
-               "gcc -O1 -o prog main.c && ./prog"),
-        actions=(*_edits("sed -i 's/x \\* [0-9]*/x * {value}/' main.c", ["k"], [2, 3, 4]),
-                 *_edits("sed -i 's/f([0-9]*)/f({value})/' main.c", ["n"], [21, 1, 42]),
-                 Action(5.0, "gcc -O1 -o prog main.c && ./prog"), Action(3.0, "./prog"),
-                 Action(1.0, "grep -n return main.c"), Action(1.0, "cat main.c"), Action(1.5, None)),
+        name="gcc",
+        image="tvcache/debian:bookworm",
+        setup=(
+            "sleep 1; mkdir -p /src && cd /src && printf '#include <stdio.h>\\nint f(int x) { return x * 2; }\\n"
+            'int main(void) { printf("%%d\\\\n", f(21)); return 0; }\\n\' > main.c',
+            "gcc -O1 -o prog main.c && ./prog",
+        ),
+        actions=(
+            *_edits("sed -i 's/x \\* [0-9]*/x * {value}/' main.c", ["k"], [2, 3, 4]),
+            *_edits("sed -i 's/f([0-9]*)/f({value})/' main.c", ["n"], [21, 1, 42]),
+            Action(5.0, "gcc -O1 -o prog main.c && ./prog"),
+            Action(3.0, "./prog"),
+            Action(1.0, "grep -n return main.c"),
+            Action(1.0, "cat main.c"),
+            Action(1.5, None),
+        ),
         steps=6,
     ),
 }
@@ -255,8 +314,9 @@ def epoch_plans(task_ids: dict[str, str], rollouts: int, epoch: int, seed: int) 
     for policy_name, task_id in task_ids.items():
         for index in range(rollouts):
             rng = random.Random(f"{seed}/{policy_name}/{epoch}/{index}")
-            plans.append(RolloutPlan(task_id, policy_name, f"e{epoch}-r{index}",
-                                     POLICIES[policy_name].plan(rng, epoch)))
+            plans.append(
+                RolloutPlan(task_id, policy_name, f"e{epoch}-r{index}", POLICIES[policy_name].plan(rng, epoch))
+            )
     return plans
 
 
@@ -292,8 +352,9 @@ def run_without_cache(backend, plan: RolloutPlan, labels: dict[str, str]) -> Rol
     """The same rollout executed directly in a fresh sandbox of its own (no service)."""
     run = RolloutRun(plan)
     started = time.perf_counter()
-    run.start_ms, sandbox = timed_ms(lambda: backend.start({"backend": "docker", "image": POLICIES[plan.policy].image},
-                                                           labels=labels))
+    run.start_ms, sandbox = timed_ms(
+        lambda: backend.start({"backend": "docker", "image": POLICIES[plan.policy].image}, labels=labels)
+    )
     try:
         for think_s, command in plan.calls:
             time.sleep(think_s)
@@ -306,7 +367,9 @@ def run_without_cache(backend, plan: RolloutPlan, labels: dict[str, str]) -> Rol
     return run
 
 
-def run_parallel(runner: Callable[[RolloutPlan], RolloutRun], plans: list[RolloutPlan]) -> tuple[float, list[RolloutRun]]:
+def run_parallel(
+    runner: Callable[[RolloutPlan], RolloutRun], plans: list[RolloutPlan]
+) -> tuple[float, list[RolloutRun]]:
     with ThreadPoolExecutor(max_workers=len(plans)) as pool:
         return timed_ms(lambda: list(pool.map(runner, plans)))
 

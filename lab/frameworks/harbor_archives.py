@@ -25,15 +25,19 @@ from tvclient.integrations import harbor
 
 # (name, type, mode, data or link target): tar members as written, without any check.
 Member = tuple[str, bytes, int, str]
-VALID: list[Member] = [(".", tarfile.DIRTYPE, 0o755, ""), ("notes", tarfile.DIRTYPE, 0o750, ""),
-                       ("notes/steps.txt", tarfile.REGTYPE, 0o600, "step 1\n"),
-                       ("latest", tarfile.SYMTYPE, 0, "notes/steps.txt"),
-                       ("notes/up", tarfile.SYMTYPE, 0, "../latest")]
+VALID: list[Member] = [
+    (".", tarfile.DIRTYPE, 0o755, ""),
+    ("notes", tarfile.DIRTYPE, 0o750, ""),
+    ("notes/steps.txt", tarfile.REGTYPE, 0o600, "step 1\n"),
+    ("latest", tarfile.SYMTYPE, 0, "notes/steps.txt"),
+    ("notes/up", tarfile.SYMTYPE, 0, "../latest"),
+]
 ROOT = [(".", tarfile.DIRTYPE, 0o755, "")]
 CRAFTED: dict[str, list[Member]] = {
     "absolute name": ROOT + [("/tmp/escaped", tarfile.REGTYPE, 0o644, "x")],
     "dot-dot name": ROOT + [("../escaped", tarfile.REGTYPE, 0o644, "x")],
-    "dot-dot inside a name": ROOT + [("notes", tarfile.DIRTYPE, 0o755, ""), ("notes/../../escaped", tarfile.REGTYPE, 0o644, "x")],
+    "dot-dot inside a name": ROOT
+    + [("notes", tarfile.DIRTYPE, 0o755, ""), ("notes/../../escaped", tarfile.REGTYPE, 0o644, "x")],
     "child before its folder": ROOT + [("notes/steps.txt", tarfile.REGTYPE, 0o644, "x")],
     "absolute link": ROOT + [("passwd", tarfile.SYMTYPE, 0, "/etc/passwd")],
     "link leading outside": ROOT + [("up", tarfile.SYMTYPE, 0, "../outside")],
@@ -84,7 +88,9 @@ def attempt(work: Path, encoded: str, *, prepare=None, file: bool = False) -> di
     before = tree(case)
 
     def outside() -> dict[str, Any]:
-        return {name: entry for name, entry in tree(case).items() if name != "target" and not name.startswith("target/")}
+        return {
+            name: entry for name, entry in tree(case).items() if name != "target" and not name.startswith("target/")
+        }
 
     outside_before = outside()
     try:
@@ -103,8 +109,11 @@ def staged(work: Path, build, *, file: bool = False) -> dict[str, Any]:
     except harbor._Unservable as exc:
         return {"outcome": "refused", "why": str(exc)}
     again = harbor._entries(root, file=file, max_bytes=1 << 20)
-    return {"outcome": "served", "entries": len(entries),
-            "same_archive_twice": harbor._archive(entries) == harbor._archive(again)}
+    return {
+        "outcome": "served",
+        "entries": len(entries),
+        "same_archive_twice": harbor._archive(entries) == harbor._archive(again),
+    }
 
 
 def main() -> None:
@@ -118,7 +127,8 @@ def cases(work: Path) -> dict[str, Any]:
     for name, members in CRAFTED.items():
         report["crafted"][name] = attempt(work, archive(members) if members else "%%%")
     report["crafted"]["second member of a file download"] = attempt(
-        work, archive([(".", tarfile.REGTYPE, 0o644, "x"), ("more", tarfile.REGTYPE, 0o644, "y")]), file=True)
+        work, archive([(".", tarfile.REGTYPE, 0o644, "x"), ("more", tarfile.REGTYPE, 0o644, "y")]), file=True
+    )
 
     def link_in_the_way(target: Path) -> None:
         (target / "notes").symlink_to(target.parent / "outside-folder")
@@ -132,14 +142,21 @@ def cases(work: Path) -> dict[str, Any]:
         (target / "notes").mkdir()
         (target / "notes" / "steps.txt").mkdir()
 
-    for name, prepare in {"a link where a folder goes": link_in_the_way,
-                          "a link where a file goes": link_over_a_file,
-                          "a folder where a file goes": folder_where_a_file_goes}.items():
+    for name, prepare in {
+        "a link where a folder goes": link_in_the_way,
+        "a link where a file goes": link_over_a_file,
+        "a folder where a file goes": folder_where_a_file_goes,
+    }.items():
         report["targets"][name] = attempt(work, archive(VALID), prepare=prepare)
     report["targets"]["an existing file is overwritten"] = attempt(
-        work, archive(VALID), prepare=lambda target: ((target / "notes").mkdir(),
-                                                      (target / "notes" / "steps.txt").write_text("old\n"),
-                                                      (target / "keep.txt").write_text("trainer's\n")))
+        work,
+        archive(VALID),
+        prepare=lambda target: (
+            (target / "notes").mkdir(),
+            (target / "notes" / "steps.txt").write_text("old\n"),
+            (target / "keep.txt").write_text("trainer's\n"),
+        ),
+    )
 
     def outside_link(root: Path) -> None:
         root.mkdir()
@@ -154,8 +171,11 @@ def cases(work: Path) -> dict[str, Any]:
         (root / "notes" / "steps.txt").write_text("step 1\n")
         (root / "latest").symlink_to("notes/steps.txt")
 
-    report["staged"] = {"a link leading outside": staged(work, outside_link), "a fifo": staged(work, fifo),
-                        "files, folders and an inside link": staged(work, ordinary)}
+    report["staged"] = {
+        "a link leading outside": staged(work, outside_link),
+        "a fifo": staged(work, fifo),
+        "files, folders and an inside link": staged(work, ordinary),
+    }
     return report
 
 

@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
+
 from tvclient.integrations.harbor import cached
 
 OWN = ("app", "home", "logs", "root", "solution", "tests", "tmp")  # the box's own folders
@@ -119,11 +120,23 @@ class LocalFolderEnvironment(BaseEnvironment):
         variables = {"PATH": PATH, "HOME": "/root", **(self._merge_env(env) or {})}
         self._log("exec", command=command)
         process = await asyncio.create_subprocess_exec(
-            "unshare", "-m", "bash", "-c", _ENTER, "enter", str(self._box), str(self._probe or ""),
-            cwd or self.workdir, *(f"{key}={value}" for key, value in variables.items()),
-            "/bin/bash", "-c", command,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={"PATH": PATH}, start_new_session=True,
+            "unshare",
+            "-m",
+            "bash",
+            "-c",
+            _ENTER,
+            "enter",
+            str(self._box),
+            str(self._probe or ""),
+            cwd or self.workdir,
+            *(f"{key}={value}" for key, value in variables.items()),
+            "/bin/bash",
+            "-c",
+            command,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": PATH},
+            start_new_session=True,
         )
         try:
             stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=timeout_sec)
@@ -131,8 +144,11 @@ class LocalFolderEnvironment(BaseEnvironment):
             os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds") from None
-        return ExecResult(stdout=stdout.decode(errors="replace"), stderr=stderr.decode(errors="replace"),
-                          return_code=process.returncode)
+        return ExecResult(
+            stdout=stdout.decode(errors="replace"),
+            stderr=stderr.decode(errors="replace"),
+            return_code=process.returncode,
+        )
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         target = self._path(target_path)

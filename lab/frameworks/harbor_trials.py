@@ -49,8 +49,10 @@ from tvclient import TVCacheClient
 UNCACHED_CLASS = "harbor_local:LocalFolderEnvironment"
 CACHED_CLASS = "harbor_local:CachedLocalFolder"
 # The command docs/integrations/harbor.md shows (the test passes the docs' own text).
-COMMAND = ('harbor run -p "$TASK" -a oracle --env harbor_local:CachedLocalFolder '
-           '--ek probe_dir="$PROBE" -o "$JOBS" --job-name "$JOB" -n 1 -y -q')
+COMMAND = (
+    'harbor run -p "$TASK" -a oracle --env harbor_local:CachedLocalFolder '
+    '--ek probe_dir="$PROBE" -o "$JOBS" --job-name "$JOB" -n 1 -y -q'
+)
 UNCACHED_COMMAND = COMMAND.replace(CACHED_CLASS, UNCACHED_CLASS)
 VARYING = "<varies between any two trials>"
 
@@ -58,9 +60,12 @@ VARYING = "<varies between any two trials>"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", default="uncached,first,repeat")
-    parser.add_argument("--command", default=COMMAND, help="the cached passes' shell command ($TASK, $PROBE, $JOBS, $JOB)")
-    parser.add_argument("--work", type=Path,
-                        help="folder for the task, probe and jobs, kept (default: a temporary one, removed)")
+    parser.add_argument(
+        "--command", default=COMMAND, help="the cached passes' shell command ($TASK, $PROBE, $JOBS, $JOB)"
+    )
+    parser.add_argument(
+        "--work", type=Path, help="folder for the task, probe and jobs, kept (default: a temporary one, removed)"
+    )
     parser.add_argument("--label", default=uuid.uuid4().hex[:12], help="makes the task, and its tvcache task, distinct")
     args = parser.parse_args()
     if args.work is not None:
@@ -74,10 +79,18 @@ def run(args: argparse.Namespace, work: Path) -> None:
     task = harbor_task.write_task(work / f"hello-cache-{args.label}", label=args.label)
     probe = work / "probe"
     probe.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"harbor": version("harbor"), "work": str(work), "task": task.name,
-                              "import_paths": import_paths(), "passes": {}}
-    client = TVCacheClient(os.environ["TVCACHE_URL"], os.environ["TVCACHE_TOKEN"]) \
-        if {"first", "repeat"} & set(args.passes.split(",")) else None
+    report: dict[str, Any] = {
+        "harbor": version("harbor"),
+        "work": str(work),
+        "task": task.name,
+        "import_paths": import_paths(),
+        "passes": {},
+    }
+    client = (
+        TVCacheClient(os.environ["TVCACHE_URL"], os.environ["TVCACHE_TOKEN"])
+        if {"first", "repeat"} & set(args.passes.split(","))
+        else None
+    )
     for name in args.passes.split(","):
         report["passes"][name] = run_pass(name, args.command, task, probe, work / "jobs", client)
     compare(report)
@@ -91,28 +104,38 @@ def import_paths() -> dict[str, Any]:
     from harbor.utils.import_path import import_class
 
     resolved = {}
-    for path in ("tvclient.integrations.harbor:CachedDocker", "tvclient.integrations.harbor:CachedDaytona",
-                 CACHED_CLASS):
+    for path in (
+        "tvclient.integrations.harbor:CachedDocker",
+        "tvclient.integrations.harbor:CachedDaytona",
+        CACHED_CLASS,
+    ):
         try:
             get = getattr(factory.EnvironmentFactory, "get_environment_class", None)
             environment_class = get(import_path=path) if get else import_class(path, label="environment")
-            resolved[path] = {"class": environment_class.__name__,
-                              "bases": [base.__name__ for base in environment_class.__mro__[1:3]],
-                              "environment": issubclass(environment_class, BaseEnvironment)}
+            resolved[path] = {
+                "class": environment_class.__name__,
+                "bases": [base.__name__ for base in environment_class.__mro__[1:3]],
+                "environment": issubclass(environment_class, BaseEnvironment),
+            }
         except Exception as exc:  # noqa: BLE001 - reported, the test asserts on it
             resolved[path] = {"error": f"{type(exc).__name__}: {exc}"}
     return resolved
 
 
-def run_pass(name: str, command: str, task: Path, probe: Path, jobs: Path,
-             client: TVCacheClient | None) -> dict[str, Any]:
+def run_pass(
+    name: str, command: str, task: Path, probe: Path, jobs: Path, client: TVCacheClient | None
+) -> dict[str, Any]:
     solve_runs, operations = _lines(probe / "solve-runs"), _lines(probe / "operations.jsonl")
     stats_before = _stats(client, task.name)
     jobs_named = [f"{name}-a", f"{name}-b"] if name == "uncached" else [name]
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(jobs_named)) as pool:
-        runs = list(pool.map(lambda job: harbor_run(UNCACHED_COMMAND if name == "uncached" else command,
-                                                    task, probe, jobs, job), jobs_named))
+        runs = list(
+            pool.map(
+                lambda job: harbor_run(UNCACHED_COMMAND if name == "uncached" else command, task, probe, jobs, job),
+                jobs_named,
+            )
+        )
     wall_s = time.perf_counter() - started
     trials = [trial(path) for job in jobs_named for path in sorted((jobs / job).glob("*/result.json"))]
     sessions = {f"{entry['trial_name']}__env" for entry in trials}
@@ -123,23 +146,41 @@ def run_pass(name: str, command: str, task: Path, probe: Path, jobs: Path,
         "runs": runs,
         "trials": trials,
         "solve_runs": _lines(probe / "solve-runs") - solve_runs,
-        "sandbox_operations": [entry for entry in ran if entry["session"] in sessions and entry.get("phase") != "start"],
+        "sandbox_operations": [
+            entry for entry in ran if entry["session"] in sessions and entry.get("phase") != "start"
+        ],
         "start_operations": len([entry for entry in ran if entry.get("phase") == "start"]),
-        "service": {key: round(stats_after.get(key, 0) - stats_before.get(key, 0), 3)
-                    for key in ("calls", "hits", "executions", "saved_ms")} if client else None,
+        "service": {
+            key: round(stats_after.get(key, 0) - stats_before.get(key, 0), 3)
+            for key in ("calls", "hits", "executions", "saved_ms")
+        }
+        if client
+        else None,
     }
 
 
 def harbor_run(command: str, task: Path, probe: Path, jobs: Path, job: str) -> dict[str, Any]:
-    variables = {**os.environ, "TASK": str(task), "PROBE": str(probe), "JOBS": str(jobs), "JOB": job,
-                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                 # No network here: no telemetry, and LiteLLM's price list from its package.
-                 "HARBOR_TELEMETRY": "0", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    variables = {
+        **os.environ,
+        "TASK": str(task),
+        "PROBE": str(probe),
+        "JOBS": str(jobs),
+        "JOB": job,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        # No network here: no telemetry, and LiteLLM's price list from its package.
+        "HARBOR_TELEMETRY": "0",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
     started = time.perf_counter()
-    done = subprocess.run(["bash", "-c", command], env=variables, capture_output=True, text=True, timeout=300,
-                          check=False)
-    return {"job": job, "returncode": done.returncode, "wall_s": round(time.perf_counter() - started, 3),
-            "output": (done.stdout + done.stderr)[-3000:] if done.returncode else ""}
+    done = subprocess.run(
+        ["bash", "-c", command], env=variables, capture_output=True, text=True, timeout=300, check=False
+    )
+    return {
+        "job": job,
+        "returncode": done.returncode,
+        "wall_s": round(time.perf_counter() - started, 3),
+        "output": (done.stdout + done.stderr)[-3000:] if done.returncode else "",
+    }
 
 
 def trial(result_path: Path) -> dict[str, Any]:
@@ -193,7 +234,9 @@ def compare(report: dict[str, Any]) -> None:
     reference = _masked(_as_cached(a), varying)
     report["differences"] = {
         name: [path for path in _differing(reference, _masked(entry["files"], varying))]
-        for name, result in passes.items() if name != "uncached" for entry in result["trials"]
+        for name, result in passes.items()
+        if name != "uncached"
+        for entry in result["trials"]
     }
 
 

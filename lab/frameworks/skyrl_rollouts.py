@@ -39,11 +39,12 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import skyrl_gym
 from omegaconf import OmegaConf
@@ -59,6 +60,7 @@ PROMPT = [{"role": "system", "content": "You are a helpful assistant."}]
 
 
 # -- notes: a stateful tool group ------------------------------------------------------------
+
 
 class NotesTools(ToolGroup):
     """Notes kept in Python; `calls` counts every call any copy of any instance ran."""
@@ -114,8 +116,12 @@ class NotesEnv(BaseTextEnv):
         if name == "read":
             self.last_read = output
         self.writes += name == "append"
-        return BaseTextEnvStepOutput(observations=[{"role": "user", "content": json.dumps(output)}], reward=0.0,
-                                     done=False, metadata={"tool": name, "input": tool_input})
+        return BaseTextEnvStepOutput(
+            observations=[{"role": "user", "content": json.dumps(output)}],
+            reward=0.0,
+            done=False,
+            metadata={"tool": name, "input": tool_input},
+        )
 
     def get_metrics(self) -> dict[str, Any]:
         return {"turns": self.turns, "writes": self.writes}
@@ -130,6 +136,7 @@ def _act(name: str, *inputs: Any) -> str:
 
 
 # -- values: results that are not exact JSON, and keys out of order ---------------------------
+
 
 class ValuesTools(ToolGroup):
     calls = 0
@@ -182,8 +189,12 @@ class ValuesEnv(BaseTextEnv):
             text = f"{output!s}\n{json.dumps(output)}"
         except TypeError:
             text = str(output)
-        return BaseTextEnvStepOutput(observations=[{"role": "user", "content": text}], reward=0.0, done=False,
-                                     metadata={"type": type(output).__name__})
+        return BaseTextEnvStepOutput(
+            observations=[{"role": "user", "content": text}],
+            reward=0.0,
+            done=False,
+            metadata={"type": type(output).__name__},
+        )
 
 
 # -- search: a retrieval server on loopback -------------------------------------------------
@@ -210,8 +221,9 @@ class _Retrieval(BaseHTTPRequestHandler):
         with _Retrieval._lock:
             _Retrieval.requests += 1
         words = set(body["query"].lower().split())
-        scored = sorted(((len(words & set(doc.lower().split())), -i, doc) for i, doc in enumerate(CORPUS)),
-                        reverse=True)
+        scored = sorted(
+            ((len(words & set(doc.lower().split())), -i, doc) for i, doc in enumerate(CORPUS)), reverse=True
+        )
         hits = [{"document": {"contents": doc}, "score": score} for score, _, doc in scored[: body["topk"]]]
         payload = json.dumps({"result": [hits]}).encode()
         self.send_response(200)
@@ -238,6 +250,7 @@ def _retrieval_server() -> Iterator[str]:
 
 # -- sql: SQLite files as SkyRL's text2sql datasets lay them out ------------------------------
 
+
 @contextmanager
 def _spider_databases(count: int) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="skyrl-sql-") as root:
@@ -247,13 +260,16 @@ def _spider_databases(count: int) -> Iterator[str]:
             os.makedirs(os.path.dirname(path))
             with sqlite3.connect(path) as connection:
                 connection.execute("create table item (id integer primary key, name text, price integer)")
-                connection.executemany("insert into item (name, price) values (?, ?)",
-                                       [(f"item-{index}-{i}", 10 * (i + 1) + index) for i in range(3 + index)])
+                connection.executemany(
+                    "insert into item (name, price) values (?, ?)",
+                    [(f"item-{index}-{i}", 10 * (i + 1) + index) for i in range(3 + index)],
+                )
             connection.close()
         yield root
 
 
 # -- scenarios ----------------------------------------------------------------------------------
+
 
 @dataclass
 class Scenario:
@@ -287,26 +303,46 @@ def _search(count: int, nonce: str, stack: ExitStack) -> Scenario:
             [f"<search>{query}</search>", "<search>river of france</search>", f"<answer>{answer}</answer>"],
             [f"<search>{query}</search>", "<answer>Lyon</answer>"],
         ]
-        instances.append(({"instance_id": f"search-{nonce}-{i}", "reward_spec": {"ground_truth": {"target": [answer]}}},
-                          scripts))
+        instances.append(
+            ({"instance_id": f"search-{nonce}-{i}", "reward_spec": {"ground_truth": {"target": [answer]}}}, scripts)
+        )
     config = {"search_url": url, "topk": 2, "timeout": 10, "log_requests": False}
-    return Scenario(_class("skyrl_gym.envs.search.env", "SearchEnv"), ("search",), config, instances,
-                    tool_calls=lambda: _Retrieval.requests)
+    return Scenario(
+        _class("skyrl_gym.envs.search.env", "SearchEnv"),
+        ("search",),
+        config,
+        instances,
+        tool_calls=lambda: _Retrieval.requests,
+    )
 
 
 def _sql(count: int, nonce: str, stack: ExitStack) -> Scenario:
     root = stack.enter_context(_spider_databases(count))
     scripts = [
-        ["<think>size</think><sql>select count(*), sum(price) from item</sql>",
-         "<think>names</think><sql>select name, price from item</sql>",
-         "<think>oops</think><sql>select nope from item</sql>",
-         "<think>done</think><solution>select sum(price) from item</solution>"],
-        ["<think>size</think><sql>select count(*), sum(price) from item</sql>",
-         "<think>done</think><solution>select max(price) from item</solution>"],
+        [
+            "<think>size</think><sql>select count(*), sum(price) from item</sql>",
+            "<think>names</think><sql>select name, price from item</sql>",
+            "<think>oops</think><sql>select nope from item</sql>",
+            "<think>done</think><solution>select sum(price) from item</solution>",
+        ],
+        [
+            "<think>size</think><sql>select count(*), sum(price) from item</sql>",
+            "<think>done</think><solution>select max(price) from item</solution>",
+        ],
     ]
     # No instance id: the task is a digest of env_config and extras, as for a dataset without one.
-    instances = [({"db_id": f"shop{i}", "data": "spider", "run": nonce,
-                   "reward_spec": {"ground_truth": "select sum(price) from item"}}, scripts) for i in range(count)]
+    instances = [
+        (
+            {
+                "db_id": f"shop{i}",
+                "data": "spider",
+                "run": nonce,
+                "reward_spec": {"ground_truth": "select sum(price) from item"},
+            },
+            scripts,
+        )
+        for i in range(count)
+    ]
     return Scenario(_class("skyrl_gym.envs.sql.env", "SQLEnv"), ("sql",), {"db_path": root}, instances)
 
 
@@ -322,7 +358,11 @@ def _order(count: int, nonce: str, stack: ExitStack) -> Scenario:
 
 
 SCENARIOS: dict[str, Callable[[int, str, ExitStack], Scenario]] = {
-    "notes": _notes, "search": _search, "sql": _sql, "values": _values, "order": _order,
+    "notes": _notes,
+    "search": _search,
+    "sql": _sql,
+    "values": _values,
+    "order": _order,
 }
 
 
@@ -332,8 +372,10 @@ def _class(module: str, name: str) -> type[BaseTextEnv]:
 
 # -- the generator's loop --------------------------------------------------------------------
 
-async def _trajectory(env_id: str, scenario: Scenario, extras: dict[str, Any], actions: list[str],
-                      pool: ThreadPoolExecutor) -> dict[str, Any]:
+
+async def _trajectory(
+    env_id: str, scenario: Scenario, extras: dict[str, Any], actions: list[str], pool: ThreadPoolExecutor
+) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     env_ms = 0.0
 
@@ -364,16 +406,25 @@ async def _trajectory(env_id: str, scenario: Scenario, extras: dict[str, Any], a
     if executor is not None:
         counters["detached"] = executor.detached
         counters["task_id"] = executor.task_id
-    return {"init": repr(init), "steps": steps, "metrics": metrics, "metrics_repr": repr(metrics),
-            "env_ms": env_ms, "executor": counters}
+    return {
+        "init": repr(init),
+        "steps": steps,
+        "metrics": metrics,
+        "metrics_repr": repr(metrics),
+        "env_ms": env_ms,
+        "executor": counters,
+    }
 
 
 async def _batch(env_id: str, scenario: Scenario, workers: int) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="skyrl-gym-env-") as pool:
-        return await asyncio.gather(*(
-            _trajectory(env_id, scenario, extras, actions, pool)
-            for extras, repetitions in scenario.instances for actions in repetitions
-        ))
+        return await asyncio.gather(
+            *(
+                _trajectory(env_id, scenario, extras, actions, pool)
+                for extras, repetitions in scenario.instances
+                for actions in repetitions
+            )
+        )
 
 
 def _run(env_id: str, scenario: Scenario, workers: int) -> dict[str, Any]:
@@ -402,21 +453,37 @@ def _seen(run: dict[str, Any]) -> list[Any]:
     return [[(t["init"], t["steps"], t["metrics_repr"]) for t in run["trajectories"]], run["aggregate"]]
 
 
-def run(url: str, token: str, *, scenarios: list[str], passes: int = 2, instances: int = 2,
-        workers: int = 4, mode: str = "both") -> dict[str, Any]:
+def run(
+    url: str,
+    token: str,
+    *,
+    scenarios: list[str],
+    passes: int = 2,
+    instances: int = 2,
+    workers: int = 4,
+    mode: str = "both",
+) -> dict[str, Any]:
     """Run each scenario uncached (unless mode is "cached") and through tvcache `passes` times
     (unless mode is "uncached"); the document the CLI prints."""
     client = _shared.shared_client(url, token)
     nonce = uuid.uuid4().hex[:10]
-    document: dict[str, Any] = {"framework": "skyrl-gym", "version": _version(), "nonce": nonce,
-                                "passes": passes, "instances": instances, "workers": workers, "scenarios": {}}
+    document: dict[str, Any] = {
+        "framework": "skyrl-gym",
+        "version": _version(),
+        "nonce": nonce,
+        "passes": passes,
+        "instances": instances,
+        "workers": workers,
+        "scenarios": {},
+    }
     for name in scenarios:
         with ExitStack() as stack:
             scenario = SCENARIOS[name](instances, nonce, stack)
             plain_id, cached_id = f"{name}-{nonce}", f"{name}-{nonce}-tvcache"
             skyrl_gym.register(id=plain_id, entry_point=scenario.env_class)
-            skyrl_gym.register(id=cached_id, entry_point=tvcache_env(scenario.env_class, client=client,
-                                                                     read_only=scenario.read_only))
+            skyrl_gym.register(
+                id=cached_id, entry_point=tvcache_env(scenario.env_class, client=client, read_only=scenario.read_only)
+            )
             runs: dict[str, Any] = {}
             if mode in ("both", "uncached"):
                 runs["uncached"] = _run(plain_id, scenario, workers)
@@ -425,8 +492,9 @@ def run(url: str, token: str, *, scenarios: list[str], passes: int = 2, instance
                     runs[f"cached-{index}"] = _run(cached_id, scenario, workers)
             result: dict[str, Any] = {"runs": runs}
             if "uncached" in runs:
-                result["identical"] = {key: _seen(value) == _seen(runs["uncached"])
-                                       for key, value in runs.items() if key != "uncached"}
+                result["identical"] = {
+                    key: _seen(value) == _seen(runs["uncached"]) for key, value in runs.items() if key != "uncached"
+                }
             document["scenarios"][name] = result
     return document
 
@@ -448,8 +516,15 @@ def main(argv: list[str] | None = None) -> int:
     url, token = os.environ.get("TVCACHE_URL"), os.environ.get("TVCACHE_TOKEN")
     if not url or not token:
         parser.error("set TVCACHE_URL and TVCACHE_TOKEN")
-    document = run(url, token, scenarios=args.scenarios.split(","), passes=args.passes,
-                   instances=args.instances, workers=args.workers, mode=args.mode)
+    document = run(
+        url,
+        token,
+        scenarios=args.scenarios.split(","),
+        passes=args.passes,
+        instances=args.instances,
+        workers=args.workers,
+        mode=args.mode,
+    )
     json.dump(document, sys.stdout, indent=1)
     print()
     _shared.close_clients()

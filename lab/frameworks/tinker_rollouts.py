@@ -54,6 +54,7 @@ from tinker_cookbook.tool_use import (
     simple_tool_result,
     tool,
 )
+
 from tvclient.integrations import _shared
 from tvclient.integrations.tinker import (
     TVCacheEnvGroupBuilder,
@@ -79,8 +80,9 @@ def byte_level_tokenizer() -> Any:
     backend = Tokenizer(models.BPE(vocab={symbol: index for index, symbol in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=SPECIAL_TOKENS[0],
-                                        eos_token=SPECIAL_TOKENS[2])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2]
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": [SPECIAL_TOKENS[1]]})
     return tokenizer
 
@@ -103,8 +105,9 @@ class FolderSandbox:
     async def send_heartbeat(self, timeout: int = 30) -> None:
         pass
 
-    async def run_command(self, command: str, workdir: str | None = None, timeout: int = 60,
-                          max_output_bytes: int | None = None) -> SandboxResult:
+    async def run_command(
+        self, command: str, workdir: str | None = None, timeout: int = 60, max_output_bytes: int | None = None
+    ) -> SandboxResult:
         ran["run_command"] += 1
         return await self._bash(command, workdir, timeout, max_output_bytes)
 
@@ -112,8 +115,9 @@ class FolderSandbox:
         ran["read_file"] += 1
         return await self._bash(f"cat {path}", None, timeout, max_bytes)
 
-    async def write_file(self, path: str, content: str | bytes, executable: bool = False,
-                         timeout: int = 60) -> SandboxResult:
+    async def write_file(
+        self, path: str, content: str | bytes, executable: bool = False, timeout: int = 60
+    ) -> SandboxResult:
         ran["write_file"] += 1
         target = self.root / path
         target.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -128,14 +132,23 @@ class FolderSandbox:
         global tool_seconds
         started = time.perf_counter()
         process = await asyncio.create_subprocess_exec(
-            "bash", "-c", command, cwd=self.root / (workdir or "."),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            "bash",
+            "-c",
+            command,
+            cwd=self.root / (workdir or "."),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
         tool_seconds += time.perf_counter() - started
         stdout, stderr = stdout[:limit], stderr[:limit]
         # Keys not in sorted order: a hit must give them back as the sandbox did.
-        return SandboxResult(stdout=stdout.decode(), stderr=stderr.decode(), exit_code=process.returncode,
-                             metrics={"stdout_bytes": len(stdout), "backend": "folder"})
+        return SandboxResult(
+            stdout=stdout.decode(),
+            stderr=stderr.decode(),
+            exit_code=process.returncode,
+            metrics={"stdout_bytes": len(stdout), "backend": "folder"},
+        )
 
 
 async def make_folder_sandbox(env_dir: Path, timeout: int) -> SandboxInterface:
@@ -154,8 +167,9 @@ class Bash:
         """Execute a bash command in the sandbox."""
         result = await self.sandbox.run_command(command, timeout=30)
         self.seen.append(repr(result))
-        return simple_tool_result(json.dumps({"exit_code": result.exit_code, "stdout": result.stdout,
-                                              "stderr": result.stderr}))
+        return simple_tool_result(
+            json.dumps({"exit_code": result.exit_code, "stdout": result.stdout, "stderr": result.stderr})
+        )
 
 
 class Stamps:
@@ -183,8 +197,11 @@ class Notes:
         """Keep a note."""
         ran["note"] += 1
         self.notes.append(text)
-        return simple_tool_result(f"{len(self.notes)} notes", metrics={"notes": float(len(self.notes))},
-                                  metadata={"zeta": len(self.notes), "alpha": text, "mid": {"y": 1, "b": [2]}})
+        return simple_tool_result(
+            f"{len(self.notes)} notes",
+            metrics={"notes": float(len(self.notes))},
+            metadata={"zeta": len(self.notes), "alpha": text, "mid": {"y": 1, "b": [2]}},
+        )
 
 
 CATALOGUE = {"a": "the first letter", "b": "the second letter"}
@@ -281,14 +298,26 @@ class NotesGroupBuilder(EnvGroupBuilder):
             notes = Notes()
             tools = [Bash(sandbox, seen["sandbox"]).bash, Stamps(sandbox).stamp, notes.note, lookup]
             if self.cached:
-                tools[1:] = [TVCacheTool(tools[1], rollout=sandbox.rollout), TVCacheTool(notes.note),
-                             TVCacheTool(lookup, read_only=True)]
+                tools[1:] = [
+                    TVCacheTool(tools[1], rollout=sandbox.rollout),
+                    TVCacheTool(notes.note),
+                    TVCacheTool(lookup, read_only=True),
+                ]
             tools = [SeenTool(each, seen["tools"]) for each in tools]
             prefix = renderer.create_conversation_prefix_with_tools(
-                [each.to_spec() for each in tools], system_prompt="You keep notes in notes.txt.")
-            envs.append(SeenEnv(build_agent_tool_env(
-                renderer, tools, prefix + [{"role": "user", "content": f"Keep the notes. Sample {sample}."}],
-                Grader(sandbox, seen["sandbox"]), max_turns=8)))
+                [each.to_spec() for each in tools], system_prompt="You keep notes in notes.txt."
+            )
+            envs.append(
+                SeenEnv(
+                    build_agent_tool_env(
+                        renderer,
+                        tools,
+                        prefix + [{"role": "user", "content": f"Keep the notes. Sample {sample}."}],
+                        Grader(sandbox, seen["sandbox"]),
+                        max_turns=8,
+                    )
+                )
+            )
         return envs
 
     async def compute_group_rewards(self, trajectory_group: list[Any], env_group: Any) -> list[Any]:
@@ -316,19 +345,26 @@ def scripts() -> dict[int, list[str]]:
     without call ids."""
 
     def writer(sample: int) -> list[str]:
-        return [turn(("bash", {"command": "echo a >> notes.txt"}, f"call-{sample}-0")),
-                turn(("note", {"text": "wrote a"}, f"call-{sample}-1"), ("lookup", {"key": "a"}, f"call-{sample}-2")),
-                turn(("stamp", {"text": "x"}, f"call-{sample}-3")),
-                turn(("bash", {"command": "cat notes.txt; ls"}, f"call-{sample}-4")),
-                "The notes are written."]
+        return [
+            turn(("bash", {"command": "echo a >> notes.txt"}, f"call-{sample}-0")),
+            turn(("note", {"text": "wrote a"}, f"call-{sample}-1"), ("lookup", {"key": "a"}, f"call-{sample}-2")),
+            turn(("stamp", {"text": "x"}, f"call-{sample}-3")),
+            turn(("bash", {"command": "cat notes.txt; ls"}, f"call-{sample}-4")),
+            "The notes are written.",
+        ]
 
-    return {0: writer(0), 1: writer(1), 2: [
-        turn(("bash", {"command": "echo a >> notes.txt"}, "call-2-0")),
-        turn(("bash", {"command": "echo b >> notes.txt && wc -l notes.txt"}, "call-2-1")),
-        turn(("note", {"text": "wrote a and b"}, "call-2-2"), ("lookup", {"key": "b"}, None)),
-        turn(("stamp", {"text": "y"}, "call-2-3")),
-        turn(("lookup", {"key": "a"}, None), ("bash", {"command": "cat notes.txt"}, "call-2-5")),
-        "Both notes are written."]}
+    return {
+        0: writer(0),
+        1: writer(1),
+        2: [
+            turn(("bash", {"command": "echo a >> notes.txt"}, "call-2-0")),
+            turn(("bash", {"command": "echo b >> notes.txt && wc -l notes.txt"}, "call-2-1")),
+            turn(("note", {"text": "wrote a and b"}, "call-2-2"), ("lookup", {"key": "b"}, None)),
+            turn(("stamp", {"text": "y"}, "call-2-3")),
+            turn(("lookup", {"key": "a"}, None), ("bash", {"command": "cat notes.txt"}, "call-2-5")),
+            "Both notes are written.",
+        ],
+    }
 
 
 class ScriptedPolicy(TokenCompleter):
@@ -338,8 +374,9 @@ class ScriptedPolicy(TokenCompleter):
         self.scripts = scripts()
         self.end = _tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[2])
 
-    async def __call__(self, model_input: tinker.ModelInput, stop: Any, *, max_tokens: int | None = None
-                       ) -> TokensWithLogprobs:
+    async def __call__(
+        self, model_input: tinker.ModelInput, stop: Any, *, max_tokens: int | None = None
+    ) -> TokensWithLogprobs:
         text = _tokenizer.decode(model_input.to_ints())
         sample = int(re.search(r"Sample (\d+)\.", text).group(1))  # type: ignore[union-attr]
         answer = self.scripts[sample][text.count("<|im_start|>assistant") - 1]
@@ -348,14 +385,18 @@ class ScriptedPolicy(TokenCompleter):
 
 
 def trajectories(group: TrajectoryGroup) -> list[dict[str, Any]]:
-    return [{"observations": [transition.ob.to_ints() for transition in trajectory.transitions]
-             + [trajectory.final_ob.to_ints()],
-             "actions": [transition.ac.tokens for transition in trajectory.transitions],
-             "rewards": [transition.reward for transition in trajectory.transitions],
-             "metrics": [transition.metrics for transition in trajectory.transitions],
-             "logs": [transition.logs for transition in trajectory.transitions],
-             "stop_reason": trajectory.stop_reason}
-            for trajectory in group.trajectories_G]
+    return [
+        {
+            "observations": [transition.ob.to_ints() for transition in trajectory.transitions]
+            + [trajectory.final_ob.to_ints()],
+            "actions": [transition.ac.tokens for transition in trajectory.transitions],
+            "rewards": [transition.reward for transition in trajectory.transitions],
+            "metrics": [transition.metrics for transition in trajectory.transitions],
+            "logs": [transition.logs for transition in trajectory.transitions],
+            "stop_reason": trajectory.stop_reason,
+        }
+        for trajectory in group.trajectories_G
+    ]
 
 
 EXECUTOR_COUNTERS = ("hits", "misses", "executed", "replayed", "waited", "uncacheable", "record_failures")
@@ -415,10 +456,15 @@ def main() -> None:
     else:
         stats = None
     for number, done in enumerate(passes):
-        print(f"pass {number} ({done['mode']}): wall {done['wall_ms']:.0f} ms, tool {done['tool_ms']:.0f} ms, "
-              f"ran {done['ran']}, executors {done.get('executor', {})}", file=sys.stderr)
-    json.dump({"framework": "tinker-cookbook 0.6.1", "task_id": options.task_id, "passes": passes,
-               "service_stats": stats}, sys.stdout)
+        print(
+            f"pass {number} ({done['mode']}): wall {done['wall_ms']:.0f} ms, tool {done['tool_ms']:.0f} ms, "
+            f"ran {done['ran']}, executors {done.get('executor', {})}",
+            file=sys.stderr,
+        )
+    json.dump(
+        {"framework": "tinker-cookbook 0.6.1", "task_id": options.task_id, "passes": passes, "service_stats": stats},
+        sys.stdout,
+    )
     sys.stdout.write("\n")
 
 

@@ -57,7 +57,9 @@ class Framework:
     def interpreter(self) -> str:
         found = shutil.which(f"python{self.python}")
         candidates = [found] if found else []
-        candidates += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{self.python}.*/bin/python{self.python}")))
+        candidates += sorted(
+            glob.glob(os.path.expanduser(f"~/.pyenv/versions/{self.python}.*/bin/python{self.python}"))
+        )
         for candidate in candidates:
             if subprocess.run([candidate, "--version"], capture_output=True).returncode == 0:
                 return candidate
@@ -92,7 +94,16 @@ class Framework:
         pip = [str(target / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         for step in self.steps:
             print(f"[{self.name}] pip install {' '.join(step)}", file=sys.stderr, flush=True)
-            subprocess.run(pip + list(step), check=True)
+            done = subprocess.run(pip + list(step), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            # pip's own complaints about the machine's index settings are not the build's news.
+            print(
+                "".join(
+                    line for line in done.stderr.splitlines(keepends=True) if not line.startswith("WARNING: Location ")
+                ),
+                end="",
+                file=sys.stderr,
+            )
+            done.check_returncode()
         (target / "built").write_text(self.text)
 
     def python_path(self) -> Path:
@@ -100,14 +111,16 @@ class Framework:
         os.utime(venv / "built")  # in use: not pruned
         return venv / "bin" / "python"
 
-    def run(self, args: list[str], *, env: dict[str, str] | None = None, timeout: float = 600,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, args: list[str], *, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run `python args...` in the framework's venv with the checkout's tvclient importable."""
         variables = {**os.environ, **(env or {})}
         variables["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tvclient" / "src"), str(DRIVERS)])
         variables.pop("DJANGO_SETTINGS_MODULE", None)
-        return subprocess.run([str(self.python_path()), *args], env=variables, timeout=timeout,
-                              cwd=cwd, capture_output=True, text=True)
+        return subprocess.run(
+            [str(self.python_path()), *args], env=variables, timeout=timeout, cwd=cwd, capture_output=True, text=True
+        )
 
 
 def all_names() -> list[str]:

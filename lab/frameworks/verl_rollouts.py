@@ -34,15 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import verl_tools
 from omegaconf import OmegaConf
-
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap, _agent_loop_registry
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop  # noqa: F401 - registers "tool_agent"
 from verl.tools.tool_registry import load_all_tools
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
-
-import verl_tools
 
 HERE = Path(__file__).resolve().parent
 FUNCTIONS = HERE / "verl_functions.py"
@@ -71,11 +69,18 @@ CHAT_TEMPLATE = (
 def tool_config(tvcache: bool, task_key: str = "task") -> dict[str, Any]:
     tools = []
     for class_path, name, properties, options in TOOLS:
-        schema = {"type": "function", "function": {
-            "name": name, "description": f"The {name} tool.",
-            "parameters": {"type": "object", "properties": {
-                key: {"type": kind, "description": key} for key, kind in properties.items()},
-                "required": list(properties)}}}
+        schema = {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": f"The {name} tool.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {key: {"type": kind, "description": key} for key, kind in properties.items()},
+                    "required": list(properties),
+                },
+            },
+        }
         config: dict[str, Any] = {"type": "native"}
         entry = {"class_name": class_path, "config": config, "tool_schema": schema}
         if tvcache:
@@ -84,9 +89,17 @@ def tool_config(tvcache: bool, task_key: str = "task") -> dict[str, Any]:
         tools.append(entry)
     if tvcache:  # the function tools move from function_tool_path into the tool config
         for name, options in FUNCTION_TOOLS:
-            tools.append({"class_name": "tvclient.integrations.verl.TVCacheTool", "config": {
-                "type": "native", "wrapped_function": f"{FUNCTIONS}:{name}", "tvcache_task_key": task_key,
-                **options}})
+            tools.append(
+                {
+                    "class_name": "tvclient.integrations.verl.TVCacheTool",
+                    "config": {
+                        "type": "native",
+                        "wrapped_function": f"{FUNCTIONS}:{name}",
+                        "tvcache_task_key": task_key,
+                        **options,
+                    },
+                }
+            )
     return {"tools": tools}
 
 
@@ -100,8 +113,9 @@ def tokenizer() -> Any:
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = decoders.ByteLevel()
     model.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
 
 
 def tool_call(name: str, **arguments: Any) -> str:
@@ -115,7 +129,9 @@ def script(sample: int, rollout: int) -> list[str]:
     # stats answers what cannot be cached: it runs every time, and first, so that its sandbox
     # has nothing to replay (a later one would make the repeat pass replay the calls before it).
     turns = [
-        "Let me look." + tool_call("stats", values=[1, 2, sample + 3]) + tool_call("search", query=word)
+        "Let me look."
+        + tool_call("stats", values=[1, 2, sample + 3])
+        + tool_call("search", query=word)
         + tool_call("lookup", word=word),
         tool_call("note", text=f"{word} seen") + tool_call("search", query=word + "s"),
     ]
@@ -133,8 +149,9 @@ class ScriptedModel:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
-                       **kwargs: Any) -> TokenOutput:
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any
+    ) -> TokenOutput:
         text = self.tokenizer.decode(prompt_ids)
         sample, rollout = map(int, re.search(r"sample=(\d+) rollout=(\d+)", text).groups())
         turn = text.count("<|im_start|>assistant") - 1
@@ -156,8 +173,13 @@ def observe_calls(agent_loop: Any) -> None:
         slot = len(observed.get()["calls"])
         observed.get()["calls"].append(None)
         response, reward, metrics = await call_tool(tool_call, tools_kwargs, agent_data)
-        observed.get()["calls"][slot] = [tool_call.name, repr(response), repr(reward), type(reward).__name__,
-                                         repr(metrics)]
+        observed.get()["calls"][slot] = [
+            tool_call.name,
+            repr(response),
+            repr(reward),
+            type(reward).__name__,
+            repr(metrics),
+        ]
         return response, reward, metrics
 
     agent_loop._call_tool = keep
@@ -185,26 +207,46 @@ def build_tools(mode: str, workdir: Path) -> list[Any]:
     """The tools as AgentLoopWorker loads them: load_all_tools(tool_config_path, function_tool_path)."""
     path = workdir / f"tools-{mode}.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(tool_config(tvcache=mode != "uncached"))))
-    tools = load_all_tools(tool_config_path=str(path),
-                           function_tool_path=str(FUNCTIONS) if mode == "uncached" else None)
+    tools = load_all_tools(
+        tool_config_path=str(path), function_tool_path=str(FUNCTIONS) if mode == "uncached" else None
+    )
     score_before_release(tools)
     return tools
 
 
 def agent_loop(tools: list[Any], model: ScriptedModel) -> Any:
     """A ToolAgentLoop as AgentLoopWorker._run_agent_loop instantiates one."""
-    config = OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {
-            "prompt_length": 16384, "response_length": 16384, "full_determinism": False,
-            "multi_turn": {"max_user_turns": 8, "max_assistant_turns": 8, "max_parallel_calls": 4,
-                           "max_tool_response_length": 4096, "tool_response_truncate_side": "middle",
-                           "format": "hermes"}}},
-        "data": {"apply_chat_template_kwargs": {}},
-    })
+    config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "prompt_length": 16384,
+                    "response_length": 16384,
+                    "full_determinism": False,
+                    "multi_turn": {
+                        "max_user_turns": 8,
+                        "max_assistant_turns": 8,
+                        "max_parallel_calls": 4,
+                        "max_tool_response_length": 4096,
+                        "tool_response_truncate_side": "middle",
+                        "format": "hermes",
+                    },
+                }
+            },
+            "data": {"apply_chat_template_kwargs": {}},
+        }
+    )
     loop = hydra.utils.instantiate(
-        config=_agent_loop_registry["tool_agent"], trainer_config=DictConfigWrap(config=config),
-        server_manager=model, tokenizer=model.tokenizer, processor=None, hf_model_type=None,
-        dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data), tools=ToolListWrap(tools))
+        config=_agent_loop_registry["tool_agent"],
+        trainer_config=DictConfigWrap(config=config),
+        server_manager=model,
+        tokenizer=model.tokenizer,
+        processor=None,
+        hf_model_type=None,
+        dataset_cls=RLHFDataset,
+        data_config=DictConfigWrap(config.data),
+        tools=ToolListWrap(tools),
+    )
     observe_calls(loop)
     return loop
 
@@ -216,15 +258,21 @@ async def trajectory(tools: list[Any], model: ScriptedModel, task: str, sample: 
     }
     observed.set({"calls": [], "calc_reward": [], "tools_kwargs": tools_kwargs})
     output = await agent_loop(tools, model).run(
-        {"temperature": 1.0}, raw_prompt=[{"role": "user", "content": f"sample={sample} rollout={rollout}"}],
-        tools_kwargs=tools_kwargs)
+        {"temperature": 1.0},
+        raw_prompt=[{"role": "user", "content": f"sample={sample} rollout={rollout}"}],
+        tools_kwargs=tools_kwargs,
+    )
     kept = observed.get()
     return {
-        "sample": sample, "rollout": rollout,
-        "calls": kept["calls"], "calc_reward": kept["calc_reward"],
+        "sample": sample,
+        "rollout": rollout,
+        "calls": kept["calls"],
+        "calc_reward": kept["calc_reward"],
         "extra_fields": repr(output.extra_fields),
-        "prompt_ids": output.prompt_ids, "response_ids": output.response_ids,
-        "response_mask": output.response_mask, "num_turns": output.num_turns,
+        "prompt_ids": output.prompt_ids,
+        "response_ids": output.response_ids,
+        "response_mask": output.response_mask,
+        "num_turns": output.num_turns,
         "response": model.tokenizer.decode(output.response_ids),
     }
 
@@ -248,9 +296,13 @@ async def run_pass(mode: str, args: argparse.Namespace, workdir: Path, model: Sc
     executed_before = dict(verl_tools.EXECUTED)
     seconds_before = dict(verl_tools.TOOL_SECONDS)
     started = time.perf_counter()
-    trajectories = await asyncio.gather(*(
-        trajectory(tools, model, f"{args.task_prefix}-{sample}", sample, rollout)
-        for sample in range(args.samples) for rollout in range(args.rollouts)))
+    trajectories = await asyncio.gather(
+        *(
+            trajectory(tools, model, f"{args.task_prefix}-{sample}", sample, rollout)
+            for sample in range(args.samples)
+            for rollout in range(args.rollouts)
+        )
+    )
     wall_s = time.perf_counter() - started
     instances = [await kept_instance(tools, f"{args.task_prefix}-kept-{index}") for index in range(2)]
     gc.collect()  # the trajectories' AgentData is gone: their rollouts end
@@ -320,8 +372,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             if mode != "uncached":
                 await asyncio.sleep(0.2)  # the rollouts' ends (and last records) on their way
                 after = service_stats(args.task_prefix, args.samples)
-                service = {key: after.get(key, 0) - stats_before.get(key, 0)
-                           for key in ("calls", "hits", "executions", "executed_ms", "saved_ms")}
+                service = {
+                    key: after.get(key, 0) - stats_before.get(key, 0)
+                    for key in ("calls", "hits", "executions", "executed_ms", "saved_ms")
+                }
                 result["service"] = {**service, "misses": service["calls"] - service["hits"]}
             passes[mode] = result
         document: dict[str, Any] = {"verl": _version(), "passes": passes}
@@ -341,8 +395,11 @@ def _version() -> str:
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passes", default="uncached,first,repeat",
-                        help="uncached: the tools as configured; any other name: through tvcache")
+    parser.add_argument(
+        "--passes",
+        default="uncached,first,repeat",
+        help="uncached: the tools as configured; any other name: through tvcache",
+    )
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--task-prefix", default=f"verl-{uuid.uuid4().hex[:8]}")

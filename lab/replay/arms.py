@@ -63,8 +63,9 @@ class ArmTasks:
                 env = task.client_env if arm.mode == "client" else task.server_env
                 if env is None:
                     raise ValueError(f"task {task.name} cannot run in tool-server mode")
-                self.client.put_task(self.task_id(task, arm), env=env, tools=task.tools, sandbox_budget=budget,
-                                     audit_rate=audit_rate)
+                self.client.put_task(
+                    self.task_id(task, arm), env=env, tools=task.tools, sandbox_budget=budget, audit_rate=audit_rate
+                )
 
     def announce(self, arm: Arm, epoch: int, rollouts: int, warm_wait_s: float) -> float:
         """Tool-server mode: announce the step, then give the workers up to warm_wait_s to warm

@@ -70,8 +70,14 @@ def load_entries() -> list[dict[str, Any]]:
     entries = []
     for line in (root / CATEGORY).read_text().splitlines():
         row = json.loads(line)
-        entries.append({"id": row["id"], "initial_config": row["initial_config"],
-                        "involved_classes": row["involved_classes"], "ground_truth": answers[row["id"]]})
+        entries.append(
+            {
+                "id": row["id"],
+                "initial_config": row["initial_config"],
+                "involved_classes": row["involved_classes"],
+                "ground_truth": answers[row["id"]],
+            }
+        )
     return entries
 
 
@@ -248,24 +254,42 @@ class BfclWorkload(Workload):
         self._truth = {e["id"]: ground_truth_calls(e) for e in self.entries}
 
     def describe(self) -> dict[str, Any]:
-        return {"bfcl_eval_version": metadata.version("bfcl-eval"), "category": CATEGORY,
-                "read_only_tools": sorted(self.read_only), "effects_file": str(EFFECTS_PATH.name)}
+        return {
+            "bfcl_eval_version": metadata.version("bfcl-eval"),
+            "category": CATEGORY,
+            "read_only_tools": sorted(self.read_only),
+            "effects_file": str(EFFECTS_PATH.name),
+        }
 
     def tasks(self) -> list[ReplayTask]:
         tools = {tool: {"mutates_state": False, "cacheable": True} for tool in sorted(self.read_only)}
         out = []
         for entry in self.entries:
-            env = {"backend": "external", "workload": "bfcl", "task": entry["id"],
-                   "bfcl_eval": metadata.version("bfcl-eval"), "initial_config": entry["initial_config"]}
-            out.append(ReplayTask(entry["id"].replace("_", "-"), tools, env, None,
-                                  lambda entry=entry: BfclEnvironment(entry, self.read_only)))
+            env = {
+                "backend": "external",
+                "workload": "bfcl",
+                "task": entry["id"],
+                "bfcl_eval": metadata.version("bfcl-eval"),
+                "initial_config": entry["initial_config"],
+            }
+            out.append(
+                ReplayTask(
+                    entry["id"].replace("_", "-"),
+                    tools,
+                    env,
+                    None,
+                    lambda entry=entry: BfclEnvironment(entry, self.read_only),
+                )
+            )
         return out
 
     def rollouts(self, task: ReplayTask, epoch: int) -> list[list[Call]]:
         entry_id = task.name.replace("-", "_")
         truth = self._truth[entry_id]
-        return [edit_rollout(truth, self.read_only, random.Random(f"{self.seed}-{entry_id}-{epoch}-{index}"))
-                for index in range(self.n_rollouts)]
+        return [
+            edit_rollout(truth, self.read_only, random.Random(f"{self.seed}-{entry_id}-{epoch}-{index}"))
+            for index in range(self.n_rollouts)
+        ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,11 +306,17 @@ def calibrate(*, rollouts: int = 4, epochs: int = 2, seed: int = 1) -> dict[str,
     previous = read_only_tools(load_effects()) if EFFECTS_PATH.exists() else frozenset()
     for entry in load_entries():
         for name in entry["involved_classes"]:
-            known.update(f"{name}.{m}" for m, _ in inspect.getmembers(_class(name), predicate=inspect.isfunction)
-                         if not m.startswith("_"))
+            known.update(
+                f"{name}.{m}"
+                for m, _ in inspect.getmembers(_class(name), predicate=inspect.isfunction)
+                if not m.startswith("_")
+            )
         truth = ground_truth_calls(entry)
-        sequences = [truth] + [edit_rollout(truth, previous, random.Random(f"{seed}-{entry['id']}-{e}-{r}"))
-                               for e in range(epochs) for r in range(rollouts)]
+        sequences = [truth] + [
+            edit_rollout(truth, previous, random.Random(f"{seed}-{entry['id']}-{e}-{r}"))
+            for e in range(epochs)
+            for r in range(rollouts)
+        ]
         for calls in sequences:
             env = BfclEnvironment(entry)
             env.start()
@@ -302,16 +332,20 @@ def calibrate(*, rollouts: int = 4, epochs: int = 2, seed: int = 1) -> dict[str,
     tools = {}
     for tool in sorted(known):
         mutates = observed[tool] == 0 or changed[tool] > 0 or unstable[tool] > 0
-        tools[tool] = {"mutates_state": mutates, "calls_observed": observed[tool], "calls_changing_state":
-                       changed[tool], "calls_answering_differently": unstable[tool]}
+        tools[tool] = {
+            "mutates_state": mutates,
+            "calls_observed": observed[tool],
+            "calls_changing_state": changed[tool],
+            "calls_answering_differently": unstable[tool],
+        }
     return {
         "bfcl_eval_version": metadata.version("bfcl-eval"),
         "category": CATEGORY,
         "method": "Per tool: every ground-truth call of the 200 tasks plus the calls of "
-                  f"{rollouts} seeded rollouts x {epochs} epochs per task, each run on a deep copy of the task's "
-                  "state; a call changes state when the pickle of the task's tool instances differs after it; "
-                  "it answers differently when a copy of the state from before answers the same call "
-                  "differently. Read-only = observed, never changed state, always answered the same. "
-                  "Never observed = mutating (the safe default).",
+        f"{rollouts} seeded rollouts x {epochs} epochs per task, each run on a deep copy of the task's "
+        "state; a call changes state when the pickle of the task's tool instances differs after it; "
+        "it answers differently when a copy of the state from before answers the same call "
+        "differently. Read-only = observed, never changed state, always answered the same. "
+        "Never observed = mutating (the safe default).",
         "tools": tools,
     }

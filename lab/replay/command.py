@@ -38,27 +38,50 @@ class ReplayCommand(BaseCommand):
         parser.add_argument("--rollouts", type=int, default=self.default_rollouts, help="rollouts per task and epoch")
         parser.add_argument("--epochs", type=int, default=self.default_epochs)
         parser.add_argument("--seed", type=int, default=1)
-        parser.add_argument("--arms", default=self.default_arms,
-                            help="comma-separated: nocache (always run), client, server; -b<N> sets a snapshot "
-                                 "budget of N per task, e.g. server-b8")
-        parser.add_argument("--concurrency", type=int, default=self.default_concurrency,
-                            help="rollouts in flight at once")
-        parser.add_argument("--think-ms", type=float, default=self.default_think_ms,
-                            help="the policy's generation time before each call, mean (0.5x to 1.5x, seeded, the "
-                                 "same in every arm); 0: back-to-back calls, a stress test")
-        parser.add_argument("--warm-wait-s", type=float, default=5.0,
-                            help="tool-server mode: wait up to this long after announcing a step")
+        parser.add_argument(
+            "--arms",
+            default=self.default_arms,
+            help="comma-separated: nocache (always run), client, server; -b<N> sets a snapshot "
+            "budget of N per task, e.g. server-b8",
+        )
+        parser.add_argument(
+            "--concurrency", type=int, default=self.default_concurrency, help="rollouts in flight at once"
+        )
+        parser.add_argument(
+            "--think-ms",
+            type=float,
+            default=self.default_think_ms,
+            help="the policy's generation time before each call, mean (0.5x to 1.5x, seeded, the "
+            "same in every arm); 0: back-to-back calls, a stress test",
+        )
+        parser.add_argument(
+            "--warm-wait-s",
+            type=float,
+            default=5.0,
+            help="tool-server mode: wait up to this long after announcing a step",
+        )
         parser.add_argument("--out", default=str(DEFAULT_OUT))
         parser.add_argument("--no-plots", action="store_true")
         parser.add_argument("--tag", default="", help="added to task ids and output names")
-        parser.add_argument("--faults", action="store_true",
-                            help="the fault arm: seeded timeouts, environment errors, sandbox deaths and a service "
-                                 "restart per arm (the restart needs a service started here: not with --url); the "
-                                 "report adds wrong answers, divergences and the hit-rate cost (lab/replay/faults.py)")
-        parser.add_argument("--audit-rate", type=float, default=None,
-                            help="the tasks' determinism-audit rate (0 to 1); default: the service's (0.02)")
-        parser.add_argument("--fault-rate", type=float, default=0.25, help="with --faults: share of rollouts that "
-                                                                               "meet a fault, per task and epoch")
+        parser.add_argument(
+            "--faults",
+            action="store_true",
+            help="the fault arm: seeded timeouts, environment errors, sandbox deaths and a service "
+            "restart per arm (the restart needs a service started here: not with --url); the "
+            "report adds wrong answers, divergences and the hit-rate cost (lab/replay/faults.py)",
+        )
+        parser.add_argument(
+            "--audit-rate",
+            type=float,
+            default=None,
+            help="the tasks' determinism-audit rate (0 to 1); default: the service's (0.02)",
+        )
+        parser.add_argument(
+            "--fault-rate",
+            type=float,
+            default=0.25,
+            help="with --faults: share of rollouts that meet a fault, per task and epoch",
+        )
 
     def make_workload(self, options: dict[str, Any]) -> Workload:
         raise NotImplementedError
@@ -71,12 +94,24 @@ class ReplayCommand(BaseCommand):
         if not any(a.mode == "nocache" for a in arms):
             arms.insert(0, Arm("nocache", "nocache"))
         arms.sort(key=lambda a: a.mode != "nocache")  # the fresh executions first, every epoch
-        started_at = dt.datetime.now(dt.timezone.utc)
+        started_at = dt.datetime.now(dt.UTC)
         stamp = started_at.strftime("%Y%m%dt%H%M%S") + (f"-{options['tag']}" if options["tag"] else "")
         out_dir = Path(options["out"])
         workload = self.make_workload(options)
-        config = {key: options[key] for key in ("tasks", "rollouts", "epochs", "seed", "concurrency", "think_ms",
-                                                  "warm_wait_s", "faults", "audit_rate")}
+        config = {
+            key: options[key]
+            for key in (
+                "tasks",
+                "rollouts",
+                "epochs",
+                "seed",
+                "concurrency",
+                "think_ms",
+                "warm_wait_s",
+                "faults",
+                "audit_rate",
+            )
+        }
         config.update(arms=[a.name for a in arms], **self.workload_config(options))
         faults = FaultPlan(seed=options["seed"], rate=options["fault_rate"]) if options["faults"] else None
         if faults is not None:
@@ -86,21 +121,37 @@ class ReplayCommand(BaseCommand):
                 if faults is not None and service is None:
                     self.stderr.write("--faults with --url: no service restart (the replay did not start the service)")
                 with TimedClient(url, token, timeout=600) as client:
-                    replay = Replay(workload, client, ReplayConfig(
-                        epochs=options["epochs"], arms=arms, concurrency=options["concurrency"], seed=options["seed"],
-                        run_tag=stamp.replace("t", ""), think_ms=options["think_ms"], warm_wait_s=options["warm_wait_s"],
-                        faults=faults, audit_rate=options["audit_rate"],
-                        restart_service=service.restart if service is not None else None,
-                        keep_examples=10 if faults is not None else 5))
+                    replay = Replay(
+                        workload,
+                        client,
+                        ReplayConfig(
+                            epochs=options["epochs"],
+                            arms=arms,
+                            concurrency=options["concurrency"],
+                            seed=options["seed"],
+                            run_tag=stamp.replace("t", ""),
+                            think_ms=options["think_ms"],
+                            warm_wait_s=options["warm_wait_s"],
+                            faults=faults,
+                            audit_rate=options["audit_rate"],
+                            restart_service=service.restart if service is not None else None,
+                            keep_examples=10 if faults is not None else 5,
+                        ),
+                    )
                     began = time.perf_counter()
                     try:
                         replay.run()
                     finally:
                         if service is not None:
                             self._release(replay.arm_tasks.server_ids())
-                    report = build_report(replay, workload=self.workload_name, config=config, started_at=started_at,
-                                          seconds=time.perf_counter() - began,
-                                          server={"url": url, "started_here": service is not None})
+                    report = build_report(
+                        replay,
+                        workload=self.workload_name,
+                        config=config,
+                        started_at=started_at,
+                        seconds=time.perf_counter() - began,
+                        server={"url": url, "started_here": service is not None},
+                    )
         finally:
             workload.close()
         path = write_report(report, out_dir, stamp)
@@ -145,6 +196,7 @@ class ReplayCommand(BaseCommand):
         log_dir.mkdir(parents=True, exist_ok=True)
         token = token_create(name=f"replay-{self.workload_name}-{time.time_ns()}")
         # Proactive forks and the periodic tasks (reaping, eviction, vacuum) run as deployed.
-        with service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True,
-                             log_dir=log_dir) as service:
+        with service_running(
+            db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True, log_dir=log_dir
+        ) as service:
             yield service.url, token, service

@@ -83,8 +83,13 @@ class FaultPlan:
             raise ValueError("the fault rate is a share of the rollouts, from 0 to 1")
 
     def describe(self) -> dict[str, Any]:
-        return {"seed": self.seed, "rate": self.rate, "timeout_s": self.timeout_s, "restart": self.restart,
-                "kinds": {kind: list(modes) for kind, modes in KIND_MODES.items()}}
+        return {
+            "seed": self.seed,
+            "rate": self.rate,
+            "timeout_s": self.timeout_s,
+            "restart": self.restart,
+            "kinds": {kind: list(modes) for kind, modes in KIND_MODES.items()},
+        }
 
     def choose(self, workload: Workload, task: str, epoch: int, index: int, calls: list[Call]) -> Fault | None:
         """The rollout's fault, if it gets one (`calls`: the workload's calls, before any fault)."""
@@ -142,9 +147,11 @@ def kill_rollout_sandbox(client: TVCacheClient, task_id: str, rollout_id: str) -
 
     from sandboxes.services.runtime import SANDBOX_LABEL, TASK_LABEL, instance_selector
 
-    leased = [row for row in client.sandboxes(task_id)["live"]
-              if row["rollout_id"] == rollout_id and row["state"] == "leased" and row["backend"] == "docker"
-              and row["ref"]]
+    leased = [
+        row
+        for row in client.sandboxes(task_id)["live"]
+        if row["rollout_id"] == rollout_id and row["state"] == "leased" and row["backend"] == "docker" and row["ref"]
+    ]
     if not leased:
         return None
     row = max(leased, key=lambda r: r["id"])

@@ -14,11 +14,13 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
+
 from tvclient import TVCacheClient
 
 from .arms import Arm, ArmTasks
@@ -65,9 +67,16 @@ class Replay:
         self.restart = ServiceRestart(client, config.faults, config.epochs, config.restart_service)
         self.stats = ServiceStats(client, self.arm_tasks)
         self.arm_rollouts = {
-            arm.name: arm_rollouts(arm, self.restart.call_done, client=client, arm_tasks=self.arm_tasks,
-                                   again=config.faults is not None, miss_penalty_ms=workload.server_miss_penalty_ms)
-            for arm in config.arms}
+            arm.name: arm_rollouts(
+                arm,
+                self.restart.call_done,
+                client=client,
+                arm_tasks=self.arm_tasks,
+                again=config.faults is not None,
+                miss_penalty_ms=workload.server_miss_penalty_ms,
+            )
+            for arm in config.arms
+        }
         self._progress_stream = progress_stream
 
     # What the report reads of the parts (report.py).
@@ -86,8 +95,9 @@ class Replay:
     def run(self) -> list[EpochRun]:
         self.arm_tasks.put(self.config.audit_rate)
         total = sum(len(p) for p in self.plans.calls.values()) * len(self.config.arms)
-        progress = tqdm(total=total, unit="rollout", file=self._progress_stream or sys.stderr, mininterval=0.2,
-                        dynamic_ncols=True)
+        progress = tqdm(
+            total=total, unit="rollout", file=self._progress_stream or sys.stderr, mininterval=0.2, dynamic_ncols=True
+        )
         try:
             for epoch in range(self.config.epochs):
                 epoch_runs = {}
@@ -110,8 +120,11 @@ class Replay:
             rollouts = max(len(self.plans.rollouts(task.name, epoch)) for task in self.tasks)
             run.warm_wait_s = self.arm_tasks.announce(arm, epoch, rollouts, self.config.warm_wait_s)
         sandboxes_before = self.stats.sandboxes_started(arm) if arm.mode == "server" else 0
-        jobs = [(task, index, calls) for task in self.tasks
-                for index, calls in enumerate(self.plans.rollouts(task.name, epoch))]
+        jobs = [
+            (task, index, calls)
+            for task in self.tasks
+            for index, calls in enumerate(self.plans.rollouts(task.name, epoch))
+        ]
         driver = self.arm_rollouts[arm.name]
         lock = threading.Lock()
 

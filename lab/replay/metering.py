@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from tvclient import TVCacheClient, ToolExecutionEnvironment
+from tvclient import ToolExecutionEnvironment, TVCacheClient
 
 from .faults import faulty_answer
 from .workload import Call

@@ -6,8 +6,8 @@ the same at any pace, which is why a second live outcome found at another pace c
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

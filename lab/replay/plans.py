@@ -11,8 +11,9 @@ from .workload import Call, ReplayTask, Workload
 
 
 class RolloutPlans:
-    def __init__(self, workload: Workload, tasks: list[ReplayTask], arms: list[Arm], epochs: int,
-                 faults: FaultPlan | None):
+    def __init__(
+        self, workload: Workload, tasks: list[ReplayTask], arms: list[Arm], epochs: int, faults: FaultPlan | None
+    ):
         self.workload = workload
         self.arms = arms
         self.faults = faults

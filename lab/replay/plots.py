@@ -41,11 +41,15 @@ def _hit_rate(report, path: Path) -> Path:
     for name in _cached_arms(report):
         rates = [100 * e["arms"][name].get("service_hit_rate", 0) for e in report["epochs"]]
         oracle = [100 * e["arms"][name].get("oracle_hit_rate", 0) for e in report["epochs"]]
-        line, = ax.plot(epochs, rates, marker="o", label=f"{name} hit rate")
-        ax.plot(epochs, oracle, linestyle="--", marker="x", color=line.get_color(), alpha=0.6,
-                label=f"{name} oracle")
-    ax.set(xlabel="epoch", ylabel="hit rate (%)", ylim=(0, 100), xticks=epochs,
-           title=f"{report['workload']}: hit rate per epoch")
+        (line,) = ax.plot(epochs, rates, marker="o", label=f"{name} hit rate")
+        ax.plot(epochs, oracle, linestyle="--", marker="x", color=line.get_color(), alpha=0.6, label=f"{name} oracle")
+    ax.set(
+        xlabel="epoch",
+        ylabel="hit rate (%)",
+        ylim=(0, 100),
+        xticks=epochs,
+        title=f"{report['workload']}: hit rate per epoch",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -59,8 +63,11 @@ def _latency_cdf(report, path: Path) -> Path:
             values = [max(q, 1e-3) for q in quantiles]
             ax.step(values, [i / (len(values) - 1) for i in range(len(values))], where="post", label=arm["name"])
     ax.set_xscale("log")
-    ax.set(xlabel="tool-call latency (ms, log scale)", ylabel="fraction of calls",
-           title=f"{report['workload']}: tool-call latency CDF")
+    ax.set(
+        xlabel="tool-call latency (ms, log scale)",
+        ylabel="fraction of calls",
+        title=f"{report['workload']}: tool-call latency CDF",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -68,8 +75,10 @@ def _latency_cdf(report, path: Path) -> Path:
 
 def _per_tool(report, path: Path) -> Path:
     arms = _cached_arms(report)
-    tools = sorted({row["tool"] for name in arms for row in report["per_tool"].get(name, [])},
-                   key=lambda t: -sum(r["calls"] for n in arms for r in report["per_tool"].get(n, []) if r["tool"] == t))
+    tools = sorted(
+        {row["tool"] for name in arms for row in report["per_tool"].get(name, [])},
+        key=lambda t: -sum(r["calls"] for n in arms for r in report["per_tool"].get(n, []) if r["tool"] == t),
+    )
     tools = tools[:MAX_TOOLS]
     fig, ax = plt.subplots(figsize=(max(6.4, 0.45 * len(tools) * max(len(arms), 1)), 4.4))
     width = 0.8 / max(len(arms), 1)
@@ -77,8 +86,15 @@ def _per_tool(report, path: Path) -> Path:
         rows = {r["tool"]: r for r in report["per_tool"].get(name, [])}
         xs = [j + i * width for j in range(len(tools))]
         ax.bar(xs, [100 * rows.get(t, {}).get("hit_rate", 0) for t in tools], width, label=f"{name} hit rate")
-        ax.scatter(xs, [100 * rows.get(t, {}).get("oracle_hit_rate", 0) for t in tools], marker="_", s=120,
-                   color="black", zorder=3, label="oracle" if i == 0 else None)
+        ax.scatter(
+            xs,
+            [100 * rows.get(t, {}).get("oracle_hit_rate", 0) for t in tools],
+            marker="_",
+            s=120,
+            color="black",
+            zorder=3,
+            label="oracle" if i == 0 else None,
+        )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tools))])
     ax.set_xticklabels(tools, rotation=60, ha="right", fontsize=7)
     ax.set(ylabel="hit rate (%)", ylim=(0, 100), title=f"{report['workload']}: hit rate per tool (all epochs)")

@@ -22,15 +22,30 @@ MEDIAN_SPEEDUP = 7.0  # target (terminal): median tool-call latency reduced at l
 MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to the tool's own time
 VERIFICATION_COST_PCT = 10.0  # target (terminal, tool-server mode): verification's cost on the median miss
 # A tool-server miss's phases as the service names them (Phases, sandboxes/services/materialize.py).
-PHASES = ("lookup", "wait", "background_wait", "snapshot_wait", "materialize", "replay", "verify", "exec", "fingerprint",
-          "processes", "record", "snapshot")
+PHASES = (
+    "lookup",
+    "wait",
+    "background_wait",
+    "snapshot_wait",
+    "materialize",
+    "replay",
+    "verify",
+    "exec",
+    "fingerprint",
+    "processes",
+    "record",
+    "snapshot",
+)
 VERIFICATION_PHASES = ("verify", "fingerprint")
 
 
 def _latency(values: list[float]) -> dict[str, float]:
     """Percentiles and mean in ms; zeros for no calls (the plots and the headline read them)."""
-    return {**{f"p{q}": percentile(values, q, 3) or 0.0 for q in (50, 95, 99)},
-            "mean": round(mean(values), 3), "n": len(values)}
+    return {
+        **{f"p{q}": percentile(values, q, 3) or 0.0 for q in (50, 95, 99)},
+        "mean": round(mean(values), 3),
+        "n": len(values),
+    }
 
 
 def _quantiles(values: list[float], points: int = 101) -> list[float]:
@@ -87,21 +102,34 @@ def _phase_fields(runs: list[EpochRun]) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     for name in names:
         values = [s.phases_ms.get(name, 0.0) for s in misses]
-        phases[name] = {**{f"p{q}": percentile(values, q, 3) for q in (50, 95)}, "mean": round(mean(values), 3),
-                        "total_s": round(sum(values) / 1000, 3),
-                        "misses": sum(1 for s in misses if name in s.phases_ms)}
+        phases[name] = {
+            **{f"p{q}": percentile(values, q, 3) for q in (50, 95)},
+            "mean": round(mean(values), 3),
+            "total_s": round(sum(values) / 1000, 3),
+            "misses": sum(1 for s in misses if name in s.phases_ms),
+        }
     other = [s.latency_ms - sum(s.phases_ms.values()) for s in misses]
-    phases["other"] = {**{f"p{q}": percentile(other, q, 3) for q in (50, 95)}, "mean": round(mean(other), 3),
-                       "total_s": round(sum(other) / 1000, 3), "misses": len(misses)}
+    phases["other"] = {
+        **{f"p{q}": percentile(other, q, 3) for q in (50, 95)},
+        "mean": round(mean(other), 3),
+        "total_s": round(sum(other) / 1000, 3),
+        "misses": len(misses),
+    }
     verification = [sum(s.phases_ms.get(p, 0.0) for p in VERIFICATION_PHASES) for s in misses]
     median_miss = percentile([s.latency_ms for s in misses], 50, 3)
     median_unverified = percentile([s.latency_ms - v for s, v in zip(misses, verification)], 50, 3)
     median_verification = percentile(verification, 50, 3)
-    return {"miss_phases_ms": phases, "verification": {
-        "misses": len(misses), "median_miss_ms": median_miss, "median_verification_ms": median_verification,
-        "median_miss_unverified_ms": median_unverified,
-        "share_pct": round(100 * median_verification / median_miss, 2) if median_miss else None,
-        "cost_pct": round(100 * (median_miss / median_unverified - 1), 2) if median_unverified else None}}
+    return {
+        "miss_phases_ms": phases,
+        "verification": {
+            "misses": len(misses),
+            "median_miss_ms": median_miss,
+            "median_verification_ms": median_verification,
+            "median_miss_unverified_ms": median_unverified,
+            "share_pct": round(100 * median_verification / median_miss, 2) if median_miss else None,
+            "cost_pct": round(100 * (median_miss / median_unverified - 1), 2) if median_unverified else None,
+        },
+    }
 
 
 def _step_fields(runs: list[EpochRun], step: str = VERIFY_STEP) -> dict[str, Any]:
@@ -128,9 +156,13 @@ def _miss_fields(runs: list[EpochRun]) -> dict[str, dict[str, float]]:
     overheads = [o for run in runs for o in _miss_overheads(run)]
     if not overheads:
         return {}
-    return {"miss_overhead_ms": _latency(overheads),
-            **{f"miss_{field}": _latency([v for run in runs for v in _miss_lookups(run, field)])
-               for field in ("lookup_ms", "lookup_server_ms", "background_wait_ms")}}
+    return {
+        "miss_overhead_ms": _latency(overheads),
+        **{
+            f"miss_{field}": _latency([v for run in runs for v in _miss_lookups(run, field)])
+            for field in ("lookup_ms", "lookup_server_ms", "background_wait_ms")
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -157,11 +189,20 @@ class IssuedOracle:
 def issued_oracle(runs: list[EpochRun], keep_examples: int = 10) -> IssuedOracle:
     hits, forbidden = _oracle_pass(runs, rule=True)
     no_rule_hits, _ = _oracle_pass(runs, rule=False)
-    examples = [{"epoch": s.epoch, "task": s.task, "rollout": s.rollout, "position": s.position, "tool": s.tool,
-                 "after_unknown_state": s.unshared}
-                for s in sorted((s for samples in forbidden.values() for s in samples), key=lambda s: s.started)]
-    return IssuedOracle(hits, no_rule_hits, {epoch: len(samples) for epoch, samples in forbidden.items()},
-                        examples[:keep_examples])
+    examples = [
+        {
+            "epoch": s.epoch,
+            "task": s.task,
+            "rollout": s.rollout,
+            "position": s.position,
+            "tool": s.tool,
+            "after_unknown_state": s.unshared,
+        }
+        for s in sorted((s for samples in forbidden.values() for s in samples), key=lambda s: s.started)
+    ]
+    return IssuedOracle(
+        hits, no_rule_hits, {epoch: len(samples) for epoch, samples in forbidden.items()}, examples[:keep_examples]
+    )
 
 
 def _oracle_pass(runs: list[EpochRun], *, rule: bool) -> tuple[dict[int, int], dict[int, list[CallSample]]]:
@@ -186,8 +227,12 @@ def _oracle_pass(runs: list[EpochRun], *, rule: bool) -> tuple[dict[int, int], d
             key = _oracle_key(sample, rule)
             hits[run.epoch] += key in seen
             answered = sample.started + sample.latency_ms / 1000
-            if sample.cached and key not in seen and (sample.unshared or key in off_graph) and not (
-                    not sample.unshared and issued_shared.get(key, answered) < answered):
+            if (
+                sample.cached
+                and key not in seen
+                and (sample.unshared or key in off_graph)
+                and not (not sample.unshared and issued_shared.get(key, answered) < answered)
+            ):
                 forbidden[run.epoch].append(sample)
             if not sample.event:
                 seen.add(key)
@@ -203,12 +248,15 @@ def _oracle_key(sample: CallSample, rule: bool) -> tuple:
 
 
 def _fault_counts(calls: list[CallSample]) -> dict[str, Any]:
-    return {"fired": dict(Counter(s.fault for s in calls if s.fault)),
-            "calls_after_unknown_state": sum(1 for s in calls if s.unshared),
-            "retried_calls": sum(1 for s in calls if s.retries), "retries": sum(s.retries for s in calls),
-            "failed_calls": sum(1 for s in calls if s.failed),
-            # The cache kept an answer that says timed out, and served it.
-            "timed_out_hits": sum(1 for s in calls if s.cached and s.answer_timed_out)}
+    return {
+        "fired": dict(Counter(s.fault for s in calls if s.fault)),
+        "calls_after_unknown_state": sum(1 for s in calls if s.unshared),
+        "retried_calls": sum(1 for s in calls if s.retries),
+        "retries": sum(s.retries for s in calls),
+        "failed_calls": sum(1 for s in calls if s.failed),
+        # The cache kept an answer that says timed out, and served it.
+        "timed_out_hits": sum(1 for s in calls if s.cached and s.answer_timed_out),
+    }
 
 
 def epoch_metrics(run: EpochRun, oracle: IssuedOracle, faults: bool = False) -> dict[str, Any]:
@@ -294,29 +342,43 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "nondeterministic": sum(a["exact"].get("misses_nondeterministic", 0) for a in cached.values()),
     }
     unbudgeted = {name: a for name, a in cached.items() if Arm.parse(name).budget is None}
-    gaps = {name: round(100 * (a.get("oracle_hit_rate", 0) - a.get("service_hit_rate", 0)), 3)
-            for name, a in unbudgeted.items()}
-    issued_gaps = {name: round(100 * (a["issued_oracle_hit_rate"] - a.get("service_hit_rate", 0)), 3)
-                   for name, a in unbudgeted.items()}
-    out["hit_rate_equals_oracle"] = {"met": all(abs(g) < HIT_VS_ORACLE_POINTS for g in gaps.values()),
-                                     "gap_points": gaps, "gap_points_to_issued_oracle": issued_gaps}
+    gaps = {
+        name: round(100 * (a.get("oracle_hit_rate", 0) - a.get("service_hit_rate", 0)), 3)
+        for name, a in unbudgeted.items()
+    }
+    issued_gaps = {
+        name: round(100 * (a["issued_oracle_hit_rate"] - a.get("service_hit_rate", 0)), 3)
+        for name, a in unbudgeted.items()
+    }
+    out["hit_rate_equals_oracle"] = {
+        "met": all(abs(g) < HIT_VS_ORACLE_POINTS for g in gaps.values()),
+        "gap_points": gaps,
+        "gap_points_to_issued_oracle": issued_gaps,
+    }
     losses = {}
     for name, a in cached.items():
         arm = Arm.parse(name)
         if arm.budget is not None and arm.mode in arms:
             base = arms[arm.mode]
-            losses[name] = {"hit_rate_loss_points": round(100 * (base["hit_rate"] - a["hit_rate"]), 3),
-                            "tool_time_s": a["tool_time_s"], "tool_time_s_no_budget": base["tool_time_s"],
-                            "p50_ms": a["latency_ms"]["p50"], "p50_ms_no_budget": base["latency_ms"]["p50"]}
+            losses[name] = {
+                "hit_rate_loss_points": round(100 * (base["hit_rate"] - a["hit_rate"]), 3),
+                "tool_time_s": a["tool_time_s"],
+                "tool_time_s_no_budget": base["tool_time_s"],
+                "p50_ms": a["latency_ms"]["p50"],
+                "p50_ms_no_budget": base["latency_ms"]["p50"],
+            }
     if losses:
         out["budget_loss"] = losses
     if "nocache" in arms:
         base = arms["nocache"]["latency_ms"]
-        speedups = {name: {"p50_x": round(base["p50"] / a["latency_ms"]["p50"], 2) if a["latency_ms"]["p50"] else None,
-                           "p95_x": round(base["p95"] / a["latency_ms"]["p95"], 2) if a["latency_ms"]["p95"] else None,
-                           "step_x": round(arms["nocache"]["step_s_total"] / a["step_s_total"], 2)
-                           if a["step_s_total"] else None}
-                    for name, a in cached.items()}
+        speedups = {
+            name: {
+                "p50_x": round(base["p50"] / a["latency_ms"]["p50"], 2) if a["latency_ms"]["p50"] else None,
+                "p95_x": round(base["p95"] / a["latency_ms"]["p95"], 2) if a["latency_ms"]["p95"] else None,
+                "step_x": round(arms["nocache"]["step_s_total"] / a["step_s_total"], 2) if a["step_s_total"] else None,
+            }
+            for name, a in cached.items()
+        }
         entry: dict[str, Any] = {"speedup_vs_nocache": speedups}
         if workload == "terminal":
             entry["met"] = any((s["p50_x"] or 0) >= MEDIAN_SPEEDUP for s in speedups.values())
@@ -331,9 +393,13 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             return {name: a[field]["p95"] for name, a in cached.items() if field in a}
 
         out["miss_lookup_p95_ms"] = {
-            "met": all(v < MISS_OVERHEAD_P95_MS for v in lookups.values()), "lookup_p95_ms": lookups,
-            "service_share_p95_ms": p95("miss_lookup_server_ms"), "whole_overhead_p95_ms": p95("miss_overhead_ms"),
-            "background_wait_p95_ms": p95("miss_background_wait_ms"), "target_ms": MISS_OVERHEAD_P95_MS}
+            "met": all(v < MISS_OVERHEAD_P95_MS for v in lookups.values()),
+            "lookup_p95_ms": lookups,
+            "service_share_p95_ms": p95("miss_lookup_server_ms"),
+            "whole_overhead_p95_ms": p95("miss_overhead_ms"),
+            "background_wait_p95_ms": p95("miss_background_wait_ms"),
+            "target_ms": MISS_OVERHEAD_P95_MS,
+        }
     costs = {name: a["verification"]["cost_pct"] for name, a in cached.items() if "verification" in a}
     if costs:
         entry = {"cost_pct": costs, "target_pct": VERIFICATION_COST_PCT}
@@ -343,8 +409,7 @@ def targets(workload: str, arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]],
-                  issued: dict[str, IssuedOracle]) -> dict[str, Any]:
+def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]], issued: dict[str, IssuedOracle]) -> dict[str, Any]:
     """The fault arm's figures per cached arm: wrong answers (results that differ from the fresh
     execution of the same history), hits the known-state rule forbids, the service's divergences,
     and what the faults cost in hit rate (points) against the no-fault oracle: the rule's share
@@ -356,19 +421,26 @@ def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]],
         exact = a["exact"]
         hit, rule, no_fault = a["hit_rate"], a["issued_oracle_hit_rate"], a["no_fault_oracle_hit_rate"]
         out["arms"][name] = {
-            "wrong_hits": exact["hits_mismatches"], "wrong_misses": exact["misses_mismatches"],
-            "after_unknown_state": {key.removeprefix("after_event_"): exact[key] for key in EXACT_KEYS
-                                    if key.startswith("after_event_")},
+            "wrong_hits": exact["hits_mismatches"],
+            "wrong_misses": exact["misses_mismatches"],
+            "after_unknown_state": {
+                key.removeprefix("after_event_"): exact[key] for key in EXACT_KEYS if key.startswith("after_event_")
+            },
             # Hits after an unknown-state event from the shared graph: the known-state rule forbids them.
-            "forbidden_hits": a["forbidden_hits"], "forbidden_hit_examples": issued[name].forbidden_examples,
+            "forbidden_hits": a["forbidden_hits"],
+            "forbidden_hit_examples": issued[name].forbidden_examples,
             "not_compared": exact["not_compared"],
-            "planned": dict(replay.faults_planned[name]), **a["faults"],
+            "planned": dict(replay.faults_planned[name]),
+            **a["faults"],
             "divergences": replay.divergences.get(name),
-            "hit_rate": round(hit, 4), "issued_oracle_hit_rate": round(rule, 4),
+            "hit_rate": round(hit, 4),
+            "issued_oracle_hit_rate": round(rule, 4),
             "no_fault_oracle_hit_rate": round(no_fault, 4),
-            "cost_points": {"vs_no_fault_oracle": round(100 * (no_fault - hit), 3),
-                            "known_state_rule": round(100 * (no_fault - rule), 3),
-                            "beyond_rule": round(100 * (rule - hit), 3)},
+            "cost_points": {
+                "vs_no_fault_oracle": round(100 * (no_fault - hit), 3),
+                "known_state_rule": round(100 * (no_fault - rule), 3),
+                "beyond_rule": round(100 * (rule - hit), 3),
+            },
             # Calls made less the calls the service's stats count: counters it had not flushed when
             # it was killed are lost, and the calls of a rollout off the shared graph are not looked
             # up in client mode (positive); a call answered with an error and sent again counts
@@ -378,8 +450,15 @@ def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]],
     return out
 
 
-def build_report(replay: Replay, *, workload: str, config: dict[str, Any], started_at: dt.datetime,
-                 seconds: float, server: dict[str, Any]) -> dict[str, Any]:
+def build_report(
+    replay: Replay,
+    *,
+    workload: str,
+    config: dict[str, Any],
+    started_at: dt.datetime,
+    seconds: float,
+    server: dict[str, Any],
+) -> dict[str, Any]:
     by_arm: dict[str, list[EpochRun]] = {}
     for run in replay.runs:
         by_arm.setdefault(run.arm, []).append(run)
@@ -387,8 +466,14 @@ def build_report(replay: Replay, *, workload: str, config: dict[str, Any], start
     faults = replay.config.faults is not None
     issued = {name: issued_oracle(runs) for name, runs in by_arm.items()}
     for epoch in range(replay.config.epochs):
-        epochs.append({"epoch": epoch, "arms": {run.arm: epoch_metrics(run, issued[run.arm], faults)
-                                                for run in replay.runs if run.epoch == epoch}})
+        epochs.append(
+            {
+                "epoch": epoch,
+                "arms": {
+                    run.arm: epoch_metrics(run, issued[run.arm], faults) for run in replay.runs if run.epoch == epoch
+                },
+            }
+        )
     arms = {name: arm_summary(runs, issued[name], faults) for name, runs in by_arm.items()}
     return {
         "workload": workload,
@@ -419,23 +504,30 @@ def write_report(report: dict[str, Any], out_dir: Path, stamp: str) -> Path:
 
 def headline(report: dict[str, Any]) -> str:
     """A markdown table: one row per epoch and arm."""
-    lines = ["| epoch | arm | hit rate | oracle (service / issued) | p50 ms | p95 ms | step s | slowest rollout s | "
-             "sandboxes | snapshots live (bytes) | hits checked / mismatched |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        "| epoch | arm | hit rate | oracle (service / issued) | p50 ms | p95 ms | step s | slowest rollout s | "
+        "sandboxes | snapshots live (bytes) | hits checked / mismatched |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     for epoch in report["epochs"]:
         for name, m in epoch["arms"].items():
             service = m.get("service", {})
-            oracle = (f"{100 * m['oracle_hit_rate']:.1f} / {100 * m['issued_oracle_hit_rate']:.1f} %"
-                      if "oracle_hit_rate" in m else "-")
+            oracle = (
+                f"{100 * m['oracle_hit_rate']:.1f} / {100 * m['issued_oracle_hit_rate']:.1f} %"
+                if "oracle_hit_rate" in m
+                else "-"
+            )
             hit = f"{100 * m['service_hit_rate']:.1f} %" if "service_hit_rate" in m else "-"
             # Client mode registers no snapshot sizes: its bytes are those the harness's envs froze.
             size = service.get("snapshot_bytes_live") or m["sandboxes"].get("snapshot_bytes", 0)
             snaps = f"{service.get('snapshots_live', 0)} ({_bytes(size)})" if service else "-"
             started = int(m["sandboxes"].get("starts", 0) + m["sandboxes"].get("resume_forks", 0))
             exact = f"{m['exact'].get('hits_checked', 0)} / {m['exact'].get('hits_mismatches', 0)}" if service else "-"
-            lines.append(f"| {epoch['epoch']} | {name} | {hit} | {oracle} | {m['latency_ms']['p50']:.1f} | "
-                         f"{m['latency_ms']['p95']:.1f} | {m['step_s']:.1f} | {m['slowest_rollout_s']:.1f} | "
-                         f"{started} | {snaps} | {exact} |")
+            lines.append(
+                f"| {epoch['epoch']} | {name} | {hit} | {oracle} | {m['latency_ms']['p50']:.1f} | "
+                f"{m['latency_ms']['p95']:.1f} | {m['step_s']:.1f} | {m['slowest_rollout_s']:.1f} | "
+                f"{started} | {snaps} | {exact} |"
+            )
     return "\n".join(lines)
 
 
@@ -447,39 +539,50 @@ def breakdown(report: dict[str, Any]) -> str:
     for name, a in report["summary"].items():
         if "miss_phases_ms" in a:
             phases = a["miss_phases_ms"]
-            went = ", ".join(f"{p} {f['mean']:.1f} ({f['total_s']:.1f})" for p, f in phases.items()
-                             if f["misses"] and f["total_s"])
+            went = ", ".join(
+                f"{p} {f['mean']:.1f} ({f['total_s']:.1f})" for p, f in phases.items() if f["misses"] and f["total_s"]
+            )
             v = a["verification"]
             lines.append(f"{name}: {v['misses']} misses, phase mean ms (total s): {went}")
             cost = "-" if v["cost_pct"] is None else f"+{v['cost_pct']:.1f} %"
-            lines.append(f"{name}: verification (verify + fingerprint) {cost} on the median miss "
-                         f"({v['median_miss_ms']:.1f} ms against {v['median_miss_unverified_ms']:.1f} ms without; "
-                         f"its median {v['median_verification_ms']:.1f} ms)")
+            lines.append(
+                f"{name}: verification (verify + fingerprint) {cost} on the median miss "
+                f"({v['median_miss_ms']:.1f} ms against {v['median_miss_unverified_ms']:.1f} ms without; "
+                f"its median {v['median_verification_ms']:.1f} ms)"
+            )
     steps = {name: a for name, a in report["summary"].items() if f"{VERIFY_STEP}_step" in a}
     for field, label in ((f"{VERIFY_STEP}_step", "verify step"), (f"final_{VERIFY_STEP}", "final verify")):
         if steps:
-            lines.append(f"{label} (calls, hits, tool time): " + " | ".join(
-                f"{name} {a[field]['calls']}, {a[field]['hits']}, {a[field]['tool_time_s']:.1f} s"
-                for name, a in steps.items()))
+            lines.append(
+                f"{label} (calls, hits, tool time): "
+                + " | ".join(
+                    f"{name} {a[field]['calls']}, {a[field]['hits']}, {a[field]['tool_time_s']:.1f} s"
+                    for name, a in steps.items()
+                )
+            )
     return "\n".join(lines)
 
 
 def fault_headline(report: dict[str, Any]) -> str:
     """A markdown table of the fault arm: one row per cached arm."""
-    lines = ["| arm | faults planned / fired | restarts | wrong hits / misses (after an unknown state) | "
-             "forbidden hits | divergences | hit rate | oracle: rule / no fault | cost points: rule + rest |",
-             "|---|---|---:|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| arm | faults planned / fired | restarts | wrong hits / misses (after an unknown state) | "
+        "forbidden hits | divergences | hit rate | oracle: rule / no fault | cost points: rule + rest |",
+        "|---|---|---:|---|---:|---:|---:|---|---|",
+    ]
     for name, f in report["faults"]["arms"].items():
         after = f["after_unknown_state"]
         restarts = sum(1 for r in report["faults"]["restarts"] if r["arm"] == name)
         divergences = "-" if f["divergences"] is None else f["divergences"].get("count", "-")
         cost = f["cost_points"]
-        lines.append(f"| {name} | {_kinds(f['planned'])} / {_kinds(f['fired'])} | {restarts} | "
-                     f"{f['wrong_hits']} / {f['wrong_misses']} ({after['hits_mismatches']} / "
-                     f"{after['misses_mismatches']}) | {f['forbidden_hits']} | {divergences} | "
-                     f"{100 * f['hit_rate']:.1f} % | {100 * f['issued_oracle_hit_rate']:.1f} / "
-                     f"{100 * f['no_fault_oracle_hit_rate']:.1f} % | {cost['vs_no_fault_oracle']:.1f}: "
-                     f"{cost['known_state_rule']:.1f} + {cost['beyond_rule']:.1f} |")
+        lines.append(
+            f"| {name} | {_kinds(f['planned'])} / {_kinds(f['fired'])} | {restarts} | "
+            f"{f['wrong_hits']} / {f['wrong_misses']} ({after['hits_mismatches']} / "
+            f"{after['misses_mismatches']}) | {f['forbidden_hits']} | {divergences} | "
+            f"{100 * f['hit_rate']:.1f} % | {100 * f['issued_oracle_hit_rate']:.1f} / "
+            f"{100 * f['no_fault_oracle_hit_rate']:.1f} % | {cost['vs_no_fault_oracle']:.1f}: "
+            f"{cost['known_state_rule']:.1f} + {cost['beyond_rule']:.1f} |"
+        )
     return "\n".join(lines)
 
 

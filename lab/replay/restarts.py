@@ -8,8 +8,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from tvclient import TVCacheClient
 from tvclient.errors import TVCacheError, TVCacheUnavailable
@@ -50,8 +50,9 @@ class ServiceRestart:
     """Restarts the service once per cached arm, after a planned number of the restart epoch's
     calls (FaultPlan.restart_point); `restarts` has an entry per restart."""
 
-    def __init__(self, client: TVCacheClient, faults: FaultPlan | None, epochs: int,
-                 restart_service: Callable[[], None] | None):
+    def __init__(
+        self, client: TVCacheClient, faults: FaultPlan | None, epochs: int, restart_service: Callable[[], None] | None
+    ):
         self.client = client
         self.faults = faults
         self.epochs = epochs

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from tvclient import SnapshotStore, TVCacheClient, ToolCallExecutor, ToolExecutionEnvironment
+from tvclient import SnapshotStore, ToolCallExecutor, ToolExecutionEnvironment, TVCacheClient
 
 from .arms import Arm, ArmTasks
 from .faults import ENV_FAULTS, Fault, kill_rollout_sandbox, timed_out
@@ -26,8 +27,9 @@ class ArmRollouts(ABC):
         self._on_call = on_call  # a call was answered (the restart counts them)
 
     @abstractmethod
-    def run(self, task: ReplayTask, epoch: int, index: int, calls: list[Call], think: list[float],
-            fault: Fault | None) -> list[CallSample]:
+    def run(
+        self, task: ReplayTask, epoch: int, index: int, calls: list[Call], think: list[float], fault: Fault | None
+    ) -> list[CallSample]:
         """The rollout's samples, a call each; `think`: seconds before each call (pacing.py)."""
 
     def close(self) -> None:
@@ -35,8 +37,19 @@ class ArmRollouts(ABC):
 
     def _sample(self, task, epoch, index, position, call, latency_ms, cached, env_ms, result) -> CallSample:
         self._on_call()
-        return CallSample(task.name, epoch, index, position, call["tool"], latency_ms, cached, env_ms, digest(result),
-                          result=result, started=time.perf_counter() - latency_ms / 1000)
+        return CallSample(
+            task.name,
+            epoch,
+            index,
+            position,
+            call["tool"],
+            latency_ms,
+            cached,
+            env_ms,
+            digest(result),
+            result=result,
+            started=time.perf_counter() - latency_ms / 1000,
+        )
 
 
 class NocacheRollouts(ArmRollouts):
@@ -63,8 +76,9 @@ class NocacheRollouts(ArmRollouts):
 class ClientRollouts(ArmRollouts):
     """Client mode: tvclient's ToolCallExecutor over the workload's local sandboxes."""
 
-    def __init__(self, arm: Arm, on_call: Callable[[], None], *, client: TVCacheClient, arm_tasks: ArmTasks,
-                 again: bool):
+    def __init__(
+        self, arm: Arm, on_call: Callable[[], None], *, client: TVCacheClient, arm_tasks: ArmTasks, again: bool
+    ):
         super().__init__(arm, on_call)
         self.client = client
         self.arm_tasks = arm_tasks
@@ -81,8 +95,14 @@ class ClientRollouts(ArmRollouts):
         def factory() -> ToolExecutionEnvironment:
             return MeteredEnvironment(task.make_env(), counts)
 
-        with ToolCallExecutor(self.client, self.arm_tasks.task_id(task, self.arm), factory,
-                              rollout_id=f"e{epoch}-r{index}", epoch=epoch, snapshots=self.snapshots) as executor:
+        with ToolCallExecutor(
+            self.client,
+            self.arm_tasks.task_id(task, self.arm),
+            factory,
+            rollout_id=f"e{epoch}-r{index}",
+            epoch=epoch,
+            snapshots=self.snapshots,
+        ) as executor:
             for position, call in enumerate(calls):
                 time.sleep(think[position])
                 meter.env_ms = meter.lookup_ms = meter.lookup_server_ms = 0.0
@@ -95,8 +115,9 @@ class ClientRollouts(ArmRollouts):
                 finally:
                     meter.armed = None
                 latency = (time.perf_counter() - started) * 1000
-                sample = self._sample(task, epoch, index, position, call, latency, executor.hits > hits,
-                                      meter.env_ms, result)
+                sample = self._sample(
+                    task, epoch, index, position, call, latency, executor.hits > hits, meter.env_ms, result
+                )
                 sample.started = sent
                 sample.lookup_ms, sample.lookup_server_ms = meter.lookup_ms, meter.lookup_server_ms
                 sample.background_wait_ms = executor.background_wait_ms - waited_ms
@@ -110,8 +131,7 @@ class ClientRollouts(ArmRollouts):
                 fired = meter.fired and not sample.cached
                 sample.mutates = None if fired or failed or detached else len(executor.history) > keyed
                 sample.injected, sample.failed, sample.retries = fired, failed, retries
-                sample.fault = fault.kind if fired else ("timeout" if timed_out(result) and not sample.cached
-                                                         else None)
+                sample.fault = fault.kind if fired else ("timeout" if timed_out(result) and not sample.cached else None)
                 samples.append(sample)
             meter.env_ms = 0.0
         return samples
@@ -137,8 +157,16 @@ class ClientRollouts(ArmRollouts):
 class ServerRollouts(ArmRollouts):
     """Tool-server mode: POST .../rollouts/{id}/calls, the service runs the sandboxes."""
 
-    def __init__(self, arm: Arm, on_call: Callable[[], None], *, client: TVCacheClient, arm_tasks: ArmTasks,
-                 again: bool, miss_penalty_ms: float):
+    def __init__(
+        self,
+        arm: Arm,
+        on_call: Callable[[], None],
+        *,
+        client: TVCacheClient,
+        arm_tasks: ArmTasks,
+        again: bool,
+        miss_penalty_ms: float,
+    ):
         super().__init__(arm, on_call)
         self.client = client
         self.arm_tasks = arm_tasks
@@ -158,31 +186,50 @@ class ServerRollouts(ArmRollouts):
                     killed = send(lambda: kill_rollout_sandbox(self.client, task_id, rollout_id), again=self.again)[0]
                     death = None if killed else death
                 started = time.perf_counter()
-                answer, retries, error, sent = send(lambda: self.client.call(task_id, rollout_id, call, epoch=epoch),
-                                                    again=self.again)
+                answer, retries, error, sent = send(
+                    lambda: self.client.call(task_id, rollout_id, call, epoch=epoch), again=self.again
+                )
                 if answer is not None and not answer.cached and self.miss_penalty_s:
                     time.sleep(self.miss_penalty_s)
                 latency = (time.perf_counter() - started) * 1000
                 result = answer.result if answer is not None else {"error": error}
-                sample = self._sample(task, epoch, index, position, call, latency,
-                                      answer.cached if answer is not None else False, None, result)
+                sample = self._sample(
+                    task,
+                    epoch,
+                    index,
+                    position,
+                    call,
+                    latency,
+                    answer.cached if answer is not None else False,
+                    None,
+                    result,
+                )
                 sample.mutates = answer.mutates if answer is not None else None
                 if answer is not None and not answer.cached:
                     sample.phases_ms = dict(answer.phases_ms)
                 sample.failed, sample.retries, sample.started = answer is None, retries, sent
-                sample.fault = "sandbox_death" if killed else ("timeout" if timed_out(result) and not sample.cached
-                                                               else None)
+                sample.fault = (
+                    "sandbox_death" if killed else ("timeout" if timed_out(result) and not sample.cached else None)
+                )
                 samples.append(sample)
         finally:
             send(lambda: self.client.end_rollout(task_id, rollout_id), again=self.again)
         return samples
 
 
-def arm_rollouts(arm: Arm, on_call: Callable[[], None], *, client: TVCacheClient, arm_tasks: ArmTasks, again: bool,
-                 miss_penalty_ms: float) -> ArmRollouts:
+def arm_rollouts(
+    arm: Arm,
+    on_call: Callable[[], None],
+    *,
+    client: TVCacheClient,
+    arm_tasks: ArmTasks,
+    again: bool,
+    miss_penalty_ms: float,
+) -> ArmRollouts:
     if arm.mode == "nocache":
         return NocacheRollouts(arm, on_call)
     if arm.mode == "client":
         return ClientRollouts(arm, on_call, client=client, arm_tasks=arm_tasks, again=again)
-    return ServerRollouts(arm, on_call, client=client, arm_tasks=arm_tasks, again=again,
-                          miss_penalty_ms=miss_penalty_ms)
+    return ServerRollouts(
+        arm, on_call, client=client, arm_tasks=arm_tasks, again=again, miss_penalty_ms=miss_penalty_ms
+    )

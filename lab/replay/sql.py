@@ -20,10 +20,9 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from tvclient import ToolExecutionEnvironment
-
 from sandboxes.backends.config import SqliteConfig
 from sandboxes.backends.sqlite import run_execute, run_query
+from tvclient import ToolExecutionEnvironment
 
 from .workload import Call, ReplayTask, Workload
 
@@ -66,15 +65,24 @@ def generate_database_sql(seed: int, *, customers: int, products: int, orders: i
     """INSERT statements for one database; the same seed always gives the same rows."""
     rng = random.Random(seed)
     rows = [
-        "INSERT INTO customers VALUES " + ",".join(
+        "INSERT INTO customers VALUES "
+        + ",".join(
             f"({i},'{_name(rng)} {_name(rng)}','{rng.choice(CITIES)}','{rng.choice(TIERS)}')"
-            for i in range(1, customers + 1)) + ";",
-        "INSERT INTO products VALUES " + ",".join(
+            for i in range(1, customers + 1)
+        )
+        + ";",
+        "INSERT INTO products VALUES "
+        + ",".join(
             f"({i},'{_name(rng)}','{rng.choice(CATEGORIES)}',{rng.randint(100, 9999) / 100})"
-            for i in range(1, products + 1)) + ";",
-        "INSERT INTO orders VALUES " + ",".join(
+            for i in range(1, products + 1)
+        )
+        + ";",
+        "INSERT INTO orders VALUES "
+        + ",".join(
             f"({i},{rng.randint(1, customers)},{rng.randint(1, products)},{rng.randint(1, 5)},{rng.randint(1, DAYS)})"
-            for i in range(1, orders + 1)) + ";",
+            for i in range(1, orders + 1)
+        )
+        + ";",
     ]
     return "\n".join(rows)
 
@@ -82,8 +90,14 @@ def generate_database_sql(seed: int, *, customers: int, products: int, orders: i
 def random_query(rng: random.Random) -> str:
     day = rng.randint(1, DAYS - 30)
     return rng.choice(TEMPLATES).format(
-        tier=rng.choice(TIERS), category=rng.choice(CATEGORIES), city=rng.choice(CITIES), k=rng.choice([5, 10, 20]),
-        day=day, day2=day + rng.choice([7, 14, 30]), prefix=rng.choice(SYLLABLES).capitalize())
+        tier=rng.choice(TIERS),
+        category=rng.choice(CATEGORIES),
+        city=rng.choice(CITIES),
+        k=rng.choice([5, 10, 20]),
+        day=day,
+        day2=day + rng.choice([7, 14, 30]),
+        prefix=rng.choice(SYLLABLES).capitalize(),
+    )
 
 
 class SqliteFileEnvironment(ToolExecutionEnvironment):
@@ -143,8 +157,12 @@ class SqlWorkload(Workload):
         self._popular: dict[str, list[str]] = {}
 
     def describe(self) -> dict[str, Any]:
-        return {"latency_ms": self.latency_ms, "rows_per_db": self.rows, "popular_queries": self.POPULAR,
-                "p_popular": self.P_POPULAR}
+        return {
+            "latency_ms": self.latency_ms,
+            "rows_per_db": self.rows,
+            "popular_queries": self.POPULAR,
+            "p_popular": self.P_POPULAR,
+        }
 
     def tasks(self) -> list[ReplayTask]:
         if self._tasks is None:
@@ -153,8 +171,9 @@ class SqlWorkload(Workload):
 
     def _task(self, index: int) -> ReplayTask:
         name = f"shop{index}"
-        seed_sql = generate_database_sql(self.seed * 7919 + index, customers=self.rows // 8,
-                                         products=self.rows // 20, orders=self.rows)
+        seed_sql = generate_database_sql(
+            self.seed * 7919 + index, customers=self.rows // 8, products=self.rows // 20, orders=self.rows
+        )
         seed_db = self._dir / f"{name}.sqlite"
         with closing(sqlite3.connect(seed_db)) as conn:
             conn.executescript(SCHEMA_SQL)
@@ -162,8 +181,13 @@ class SqlWorkload(Workload):
         rng = random.Random(f"{self.seed}-{name}-popular")
         self._popular[name] = [random_query(rng) for _ in range(self.POPULAR)]
         tools = {"query": {"mutates_state": False, "cacheable": True}}
-        client_env = {"backend": "external", "workload": "sql", "schema_sql": SCHEMA_SQL, "seed_sql": seed_sql,
-                      "latency_ms": self.latency_ms}
+        client_env = {
+            "backend": "external",
+            "workload": "sql",
+            "schema_sql": SCHEMA_SQL,
+            "seed_sql": seed_sql,
+            "latency_ms": self.latency_ms,
+        }
         server_env = {"backend": "sqlite", "schema_sql": SCHEMA_SQL, "seed_sql": seed_sql}
 
         def make_env() -> ToolExecutionEnvironment:

@@ -73,7 +73,13 @@ class ServiceStats:
                 divergences = divergences or {}
                 for key, n in counted.items():
                     divergences[key] = divergences.get(key, 0) + n
-        rows = [{"tool": tool, **dict(c), "hit_rate": c["hits"] / c["calls"] if c["calls"] else 0.0,
-                 "oracle_hit_rate": c["oracle_hits"] / c["calls"] if c["calls"] else 0.0}
-                for tool, c in sorted(tools.items())]
+        rows = [
+            {
+                "tool": tool,
+                **dict(c),
+                "hit_rate": c["hits"] / c["calls"] if c["calls"] else 0.0,
+                "oracle_hit_rate": c["oracle_hits"] / c["calls"] if c["calls"] else 0.0,
+            }
+            for tool, c in sorted(tools.items())
+        ]
         return rows, divergences

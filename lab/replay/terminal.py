@@ -18,10 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tvclient import ToolExecutionEnvironment
-
 from sandboxes.backends import backend_for
 from sandboxes.services.runtime import sandbox_config
+from tvclient import ToolExecutionEnvironment
 
 from .workload import VERIFY_STEP, Call, ReplayTask, Workload
 
@@ -168,7 +167,7 @@ int main(void) {
 """
 MAKEFILE = "CFLAGS ?= -O2 -Wall\ncalc_test: main.o calc.o\n\t$(CC) $(CFLAGS) -o $@ $^\n%.o: %.c calc.h\n\t$(CC) $(CFLAGS) -c $<\nclean:\n\trm -f *.o calc_test"
 
-STATS_PY = '''
+STATS_PY = """
 def mean(xs):
     return sum(xs) / (len(xs) - 1)
 
@@ -179,8 +178,8 @@ def median(xs):
 def variance(xs):
     m = mean(xs)
     return sum((x - m) ** 2 for x in xs) / len(xs)
-'''
-TESTS_PY = '''
+"""
+TESTS_PY = """
 import stats
 
 def test_mean():
@@ -194,8 +193,8 @@ def test_median_even():
 
 def test_variance():
     assert stats.variance([1, 2, 3, 4]) == 1.25
-'''
-RUNNER_PY = '''
+"""
+RUNNER_PY = """
 import sys, traceback, test_stats
 names = sorted(n for n in dir(test_stats) if n.startswith("test_"))
 failed = 0
@@ -208,85 +207,132 @@ for name in names:
         print("FAIL", name, type(exc).__name__)
 print(f"{len(names) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
-'''
-GIT_ENV = ("export GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.com GIT_COMMITTER_NAME=agent "
-           "GIT_COMMITTER_EMAIL=agent@example.com GIT_AUTHOR_DATE='2024-01-01T00:00:00+0000' "
-           "GIT_COMMITTER_DATE='2024-01-01T00:00:00+0000'; echo env set")
+"""
+GIT_ENV = (
+    "export GIT_AUTHOR_NAME=agent GIT_AUTHOR_EMAIL=agent@example.com GIT_COMMITTER_NAME=agent "
+    "GIT_COMMITTER_EMAIL=agent@example.com GIT_AUTHOR_DATE='2024-01-01T00:00:00+0000' "
+    "GIT_COMMITTER_DATE='2024-01-01T00:00:00+0000'; echo env set"
+)
 
 TASKS = [
     TerminalTask(
         name="c-build",
-        setup=("mkdir -p /srv/calc && cd /srv/calc && pwd",
-               heredoc("calc.c", CALC_C), heredoc("calc.h", CALC_H), heredoc("main.c", MAIN_C),
-               heredoc("Makefile", MAKEFILE),
-               "sleep 2 && mkdir -p vendor && echo 'fetched 3 dependencies' | tee vendor/MANIFEST",
-               "make 2>&1", "./calc_test; echo exit=$?"),
+        setup=(
+            "mkdir -p /srv/calc && cd /srv/calc && pwd",
+            heredoc("calc.c", CALC_C),
+            heredoc("calc.h", CALC_H),
+            heredoc("main.c", MAIN_C),
+            heredoc("Makefile", MAKEFILE),
+            "sleep 2 && mkdir -p vendor && echo 'fetched 3 dependencies' | tee vendor/MANIFEST",
+            "make 2>&1",
+            "./calc_test; echo exit=$?",
+        ),
         alternatives={6: "make CFLAGS='-O0 -g -Wall' 2>&1"},
         inspections=("grep -n 'return' calc.c", "ls", "cat calc.h", "make -n 2>&1 | head -5", "wc -l *.c"),
-        fixes=(Fix("sed -i 's/return a + b; }$/return a * b; }/' calc.c && echo patched", False),
-               Fix("sed -i '/int mul/s/a + b/a * b/' calc.c && echo patched", True),
-               Fix("sed -i 's/int mul(int a, int b) { return a + b; }/int mul(int a, int b) { return a * b; }/' calc.c"
-                   " && echo patched", True),
-               Fix("sed -i 's/r = mul(r, base)/r = r * base/' calc.c && echo patched", False)),
+        fixes=(
+            Fix("sed -i 's/return a + b; }$/return a * b; }/' calc.c && echo patched", False),
+            Fix("sed -i '/int mul/s/a + b/a * b/' calc.c && echo patched", True),
+            Fix(
+                "sed -i 's/int mul(int a, int b) { return a + b; }/int mul(int a, int b) { return a * b; }/' calc.c"
+                " && echo patched",
+                True,
+            ),
+            Fix("sed -i 's/r = mul(r, base)/r = r * base/' calc.c && echo patched", False),
+        ),
         verify=("make 2>&1", "./calc_test; echo exit=$?"),
         finish=("git --version | cut -d' ' -f1-2", "make clean && ls"),
     ),
     TerminalTask(
         name="py-tests",
-        setup=("mkdir -p /srv/app && cd /srv/app && pwd",
-               heredoc("stats.py", STATS_PY), heredoc("test_stats.py", TESTS_PY), heredoc("run_tests.py", RUNNER_PY),
-               "sleep 2 && mkdir -p deps && echo 'installed 4 requirements' | tee deps/INSTALLED",
-               "python3 -m compileall -q . && echo compiled",
-               "python3 run_tests.py; echo exit=$?"),
+        setup=(
+            "mkdir -p /srv/app && cd /srv/app && pwd",
+            heredoc("stats.py", STATS_PY),
+            heredoc("test_stats.py", TESTS_PY),
+            heredoc("run_tests.py", RUNNER_PY),
+            "sleep 2 && mkdir -p deps && echo 'installed 4 requirements' | tee deps/INSTALLED",
+            "python3 -m compileall -q . && echo compiled",
+            "python3 run_tests.py; echo exit=$?",
+        ),
         alternatives={5: "python3 -B -c 'import stats' && echo imported"},
-        inspections=("grep -n 'def ' stats.py", "python3 -c 'import stats; print(stats.mean([2, 4]))'",
-                     "sed -n '1,4p' stats.py", "ls *.py"),
-        fixes=(Fix("sed -i 's/(len(xs) - 1)/len(xs)/' stats.py && echo patched mean", True),
-               Fix("sed -i 's/return s\\[len(s) \\/\\/ 2\\]/return (s[(len(s) - 1) \\/\\/ 2] + s[len(s) \\/\\/ 2]) / 2/'"
-                   " stats.py && echo patched median", True),
-               Fix("sed -i 's/len(xs) - 1/len(xs) + 0/' stats.py && echo patched mean", True),
-               Fix("sed -i 's/\\/ len(xs)$/\\/ (len(xs) - 1)/' stats.py && echo patched variance", False)),
+        inspections=(
+            "grep -n 'def ' stats.py",
+            "python3 -c 'import stats; print(stats.mean([2, 4]))'",
+            "sed -n '1,4p' stats.py",
+            "ls *.py",
+        ),
+        fixes=(
+            Fix("sed -i 's/(len(xs) - 1)/len(xs)/' stats.py && echo patched mean", True),
+            Fix(
+                "sed -i 's/return s\\[len(s) \\/\\/ 2\\]/return (s[(len(s) - 1) \\/\\/ 2] + s[len(s) \\/\\/ 2]) / 2/'"
+                " stats.py && echo patched median",
+                True,
+            ),
+            Fix("sed -i 's/len(xs) - 1/len(xs) + 0/' stats.py && echo patched mean", True),
+            Fix("sed -i 's/\\/ len(xs)$/\\/ (len(xs) - 1)/' stats.py && echo patched variance", False),
+        ),
         verify=("python3 run_tests.py; echo exit=$?",),
         finish=("python3 -c 'import stats; print(stats.variance([1, 2, 3, 4]))'",),
     ),
     TerminalTask(
         name="git-ops",
-        setup=(GIT_ENV,
-               "mkdir -p /srv/repo && cd /srv/repo && git init -q -b main && echo initialised",
-               heredoc("README.md", "# demo\n\nA small repository.") + " && git add -A && git commit -q -m init && "
-               "git log --oneline",
-               "for i in $(seq 1 25); do echo \"line $i\" >> notes.txt; git add notes.txt; git commit -q -m \"note $i\"; "
-               "done; sleep 1; git rev-list --count HEAD",
-               "git checkout -q -b feature && echo 'feature work' >> README.md && git commit -qam 'feature' && "
-               "git log --oneline -3"),
-        alternatives={4: "git checkout -q -b feature && echo 'other work' >> README.md && git commit -qam 'feature' "
-                         "&& git log --oneline -3"},
+        setup=(
+            GIT_ENV,
+            "mkdir -p /srv/repo && cd /srv/repo && git init -q -b main && echo initialised",
+            heredoc("README.md", "# demo\n\nA small repository.") + " && git add -A && git commit -q -m init && "
+            "git log --oneline",
+            'for i in $(seq 1 25); do echo "line $i" >> notes.txt; git add notes.txt; git commit -q -m "note $i"; '
+            "done; sleep 1; git rev-list --count HEAD",
+            "git checkout -q -b feature && echo 'feature work' >> README.md && git commit -qam 'feature' && "
+            "git log --oneline -3",
+        ),
+        alternatives={
+            4: "git checkout -q -b feature && echo 'other work' >> README.md && git commit -qam 'feature' "
+            "&& git log --oneline -3"
+        },
         inspections=("git status --short", "git log --oneline -5", "git diff main --stat", "git branch"),
-        fixes=(Fix("git checkout -q main && git merge -q --no-ff -m merge feature && git log --oneline -3", True),
-               Fix("git checkout -q main && echo 'main work' >> README.md && git commit -qam 'main' && "
-                   "git merge -q -m merge feature 2>&1; git status --short", False),
-               Fix("git rebase -q main 2>&1; git log --oneline -3", True),
-               Fix("git merge --abort 2>/dev/null; git checkout -q --theirs README.md 2>/dev/null; git add -A && "
-                   "git commit -qm resolve 2>&1; git log --oneline -2", True)),
+        fixes=(
+            Fix("git checkout -q main && git merge -q --no-ff -m merge feature && git log --oneline -3", True),
+            Fix(
+                "git checkout -q main && echo 'main work' >> README.md && git commit -qam 'main' && "
+                "git merge -q -m merge feature 2>&1; git status --short",
+                False,
+            ),
+            Fix("git rebase -q main 2>&1; git log --oneline -3", True),
+            Fix(
+                "git merge --abort 2>/dev/null; git checkout -q --theirs README.md 2>/dev/null; git add -A && "
+                "git commit -qm resolve 2>&1; git log --oneline -2",
+                True,
+            ),
+        ),
         verify=("git log --oneline | wc -l", "git status --short | wc -l"),
         finish=("git rev-parse --short HEAD",),
     ),
     TerminalTask(
         name="config-edit",
-        setup=("mkdir -p /srv/site/conf && cd /srv/site && pwd",
-               heredoc("conf/app.ini", "[server]\nport = 8080\nworkers = 2\n\n[db]\nhost = localhost\npool = 5"),
-               heredoc("check.py", "import configparser, sys\nc = configparser.ConfigParser(); c.read('conf/app.ini')\n"
-                       "ok = c['server'].getint('workers') >= 4 and c['db'].getint('pool') >= 10\n"
-                       "print('config ok' if ok else 'config bad'); sys.exit(0 if ok else 1)"),
-               "sleep 2 && mkdir -p data && echo 'provisioned database' | tee data/READY",
-               "python3 check.py; echo exit=$?"),
+        setup=(
+            "mkdir -p /srv/site/conf && cd /srv/site && pwd",
+            heredoc("conf/app.ini", "[server]\nport = 8080\nworkers = 2\n\n[db]\nhost = localhost\npool = 5"),
+            heredoc(
+                "check.py",
+                "import configparser, sys\nc = configparser.ConfigParser(); c.read('conf/app.ini')\n"
+                "ok = c['server'].getint('workers') >= 4 and c['db'].getint('pool') >= 10\n"
+                "print('config ok' if ok else 'config bad'); sys.exit(0 if ok else 1)",
+            ),
+            "sleep 2 && mkdir -p data && echo 'provisioned database' | tee data/READY",
+            "python3 check.py; echo exit=$?",
+        ),
         alternatives={3: "sleep 2 && mkdir -p data && echo 'provisioned database (retry)' | tee data/READY"},
         inspections=("cat conf/app.ini", "grep -n '=' conf/app.ini", "ls conf"),
-        fixes=(Fix("sed -i 's/workers = 2/workers = 4/' conf/app.ini && echo edited", False),
-               Fix("sed -i 's/workers = 2/workers = 4/; s/pool = 5/pool = 10/' conf/app.ini && echo edited", True),
-               Fix("sed -i 's/pool = 5/pool = 20/' conf/app.ini && echo edited", False),
-               Fix("printf '[server]\\nport = 8080\\nworkers = 8\\n\\n[db]\\nhost = localhost\\npool = 16\\n' > "
-                   "conf/app.ini && echo rewritten", True)),
+        fixes=(
+            Fix("sed -i 's/workers = 2/workers = 4/' conf/app.ini && echo edited", False),
+            Fix("sed -i 's/workers = 2/workers = 4/; s/pool = 5/pool = 10/' conf/app.ini && echo edited", True),
+            Fix("sed -i 's/pool = 5/pool = 20/' conf/app.ini && echo edited", False),
+            Fix(
+                "printf '[server]\\nport = 8080\\nworkers = 8\\n\\n[db]\\nhost = localhost\\npool = 16\\n' > "
+                "conf/app.ini && echo rewritten",
+                True,
+            ),
+        ),
         verify=("python3 check.py; echo exit=$?",),
         finish=("md5sum conf/app.ini | cut -c1-12",),
     ),
@@ -300,8 +346,9 @@ class TerminalWorkload(Workload):
     P_INSPECT = 0.6  # inspect before a fix
     MAX_ATTEMPTS = 3
 
-    def __init__(self, *, tasks: int, rollouts: int, seed: int, names: list[str] | None = None,
-                 direct_calls: str = "exec"):
+    def __init__(
+        self, *, tasks: int, rollouts: int, seed: int, names: list[str] | None = None, direct_calls: str = "exec"
+    ):
         if names:
             unknown = set(names) - {t.name for t in TASKS}
             if unknown:
@@ -316,18 +363,36 @@ class TerminalWorkload(Workload):
         self.direct_calls = direct_calls
 
     def describe(self) -> dict[str, Any]:
-        return {"image": IMAGE, "p_alternative_setup": self.P_ALTERNATIVE, "p_inspect": self.P_INSPECT,
-                "max_fix_attempts": self.MAX_ATTEMPTS, "direct_calls": self.direct_calls}
+        return {
+            "image": IMAGE,
+            "p_alternative_setup": self.P_ALTERNATIVE,
+            "p_inspect": self.P_INSPECT,
+            "max_fix_attempts": self.MAX_ATTEMPTS,
+            "direct_calls": self.direct_calls,
+        }
 
     def tasks(self) -> list[ReplayTask]:
         server_env = {"backend": "docker", "image": IMAGE, "network": False}
         out = []
         for spec in self.specs:
-            client_env = {"backend": "external", "workload": "terminal", "task": spec.name, "image": IMAGE,
-                          "version": 1}
-            out.append(ReplayTask(spec.name, {}, client_env, server_env,
-                                  lambda: DockerEnvironment({"backend": "docker", "image": IMAGE, "network": False},
-                                                            session=self.direct_calls == "session")))
+            client_env = {
+                "backend": "external",
+                "workload": "terminal",
+                "task": spec.name,
+                "image": IMAGE,
+                "version": 1,
+            }
+            out.append(
+                ReplayTask(
+                    spec.name,
+                    {},
+                    client_env,
+                    server_env,
+                    lambda: DockerEnvironment(
+                        {"backend": "docker", "image": IMAGE, "network": False}, session=self.direct_calls == "session"
+                    ),
+                )
+            )
         return out
 
     def timeout_call(self, call: Call, timeout_s: float) -> Call | None:
@@ -348,8 +413,10 @@ class TerminalWorkload(Workload):
 
     def _rollouts(self, task: ReplayTask, epoch: int) -> list[list[tuple[str, str | None]]]:
         spec = next(s for s in self.specs if s.name == task.name)
-        return [self._rollout(spec, random.Random(f"{self.seed}-{spec.name}-{epoch}-{index}"))
-                for index in range(self.n_rollouts)]
+        return [
+            self._rollout(spec, random.Random(f"{self.seed}-{spec.name}-{epoch}-{index}"))
+            for index in range(self.n_rollouts)
+        ]
 
     def _rollout(self, spec: TerminalTask, rng: random.Random) -> list[tuple[str, str | None]]:
         """(command, step label) pairs."""

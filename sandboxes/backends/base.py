@@ -22,7 +22,6 @@ OWNER = "tvcache"
 SOURCE_LABEL = "tvcache.source"
 
 
-
 class SandboxError(Exception):
     """Base of every backend error; `code` is stable and reaches the API's error JSON."""
 
@@ -261,7 +260,9 @@ class SandboxBackend(ABC):
         try:
             return self.tools[tool]
         except KeyError:
-            raise ToolNotFound(f"{self.name} sandboxes have no tool {tool!r}", details={"tools": sorted(self.tools)}) from None
+            raise ToolNotFound(
+                f"{self.name} sandboxes have no tool {tool!r}", details={"tools": sorted(self.tools)}
+            ) from None
 
 
 def require_str(args: Mapping[str, Any], key: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 # The base images `manage.py build_images` builds (sandboxes/images.py): the images a task may
 # name unless the operator lists others.
 BUSYBOX_TAG = "tvcache/busybox:latest"

@@ -68,8 +68,10 @@ def confine(root: Path, relpath: str) -> Path:
 def check_path_length(relpath: str) -> None:
     encoded = relpath.encode("utf-8", "surrogatepass")
     if len(encoded) > _MAX_PATH_BYTES or any(len(part) > _MAX_NAME_BYTES for part in encoded.split(b"/")):
-        raise PathTooLong(f"paths are limited to {_MAX_PATH_BYTES} bytes and names to {_MAX_NAME_BYTES} bytes",
-                          details={"path": relpath[:100]})
+        raise PathTooLong(
+            f"paths are limited to {_MAX_PATH_BYTES} bytes and names to {_MAX_NAME_BYTES} bytes",
+            details={"path": relpath[:100]},
+        )
 
 
 def _check_room(root: Path, config: DirectoryConfig, grows: int) -> None:
@@ -78,8 +80,10 @@ def _check_room(root: Path, config: DirectoryConfig, grows: int) -> None:
         return
     held = tree_usage(root, stop_bytes=config.max_total_bytes).bytes
     if held + grows > config.max_total_bytes:
-        raise DiskQuotaExceeded(f"the sandbox's files may take {config.max_total_bytes} bytes in all",
-                                details={"held_bytes": held, "adding_bytes": grows, "max_bytes": config.max_total_bytes})
+        raise DiskQuotaExceeded(
+            f"the sandbox's files may take {config.max_total_bytes} bytes in all",
+            details={"held_bytes": held, "adding_bytes": grows, "max_bytes": config.max_total_bytes},
+        )
 
 
 def _file_size(path: Path) -> int:
@@ -173,8 +177,10 @@ def _seed_files(env: Mapping[str, Any], config: DirectoryConfig) -> dict[str, st
         check_path_length(relpath)
     size = sum(len(content.encode("utf-8", "surrogatepass")) for content in files.values())
     if size > config.max_total_bytes:
-        raise LimitExceeded(f'"files" hold {size} bytes; a sandbox may hold {config.max_total_bytes}',
-                            details={"limit": "files", "requested": size, "max": config.max_total_bytes})
+        raise LimitExceeded(
+            f'"files" hold {size} bytes; a sandbox may hold {config.max_total_bytes}',
+            details={"limit": "files", "requested": size, "max": config.max_total_bytes},
+        )
     return dict(files)
 
 
@@ -246,8 +252,10 @@ class DirectorySandbox(Sandbox):
             self._check_alive()
             fingerprint = hostfs.StateFingerprint(max_bytes=_FINGERPRINT_MAX_BYTES, times=False)
             try:
-                fingerprint.add_tree(str(self._files), {path for path, _ in hostfs.walk(
-                    str(self._files), max_entries=_FINGERPRINT_MAX_ENTRIES)})
+                fingerprint.add_tree(
+                    str(self._files),
+                    {path for path, _ in hostfs.walk(str(self._files), max_entries=_FINGERPRINT_MAX_ENTRIES)},
+                )
             except hostfs.UnsafeEntry:
                 return None
             digests = fingerprint.digests()
@@ -264,7 +272,9 @@ class DirectorySandbox(Sandbox):
             }
             ref = self._backend.snapshots.create(snapshot_labels, self._copy_into)
             create_ms = (time.perf_counter() - started) * 1000
-        return SnapshotInfo(ref=ref, size_bytes=folder_size(self._backend.snapshots.root / ref / _FILES), create_ms=create_ms)
+        return SnapshotInfo(
+            ref=ref, size_bytes=folder_size(self._backend.snapshots.root / ref / _FILES), create_ms=create_ms
+        )
 
     def stop(self) -> None:
         self._backend.remove_sandbox(self.sandbox_id)

@@ -117,8 +117,9 @@ class TreeUsage:
     too_deep: bool = False  # folders nested deeper than the walk goes: bytes and entries undercount
 
 
-def tree_usage(root: str | Path, *, stop_bytes: int | None = None, stop_entries: int | None = None,
-               max_depth: int = 128) -> TreeUsage:
+def tree_usage(
+    root: str | Path, *, stop_bytes: int | None = None, stop_entries: int | None = None, max_depth: int = 128
+) -> TreeUsage:
     """What a folder holds, walked by hostfs.walk (descriptors, lstat, O_NOFOLLOW): a tree that
     another party changes meanwhile (a sandbox's layer) can never lead the walk through a link or
     out of `root`. Stops early, with what it counted, once past `stop_bytes` or `stop_entries`;

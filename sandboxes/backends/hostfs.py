@@ -89,8 +89,9 @@ class TooDeep(UnsafeEntry):
     """Folders nested deeper than the walk goes (one descriptor per level)."""
 
 
-def walk(root: str, *, max_entries: int | None = None, max_depth: int = 128,
-         too_deep: Callable[[str], None] | None = None) -> Iterator[tuple[str, os.stat_result]]:
+def walk(
+    root: str, *, max_entries: int | None = None, max_depth: int = 128, too_deep: Callable[[str], None] | None = None
+) -> Iterator[tuple[str, os.stat_result]]:
     """(relative path, lstat) of every entry under `root`, depth first, parents before children,
     names sorted. Folders are entered through descriptors opened with O_NOFOLLOW relative to
     their parent's (one open per level), so a folder swapped for a link while the walk runs ends
@@ -183,8 +184,14 @@ class StateFingerprint:
     (equal times share a rank), so a fork whose times kept their order matches, and one where a
     source became as old as its object does not."""
 
-    def __init__(self, *, max_bytes: int, times: bool = True, changed_since_ns: int | None = None,
-                 unordered: frozenset[str] = frozenset()):
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        times: bool = True,
+        changed_since_ns: int | None = None,
+        unordered: frozenset[str] = frozenset(),
+    ):
         self.max_bytes, self.times, self.changed_since_ns = max_bytes, times, changed_since_ns
         self.unordered = unordered  # paths whose time `order` leaves out: the engine's, set at start
         self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
@@ -240,8 +247,13 @@ class StateFingerprint:
             listed = b"processes\0" + b"\n".join(sorted(self._processes))
             for digest in (full, shape, order):
                 digest.update(hashlib.sha256(listed).digest())
-        return StateDigest(full=full.hexdigest(), shape=shape.hexdigest(), order=order.hexdigest(),
-                           times=self._kept_times(), processes=len(self._processes))
+        return StateDigest(
+            full=full.hexdigest(),
+            shape=shape.hexdigest(),
+            order=order.hexdigest(),
+            times=self._kept_times(),
+            processes=len(self._processes),
+        )
 
     def _kept_times(self) -> dict[str, int] | None:
         """The changed entries' times by path, each path's bytes as Latin-1 text (any name, also one
@@ -267,8 +279,11 @@ class StateFingerprint:
             detail, mtime = os.readlink(name, dir_fd=fd), st.st_mtime_ns if self.times else -1
         elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
             detail = str(st.st_rdev)
-        if self.changed_since_ns is not None and st.st_ctime_ns >= self.changed_since_ns and (
-                stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        if (
+            self.changed_since_ns is not None
+            and st.st_ctime_ns >= self.changed_since_ns
+            and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode))
+        ):
             self._changed[path] = st.st_mtime_ns
         size = st.st_size if not stat.S_ISDIR(st.st_mode) else 0
         line = f"{path}\0{kind}\0{stat.S_IMODE(st.st_mode)}\0{st.st_uid}\0{st.st_gid}\0{size}\0{detail}"

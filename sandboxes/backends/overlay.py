@@ -84,8 +84,9 @@ class LayerWatch:
     """Listing a layer costs about 10 us per entry here (0.3 ms for a small one, 14 ms at 2,000
     changed files, 210 ms at 20,000): past `max_entries` the sandbox is no longer observed."""
 
-    def __init__(self, upper: str, merged: str, host_files: tuple[str, ...], max_entries: int,
-                 lowers: tuple[str, ...] = ()):
+    def __init__(
+        self, upper: str, merged: str, host_files: tuple[str, ...], max_entries: int, lowers: tuple[str, ...] = ()
+    ):
         self.upper, self.merged, self.host_files, self.max_entries = upper, merged, host_files, max_entries
         self.lowers = lowers  # the layers under the upper one, top first (the init layer left out)
 
@@ -127,8 +128,15 @@ class LayerWatch:
         """Wait until a write would carry a later file time than any in `state`."""
         settle_after(state.newest_ns)
 
-    def fingerprint(self, base_layers: frozenset[str], *, max_bytes: int, changed_since_ns: int | None = None,
-                    session: bytes = b"", processes: tuple[bytes, ...] = ()) -> hostfs.StateDigest:
+    def fingerprint(
+        self,
+        base_layers: frozenset[str],
+        *,
+        max_bytes: int,
+        changed_since_ns: int | None = None,
+        session: bytes = b"",
+        processes: tuple[bytes, ...] = (),
+    ) -> hostfs.StateDigest:
         """The StateFingerprint of the sandbox: every path that a layer above the base image holds
         (its snapshots' layers and its own), read in the merged view, with the shell session and the
         live processes (their lines) the caller keeps; with `changed_since_ns`, also the times of the
@@ -140,13 +148,13 @@ class LayerWatch:
             if layer not in base_layers:
                 paths |= _layer_paths(layer, self.max_entries)
         paths |= _listed_paths(self.upper, self.max_entries)
-        fingerprint = hostfs.StateFingerprint(max_bytes=max_bytes, changed_since_ns=changed_since_ns,
-                                              unordered=ENGINE_PATHS)
+        fingerprint = hostfs.StateFingerprint(
+            max_bytes=max_bytes, changed_since_ns=changed_since_ns, unordered=ENGINE_PATHS
+        )
         fingerprint.add_tree(self.merged, paths)
         fingerprint.add_session("session", session)
         fingerprint.add_processes(processes)
         return fingerprint.digests()
-
 
     def set_file_times(self, times: Mapping[str, int]) -> int:
         """Give the listed entries (regular files, folders, links) the modification times a live
@@ -207,15 +215,18 @@ def restore_file_times(source: str, target: str, *, max_entries: int) -> int:
     restored = 0
     for path, st in hostfs.walk(source, max_entries=max_entries):
         if st.st_mtime_ns % 1_000_000_000 == 0 or not (
-                stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)
+        ):
             continue
         parent, _, name = path.rpartition("/")
         try:
             with hostfs.open_dir(target, parent) as fd:
                 committed = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if (stat.S_IFMT(committed.st_mode) != stat.S_IFMT(st.st_mode)
-                        or committed.st_mtime_ns != st.st_mtime_ns // 1_000_000_000 * 1_000_000_000
-                        or (stat.S_ISREG(st.st_mode) and committed.st_size != st.st_size)):
+                if (
+                    stat.S_IFMT(committed.st_mode) != stat.S_IFMT(st.st_mode)
+                    or committed.st_mtime_ns != st.st_mtime_ns // 1_000_000_000 * 1_000_000_000
+                    or (stat.S_ISREG(st.st_mode) and committed.st_size != st.st_size)
+                ):
                     continue
                 os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=fd, follow_symlinks=False)
                 restored += 1
@@ -228,5 +239,7 @@ def restore_file_times(source: str, target: str, *, max_entries: int) -> int:
 
 
 def _line(path: str, st: os.stat_result) -> bytes:
-    return (f"{path}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0{st.st_ino}\0{st.st_nlink}\0"
-            f"{st.st_rdev}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n").encode("utf-8", "surrogateescape")
+    return (
+        f"{path}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0{st.st_ino}\0{st.st_nlink}\0"
+        f"{st.st_rdev}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n"
+    ).encode("utf-8", "surrogateescape")

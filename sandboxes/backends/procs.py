@@ -190,8 +190,15 @@ class LiveProcess:
 
     def line(self) -> bytes:
         """What a fingerprint compares of the process."""
-        return b"\0".join((hashlib.sha256(self.argv).hexdigest().encode(), self.cwd, str(self.uid).encode(),
-                           str(self.gid).encode(), " ".join(self.listening).encode()))
+        return b"\0".join(
+            (
+                hashlib.sha256(self.argv).hexdigest().encode(),
+                self.cwd,
+                str(self.uid).encode(),
+                str(self.gid).encode(),
+                " ".join(self.listening).encode(),
+            )
+        )
 
 
 def live_processes(container_id: str, init_pid: int, keepalive: tuple[str, ...]) -> tuple[LiveProcess, ...] | None:
@@ -210,8 +217,11 @@ def live_processes(container_id: str, init_pid: int, keepalive: tuple[str, ...])
                 continue
             fds[pid] = fd
         stats = {pid: stat for pid, fd in fds.items() if (stat := _stat(fd)) is not None}
-        found = [pid for pid in _theirs(stats, init_pid, keepalive, lambda pid: _argv(fds[pid]))
-                 if _in_container_fd(fds[pid], container_id)]  # else the pid is another process's now
+        found = [
+            pid
+            for pid in _theirs(stats, init_pid, keepalive, lambda pid: _argv(fds[pid]))
+            if _in_container_fd(fds[pid], container_id)
+        ]  # else the pid is another process's now
         if not found:
             return ()
         inodes = {pid: _socket_inodes(fds[pid]) for pid in found}
@@ -247,8 +257,10 @@ def engine_processes(top: dict, init_pid: int, keepalive: tuple[str, ...]) -> tu
     if init_pid not in stats:  # the runtime numbers the sandbox's processes its own way: its init is the lowest
         init_pid = min((pid for pid, (_, ppid, _) in stats.items() if ppid not in stats), default=0)
     found = _theirs(stats, init_pid, keepalive, lambda pid: argv[pid].replace(b" ", b"\0"))
-    return tuple(LiveProcess(argv[root].replace(b" ", b"\0"), b"", -1, -1, (), stats[root][2])
-                 for root in _trees(stats, init_pid, found))
+    return tuple(
+        LiveProcess(argv[root].replace(b" ", b"\0"), b"", -1, -1, (), stats[root][2])
+        for root in _trees(stats, init_pid, found)
+    )
 
 
 def _trees(stats: dict[int, tuple[str, int, int]], init_pid: int, found: list[int]) -> dict[int, list[int]]:
@@ -351,7 +363,7 @@ def _stat(dir_fd: int) -> tuple[str, int, int] | None:
     """(state, ppid, start time in ticks) of a /proc/<pid> folder."""
     try:
         stat = _read_at(dir_fd, "stat")
-        fields = stat[stat.rindex(b")") + 2:].split()
+        fields = stat[stat.rindex(b")") + 2 :].split()
         return fields[0].decode(), int(fields[1]), int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
@@ -471,7 +483,7 @@ def _address(hexed: str) -> str:
     raw = bytes.fromhex(hexed)
     if len(raw) == 4:
         return str(ipaddress.IPv4Address(raw[::-1]))
-    return f"[{ipaddress.IPv6Address(b''.join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))}]"
+    return f"[{ipaddress.IPv6Address(b''.join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))}]"
 
 
 # Under a runtime with a kernel of its own (gVisor) the host sees none of the sandbox's processes
@@ -511,4 +523,6 @@ def inside_processes(listing: bytes, keepalive: tuple[str, ...]) -> tuple[LivePr
     if 1 not in stats:
         return None
     found = _theirs(stats, 1, keepalive, lambda pid: rest[pid][1])
-    return tuple(LiveProcess(rest[root][1], rest[root][0], -1, -1, (), stats[root][2]) for root in _trees(stats, 1, found))
+    return tuple(
+        LiveProcess(rest[root][1], rest[root][0], -1, -1, (), stats[root][2]) for root in _trees(stats, 1, found)
+    )

@@ -23,7 +23,6 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-from .hostfs import StateDigest
 from .base import (
     SOURCE_LABEL,
     DiskQuotaExceeded,
@@ -42,14 +41,24 @@ from .base import (
 )
 from .config import SqliteConfig
 from .folders import FolderStore
+from .hostfs import StateDigest
 
 # Bump when a tool's behaviour changes: it is part of the env fingerprint.
 TOOLS_VERSION = 2
 _DB = "db.sqlite"
 _ENV_KEYS = frozenset({"backend", "schema_sql", "seed_sql"})
 # Pragmas that would move files, change how the database file is written and read, or lift a cap.
-_FORBIDDEN_PRAGMAS = frozenset({"journal_mode", "locking_mode", "mmap_size", "temp_store_directory", "data_store_directory",
-                                "max_page_count", "page_size"})
+_FORBIDDEN_PRAGMAS = frozenset(
+    {
+        "journal_mode",
+        "locking_mode",
+        "mmap_size",
+        "temp_store_directory",
+        "data_store_directory",
+        "max_page_count",
+        "page_size",
+    }
+)
 
 
 class StatementTimeout(Exception):
@@ -132,8 +141,10 @@ def run_execute(db: Path, sql: str, config: SqliteConfig) -> dict[str, Any]:
     except sqlite3.Error as exc:
         if _is_full(exc):
             # The page cap, or the host's disk: not a result to cache. The statement was rolled back.
-            raise DiskQuotaExceeded(f"the database is full: it may take {config.max_db_bytes} bytes",
-                                    details={"max_bytes": config.max_db_bytes}) from None
+            raise DiskQuotaExceeded(
+                f"the database is full: it may take {config.max_db_bytes} bytes",
+                details={"max_bytes": config.max_db_bytes},
+            ) from None
         return _error({"rowcount": None}, exc)
     except StatementTimeout as exc:
         return _error({"rowcount": None}, exc)
@@ -189,7 +200,9 @@ class SqliteSandbox(Sandbox):
             }
             ref = self._backend.snapshots.create(snapshot_labels, lambda staging: _copy_db(self._db, staging / _DB))
             create_ms = (time.perf_counter() - started) * 1000
-        return SnapshotInfo(ref=ref, size_bytes=(self._backend.snapshots.root / ref / _DB).stat().st_size, create_ms=create_ms)
+        return SnapshotInfo(
+            ref=ref, size_bytes=(self._backend.snapshots.root / ref / _DB).stat().st_size, create_ms=create_ms
+        )
 
     def stop(self) -> None:
         self._backend.remove_sandbox(self.sandbox_id)
@@ -221,17 +234,27 @@ class SqliteBackend(SandboxBackend):
         source = self.snapshots.path(ref)
         if source is None:
             raise SnapshotMissing(f"no sqlite snapshot {ref!r}")
-        return self._open(self.sandboxes.create(check_labels(labels), lambda staging: _copy_db(source / _DB, staging / _DB)))
+        return self._open(
+            self.sandboxes.create(check_labels(labels), lambda staging: _copy_db(source / _DB, staging / _DB))
+        )
 
     def delete_snapshot(self, ref: str) -> None:
         self.snapshots.remove(ref)
 
     def fingerprint_material(self, env: Mapping[str, Any]) -> dict[str, Any]:
         seed_hash = hashlib.sha256(self._seed(env).read_bytes()).hexdigest()
-        caps = {"max_value_bytes": self.config.max_value_bytes, "max_sql_bytes": self.config.max_sql_bytes,
-                "max_db_bytes": self.config.max_db_bytes}
-        return {"backend": self.name, "tools_version": TOOLS_VERSION, "sqlite_version": sqlite3.sqlite_version,
-                "seed_sha256": seed_hash, "caps": caps}
+        caps = {
+            "max_value_bytes": self.config.max_value_bytes,
+            "max_sql_bytes": self.config.max_sql_bytes,
+            "max_db_bytes": self.config.max_db_bytes,
+        }
+        return {
+            "backend": self.name,
+            "tools_version": TOOLS_VERSION,
+            "sqlite_version": sqlite3.sqlite_version,
+            "seed_sha256": seed_hash,
+            "caps": caps,
+        }
 
     def health(self) -> dict[str, Any]:
         return {
@@ -277,8 +300,10 @@ class SqliteBackend(SandboxBackend):
         except (sqlite3.Error, StatementTimeout) as exc:
             staging.unlink(missing_ok=True)
             if _is_full(exc):
-                raise LimitExceeded(f"the seed database is larger than a sandbox's {self.config.max_db_bytes} bytes",
-                                    details={"limit": "max_db_bytes", "max": self.config.max_db_bytes}) from None
+                raise LimitExceeded(
+                    f"the seed database is larger than a sandbox's {self.config.max_db_bytes} bytes",
+                    details={"limit": "max_db_bytes", "max": self.config.max_db_bytes},
+                ) from None
             raise InvalidEnv(f"seeding the database failed: {exc}") from None
         os.replace(staging, seed)  # concurrent builders produce the same file; the last one wins
 

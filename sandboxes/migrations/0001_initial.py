@@ -5,35 +5,76 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('cache', '0003_alter_snapshot_status'),
+        ("cache", "0003_alter_snapshot_status"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Sandbox',
+            name="Sandbox",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('backend', models.CharField(max_length=40)),
-                ('ref', models.CharField(blank=True, default='', max_length=200)),
-                ('pool', models.CharField(choices=[('root', 'Root'), ('fork', 'Fork')], max_length=10)),
-                ('state', models.CharField(choices=[('warming', 'Warming'), ('ready', 'Ready'), ('leased', 'Leased'), ('stopping', 'Stopping'), ('stopped', 'Stopped'), ('failed', 'Failed')], default='warming', max_length=10)),
-                ('applied', models.PositiveIntegerField(default=0)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('start_ms', models.FloatField(blank=True, null=True)),
-                ('error', models.TextField(blank=True, default='')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('ready_at', models.DateTimeField(blank=True, null=True)),
-                ('stopped_at', models.DateTimeField(blank=True, null=True)),
-                ('rollout', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='sandboxes', to='cache.rollout')),
-                ('snapshot', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='forks', to='cache.snapshot')),
-                ('task', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='sandboxes', to='cache.task')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("backend", models.CharField(max_length=40)),
+                ("ref", models.CharField(blank=True, default="", max_length=200)),
+                ("pool", models.CharField(choices=[("root", "Root"), ("fork", "Fork")], max_length=10)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("warming", "Warming"),
+                            ("ready", "Ready"),
+                            ("leased", "Leased"),
+                            ("stopping", "Stopping"),
+                            ("stopped", "Stopped"),
+                            ("failed", "Failed"),
+                        ],
+                        default="warming",
+                        max_length=10,
+                    ),
+                ),
+                ("applied", models.PositiveIntegerField(default=0)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("start_ms", models.FloatField(blank=True, null=True)),
+                ("error", models.TextField(blank=True, default="")),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("ready_at", models.DateTimeField(blank=True, null=True)),
+                ("stopped_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "rollout",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="sandboxes",
+                        to="cache.rollout",
+                    ),
+                ),
+                (
+                    "snapshot",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="forks",
+                        to="cache.snapshot",
+                    ),
+                ),
+                (
+                    "task",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="sandboxes", to="cache.task"
+                    ),
+                ),
             ],
             options={
-                'indexes': [models.Index(fields=['task', 'state', 'pool'], name='sandbox_pool'), models.Index(condition=models.Q(('state', 'stopped'), _negated=True), fields=['state'], name='sandbox_live')],
+                "indexes": [
+                    models.Index(fields=["task", "state", "pool"], name="sandbox_pool"),
+                    models.Index(
+                        condition=models.Q(("state", "stopped"), _negated=True), fields=["state"], name="sandbox_live"
+                    ),
+                ],
             },
         ),
     ]

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('sandboxes', '0001_initial'),
+        ("sandboxes", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='sandbox',
-            name='executing',
+            model_name="sandbox",
+            name="executing",
             field=models.BooleanField(db_default=False, default=False),
         ),
     ]

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('sandboxes', '0002_sandbox_executing'),
+        ("sandboxes", "0002_sandbox_executing"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='sandbox',
-            name='engine',
-            field=models.CharField(blank=True, default='', max_length=200),
+            model_name="sandbox",
+            name="engine",
+            field=models.CharField(blank=True, default="", max_length=200),
         ),
     ]

@@ -65,20 +65,41 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engi
         return SKIPPED
     backend = backend_named(handle.backend)
     writes = [item for item in history if handle.policy.for_tool(item.tool).mutates_state]
-    parent = (Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
-              .values("pk", "tool", "state_shape").first() if writes else None)
+    parent = (
+        Node.objects.filter(task_id=task_id, mutates=True, state_key=node.anchor_key)
+        .values("pk", "tool", "state_shape")
+        .first()
+        if writes
+        else None
+    )
     times = replay_file_times(task_id=task_id, context=context, calls=writes)
     try:
-        run = _reexecute(task, backend, engine, writes, times, call, parent, rollout_id,
-                         shape=node.mutates and bool(node.state_shape))
+        run = _reexecute(
+            task,
+            backend,
+            engine,
+            writes,
+            times,
+            call,
+            parent,
+            rollout_id,
+            shape=node.mutates and bool(node.state_shape),
+        )
     except SandboxError as exc:
         log.warning("audit of node %s of task %s inconclusive: %s", node_id, task_id, exc)
         return INCONCLUSIVE
     outcome = INCONCLUSIVE if run is None else _compared(backend, node, *run)
     if isinstance(outcome, str):
         return outcome
-    divergence_record(task_id=task_id, node_id=node_id, tool=call.tool, kind=Divergence.Kind.AUDIT,
-                      expected=outcome[0], observed=outcome[1], rollout_id=rollout_id)
+    divergence_record(
+        task_id=task_id,
+        node_id=node_id,
+        tool=call.tool,
+        kind=Divergence.Kind.AUDIT,
+        expected=outcome[0],
+        observed=outcome[1],
+        rollout_id=rollout_id,
+    )
     return DIVERGENT
 
 
@@ -98,27 +119,45 @@ def _compared(backend: SandboxBackend, node: Node, observed: dict[str, Any], sha
     return EQUAL
 
 
-def _reexecute(task: Task, backend: SandboxBackend, engine: str, writes: list[ToolCall], times: list, call: ToolCall,
-               parent: dict | None, rollout_id: str, *, shape: bool) -> tuple[dict[str, Any], str | None] | None:
+def _reexecute(
+    task: Task,
+    backend: SandboxBackend,
+    engine: str,
+    writes: list[ToolCall],
+    times: list,
+    call: ToolCall,
+    parent: dict | None,
+    rollout_id: str,
+    *,
+    shape: bool,
+) -> tuple[dict[str, Any], str | None] | None:
     """The call's result in a fresh sandbox of the task after `writes` (each call with the file
     times its live run left, written back after it), and with `shape` the shape
     of the state it left; None if the replay did not reach the parent node's state: a replayed
     call timed out, or the sandbox's state differs from the one the parent recorded (a divergence
     of kind "state", recorded on the parent: the audited node is not judged). A sandbox row
     accounts for the sandbox meanwhile (the pools page shows it; the orphan reaper spares it)."""
-    row = Sandbox.objects.create(task=task, backend=backend.name, engine=engine, pool=Sandbox.Pool.ROOT,
-                                 state=Sandbox.State.WARMING)
+    row = Sandbox.objects.create(
+        task=task, backend=backend.name, engine=engine, pool=Sandbox.Pool.ROOT, state=Sandbox.State.WARMING
+    )
     started = time.perf_counter()
     try:
         sandbox = sandbox_launch(row, task.env)
     except SandboxError as exc:
         set_state(row, Sandbox.State.FAILED, error=f"audit: {exc.code}: {exc.message}")
         raise
-    set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
-              start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
+    set_state(
+        row,
+        Sandbox.State.LEASED,
+        ref=sandbox.sandbox_id,
+        ready_at=timezone.now(),
+        start_ms=(time.perf_counter() - started) * 1000,
+        lease_expires_at=idle_deadline(),
+    )
     try:
-        if not replay_restoring_times(sandbox, writes, times,
-                                  ran=lambda call, result: backend.audit_view(call.tool, result) is not None):
+        if not replay_restoring_times(
+            sandbox, writes, times, ran=lambda call, result: backend.audit_view(call.tool, result) is not None
+        ):
             return None
         if not _reached(sandbox, parent, task, rollout_id):
             return None
@@ -137,8 +176,13 @@ def _reached(sandbox, parent: dict | None, task: Task, rollout_id: str) -> bool:
     state = sandbox.state_fingerprint()
     if state is None or state.shape == parent["state_shape"]:
         return True
-    divergence_record(task_id=task.pk, node_id=parent["pk"], tool=parent["tool"], kind=Divergence.Kind.STATE,
-                      expected={"fingerprint": parent["state_shape"]},
-                      observed={"fingerprint": state.shape, "sandbox": "audit", "why": "an audit's replay"},
-                      rollout_id=rollout_id)
+    divergence_record(
+        task_id=task.pk,
+        node_id=parent["pk"],
+        tool=parent["tool"],
+        kind=Divergence.Kind.STATE,
+        expected={"fingerprint": parent["state_shape"]},
+        observed={"fingerprint": state.shape, "sandbox": "audit", "why": "an audit's replay"},
+        rollout_id=rollout_id,
+    )
     return False

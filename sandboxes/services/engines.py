@@ -92,9 +92,15 @@ def _answering(name: str) -> bool:
 
 def live_per_engine() -> Counter:
     """Live docker sandboxes (warming to stopping) by engine name."""
-    return Counter(dict(Sandbox.objects.filter(backend="docker")
-                        .exclude(state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED))
-                        .values("engine").annotate(n=Count("id")).values_list("engine", "n")))
+    return Counter(
+        dict(
+            Sandbox.objects.filter(backend="docker")
+            .exclude(state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED))
+            .values("engine")
+            .annotate(n=Count("id"))
+            .values_list("engine", "n")
+        )
+    )
 
 
 def engines_placed(count: int, *, exclude: tuple[str, ...] = ()) -> list[Engine]:

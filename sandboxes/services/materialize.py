@@ -26,8 +26,16 @@ from django.utils import timezone
 from cache.inputs import CallContext
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task
 from cache.selectors import replay_file_times
-from cache.services import (LookupMiss, backend_costs, divergence_record, history_catch_up, lease_grant, lease_release,
-                            task_handle, tcg_lookup)
+from cache.services import (
+    LookupMiss,
+    backend_costs,
+    divergence_record,
+    history_catch_up,
+    lease_grant,
+    lease_release,
+    task_handle,
+    tcg_lookup,
+)
 from cache.services.ledger import materialized_add, replay_add
 from cache.tcg import Match, TaskPolicy, ToolCall
 from observability import metrics
@@ -39,7 +47,6 @@ from .engines import engines_for
 from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, sandbox_stop, set_state
 from .reserved import run_reserved, snapshot_pending, wait_snapshot, wait_unreserved
 from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
-
 
 # How long a miss waits for the work on its rollout's sandbox after the previous answer (a snapshot,
 # a catch-up: reserved.py); past it the work is stuck, and the sandbox is retired rather than
@@ -102,15 +109,16 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
     try:
         run = _own(task, policy, rollout, row, phases) if row is not None else None
         if run is not None:
-            pending = [c for c in context.history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+            pending = [c for c in context.history[row.applied :] if policy.for_tool(c.tool).mutates_state]
             if not pending or _caught_up(run, pending, context, _reached(answer, context)):
                 return _counted(run, answer, context)
         else:
             with phases.timed("materialize"):
                 run = _materialize(task, backend, policy, rollout, answer, phases)
             replay = _replay_calls(answer, run)
-            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(run, replay, context,
-                                                                                _reached(answer, context)):
+            if not (replay or run.row.pool == Sandbox.Pool.FORK) or _caught_up(
+                run, replay, context, _reached(answer, context)
+            ):
                 return _counted(run, answer, context)
         return _counted(_from_root(task, backend, policy, rollout, context, answer, phases), answer, context)
     except SandboxError as exc:
@@ -145,7 +153,7 @@ def _catch_up(task_id: str, rollout: Rollout, history: tuple[ToolCall, ...], nod
     if row is None or task is None:
         return
     policy = TaskPolicy.from_json(task.tools)
-    pending = [c for c in history[row.applied:] if policy.for_tool(c.tool).mutates_state]
+    pending = [c for c in history[row.applied :] if policy.for_tool(c.tool).mutates_state]
     if not pending:
         return
     if not Sandbox.objects.filter(pk=row.pk, state=Sandbox.State.LEASED, executing=False).update(executing=True):
@@ -215,9 +223,14 @@ def _forked(task, policy, rollout, row: Sandbox, context: CallContext, fork: Mat
     restore_ms = None
     try:
         sandbox_stop(sandbox_id=row.pk)
-        answer = LookupMiss(match=fork, lease_id=lease_id, full_replay=tuple(
-            call for call in context.history if policy.for_tool(call.tool).mutates_state), anchor_key="",
-            call_digest="", seen=False)
+        answer = LookupMiss(
+            match=fork,
+            lease_id=lease_id,
+            full_replay=tuple(call for call in context.history if policy.for_tool(call.tool).mutates_state),
+            anchor_key="",
+            call_digest="",
+            seen=False,
+        )
         run = _materialize(task, sandbox_backend(row), policy, rollout, answer, Phases())
         restore_ms = run.restore_ms
         Sandbox.objects.filter(pk=run.row.pk).update(executing=True)
@@ -294,8 +307,9 @@ def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> Run:
     resume = answer.match.resume
     snapshot = None
     if resume is not None:
-        snapshot = Snapshot.objects.filter(pk=resume.snapshot_id, owner=Snapshot.Owner.SERVICE,
-                                           backend=backend.name).first()
+        snapshot = Snapshot.objects.filter(
+            pk=resume.snapshot_id, owner=Snapshot.Owner.SERVICE, backend=backend.name
+        ).first()
     if snapshot is not None and resume.processes and not snapshot.keeps_processes:
         snapshot = None  # its files alone are not the state (tcg.NodeRef.resumable): a root replays it
     if snapshot is not None:
@@ -311,7 +325,8 @@ def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> Run:
             run.how = MaterializationStat.How.CHECKPOINT if snapshot.keeps_processes else how
             return run
     row = sandbox_acquire(task_id=task.pk, snapshot_id=None, rollout_pk=rollout.pk) or _start_leased(
-        task, backend, rollout, None)
+        task, backend, rollout, None
+    )
     run = _run(task, policy, rollout, row, phases)
     run.how = MaterializationStat.How.ROOT
     return run
@@ -320,8 +335,15 @@ def _materialize(task, backend, policy, rollout, answer, phases: Phases) -> Run:
 def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
     """Start (or fork) a sandbox on the critical path, leased to the rollout from the outset."""
     engine = snapshot.engine if snapshot is not None else engines_for(backend.name, 1)[0]
-    row = sandbox_row(task=task, backend=backend.name, engine=engine, rollout=rollout, state=Sandbox.State.WARMING,
-                      pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT, snapshot=snapshot)
+    row = sandbox_row(
+        task=task,
+        backend=backend.name,
+        engine=engine,
+        rollout=rollout,
+        state=Sandbox.State.WARMING,
+        pool=Sandbox.Pool.FORK if snapshot else Sandbox.Pool.ROOT,
+        snapshot=snapshot,
+    )
     started = time.perf_counter()
     try:
         sandbox = sandbox_launch(row, task.env, snapshot=snapshot)
@@ -332,8 +354,14 @@ def _start_leased(task, backend, rollout, snapshot) -> Sandbox | None:
         set_state(row, Sandbox.State.FAILED, error=f"{exc.code}: {exc.message}")
         raise
     remember(sandbox_backend(row), sandbox)
-    set_state(row, Sandbox.State.LEASED, ref=sandbox.sandbox_id, ready_at=timezone.now(),
-              start_ms=(time.perf_counter() - started) * 1000, lease_expires_at=idle_deadline())
+    set_state(
+        row,
+        Sandbox.State.LEASED,
+        ref=sandbox.sandbox_id,
+        ready_at=timezone.now(),
+        start_ms=(time.perf_counter() - started) * 1000,
+        lease_expires_at=idle_deadline(),
+    )
     metrics.sandbox_started(backend=backend.name, forked=snapshot is not None, path="critical", ms=row.start_ms)
     return row
 
@@ -344,11 +372,13 @@ def _replay_verified(run: Run, calls, context: CallContext, reached: int | None)
     `diverged` set, a divergence recorded) when a replayed call timed out or the state differs."""
     history = context.history
     with run.phases.timed("replay"):  # a failure midway raises: the callers retire the sandbox
+
         def spent(call: ToolCall, ms: float) -> None:
             replay_add(task_id=run.task.pk, epoch=context.epoch, tool=call.tool, ms=ms)
 
-        if not replay_restoring_times(run.sandbox, calls, replay_file_times(
-                task_id=run.task.pk, context=context, calls=calls), spent=spent):
+        if not replay_restoring_times(
+            run.sandbox, calls, replay_file_times(task_id=run.task.pk, context=context, calls=calls), spent=spent
+        ):
             run.diverged = "a replayed call timed out"
     if not run.diverged:
         Sandbox.objects.filter(pk=run.row.pk).update(applied=len(history))
@@ -359,26 +389,34 @@ def _replay_verified(run: Run, calls, context: CallContext, reached: int | None)
     # have their order (StateDigest.order; the shape for a node recorded without it).
     with run.phases.timed("verify"):
         full, order, shape, tool = Node.objects.filter(pk=reached).values_list(
-            "state_fingerprint", "state_order", "state_shape", "tool").first() or ("", "", "", "")
-        column, expected = (("state_fingerprint", full) if not calls else ("state_order", order) if order
-                            else ("state_shape", shape))
+            "state_fingerprint", "state_order", "state_shape", "tool"
+        ).first() or ("", "", "", "")
+        column, expected = (
+            ("state_fingerprint", full) if not calls else ("state_order", order) if order else ("state_shape", shape)
+        )
         state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
     actual = getattr(state, _DIGESTS[column]) if state else None
     if actual is not None and actual != expected:
         run.diverged = f"its state ({column}) {actual[:12]} is not node {reached}'s {expected[:12]}"
     if run.diverged:
-        divergence_record(task_id=run.task.pk, node_id=reached, tool=tool, kind=Divergence.Kind.STATE,
-                          expected={"fingerprint": expected},
-                          observed={"fingerprint": actual, "sandbox": run.row.pool, "why": run.diverged},
-                          rollout_id=run.rollout.rollout_id)
+        divergence_record(
+            task_id=run.task.pk,
+            node_id=reached,
+            tool=tool,
+            kind=Divergence.Kind.STATE,
+            expected={"fingerprint": expected},
+            observed={"fingerprint": actual, "sandbox": run.row.pool, "why": run.diverged},
+            rollout_id=run.rollout.rollout_id,
+        )
     return not run.diverged
 
 
 _DIGESTS = {"state_fingerprint": "full", "state_order": "order", "state_shape": "shape"}
 
 
-def replay_restoring_times(sandbox: SandboxHandle, calls, times,
-                           ran=lambda call, result: not result.get("timed_out"), spent=None) -> bool:
+def replay_restoring_times(
+    sandbox: SandboxHandle, calls, times, ran=lambda call, result: not result.get("timed_out"), spent=None
+) -> bool:
     """Execute `calls` again, each followed by the file times its live run left (`times`, from
     cache.selectors.replay_file_times), up to the first call whose times were not kept: from there
     on the replay's own times stand (later than every restored one, so the order between calls
@@ -407,5 +445,3 @@ def retire(row: Sandbox, reason: str) -> None:
         sandbox_backend(row).remove_sandbox(row.ref)
     except SandboxError:  # the orphan reaper removes it later (its engine down: with it)
         pass
-
-

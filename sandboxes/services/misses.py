@@ -28,17 +28,30 @@ from django.db import transaction
 from cache.errors import Conflict, Forbidden
 from cache.inputs import CallContext, RecordInput
 from cache.models import Divergence, Node, Snapshot
-from cache.services import (divergence_record, lease_release, node_record, rollout_detach, rollout_history_append,
-                            snapshot_register)
+from cache.services import (
+    divergence_record,
+    lease_release,
+    node_record,
+    rollout_detach,
+    rollout_history_append,
+    snapshot_register,
+)
 from cache.services.background import job_enqueue
 from cache.tcg import ToolCall
 from observability import metrics
-from sandboxes.backends.base import (DiskQuotaExceeded, EngineUnreachable, InvalidToolArgs, SandboxError, SandboxGone,
-                                     SandboxTampered, ToolNotFound)
+from sandboxes.backends.base import (
+    DiskQuotaExceeded,
+    EngineUnreachable,
+    InvalidToolArgs,
+    SandboxError,
+    SandboxGone,
+    SandboxTampered,
+    ToolNotFound,
+)
 from sandboxes.models import Sandbox
 
-from .materialize import Phases, Run, retire, rollout_sandbox
 from .engines import engine_queue
+from .materialize import Phases, Run, retire, rollout_sandbox
 from .pools import idle_deadline, prefork_if_room
 from .reserved import run_reserved
 from .runtime import as_application_error, labels
@@ -46,8 +59,9 @@ from .runtime import as_application_error, labels
 log = logging.getLogger("tvcache.toolserver")
 
 
-def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
-                phases: Phases) -> tuple[Any, int | None, bool]:
+def serve_miss(
+    task, backend, rollout, context: CallContext, answer, recorded, phases: Phases
+) -> tuple[Any, int | None, bool]:
     """The call executed in the rollout's sandbox: its result, node (None: the rollout was
     detached) and whether it changed the state. A call that changed the state is appended to the
     rollout's history here, with its record."""
@@ -67,7 +81,12 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
     except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
         retire(run.row, exc.message)
         raise as_application_error(exc) from None
-    except (ToolNotFound, InvalidToolArgs, DiskQuotaExceeded, EngineUnreachable) as exc:  # refused before it ran: the sandbox is as it was
+    except (
+        ToolNotFound,
+        InvalidToolArgs,
+        DiskQuotaExceeded,
+        EngineUnreachable,
+    ) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
         raise as_application_error(exc) from None
     except SandboxTampered as exc:  # the call broke what runs it (killed the session agent): its effects
@@ -92,17 +111,23 @@ def serve_miss(task, backend, rollout, context: CallContext, answer, recorded,
             state = run.sandbox.state_fingerprint() if mutates else None
         _processes_phase(run, phases, "fingerprint", observing)
         if state is not None and not state.settled:  # it changes on its own after the call: kept off shared keys
-            _detach(run, "the state the call left kept changing after it returned (a process it left running "
-                         "writes files): it depends on timing")
+            _detach(
+                run,
+                "the state the call left kept changing after it returned (a process it left running "
+                "writes files): it depends on timing",
+            )
             return result, None, True
         # One commit for the node, the sandbox's progress and the rollout's history (each commit
         # waits for the disk).
         with phases.timed("record"), transaction.atomic():
-            outcome = node_record(task_id=task.pk, record=RecordInput(context, result, exec_ms, observed),
-                                  state=(state.full, state.shape, state.order) if state else ("", "", ""),
-                                  file_times=state.times if state else None,
-                                  processes=state.processes if state else 0,
-                                  keeps_processes=run.sandbox.keeps_processes)
+            outcome = node_record(
+                task_id=task.pk,
+                record=RecordInput(context, result, exec_ms, observed),
+                state=(state.full, state.shape, state.order) if state else ("", "", ""),
+                file_times=state.times if state else None,
+                processes=state.processes if state else 0,
+                keeps_processes=run.sandbox.keeps_processes,
+            )
             _executed(run, applied=len(context.history) + int(mutates))
             if mutates:
                 rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
@@ -141,11 +166,20 @@ def _drifted(run: Run, answer, context: CallContext) -> None:
     reached = node.node_id if node is not None and answer.match.matched == len(context.history) else None
     if reached is not None:
         tool = Node.objects.filter(pk=reached).values_list("tool", flat=True).first() or context.call.tool
-        divergence_record(task_id=run.task.pk, node_id=reached, tool=tool, kind=Divergence.Kind.DRIFT,
-                          expected=None, observed={"sandbox": run.row.pool, "why": "the state changed between calls"},
-                          rollout_id=run.rollout.rollout_id)
-    _detach(run, "the state the history reached kept changing between calls (a process left running writes "
-                 "files): it depends on timing")
+        divergence_record(
+            task_id=run.task.pk,
+            node_id=reached,
+            tool=tool,
+            kind=Divergence.Kind.DRIFT,
+            expected=None,
+            observed={"sandbox": run.row.pool, "why": "the state changed between calls"},
+            rollout_id=run.rollout.rollout_id,
+        )
+    _detach(
+        run,
+        "the state the history reached kept changing between calls (a process left running writes "
+        "files): it depends on timing",
+    )
 
 
 def _mark_executing(run: Run) -> None:
@@ -193,10 +227,17 @@ def _snapshot(run: Run, node_id: int) -> None:
         return
     metrics.snapshot_committed(backend=run.backend.name, ms=info.create_ms)
     try:
-        snapshot, evicted = snapshot_register(task_id=run.task.pk, node_id=node_id, ref=info.ref,
-                                              backend=run.backend.name, engine=run.row.engine, size_bytes=info.size_bytes,
-                                              create_ms=info.create_ms, owner=Snapshot.Owner.SERVICE,
-                                              keeps_processes=info.keeps_processes)
+        snapshot, evicted = snapshot_register(
+            task_id=run.task.pk,
+            node_id=node_id,
+            ref=info.ref,
+            backend=run.backend.name,
+            engine=run.row.engine,
+            size_bytes=info.size_bytes,
+            create_ms=info.create_ms,
+            owner=Snapshot.Owner.SERVICE,
+            keeps_processes=info.keeps_processes,
+        )
     except (Conflict, Forbidden) as exc:  # another rollout's snapshot of the same node won, or over the project's bytes
         if isinstance(exc, Forbidden):
             log.info("snapshot of node %s not kept: %s", node_id, exc.message)
@@ -204,7 +245,7 @@ def _snapshot(run: Run, node_id: int) -> None:
         return
     prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
     if evicted:
-        for engine in set(Snapshot.objects.filter(task_id=run.task.pk, ref__in=evicted).values_list("engine", flat=True)):
+        for engine in set(
+            Snapshot.objects.filter(task_id=run.task.pk, ref__in=evicted).values_list("engine", flat=True)
+        ):
             job_enqueue("workers.tasks.snapshots_collect", engine, near=engine_queue(engine))
-
-

@@ -49,12 +49,19 @@ def _room(task: Task) -> int | None:
     """How many more sandboxes the task's project may hold now (its grant of live sandboxes;
     None: no bound). Locks the project's row until the caller's transaction ends: sandboxes made
     at once are counted one after the other."""
-    project = Project.objects.select_for_update().filter(pk=task.project_id).values_list("max_live_sandboxes",
-                                                                                             flat=True).first()
+    project = (
+        Project.objects.select_for_update()
+        .filter(pk=task.project_id)
+        .values_list("max_live_sandboxes", flat=True)
+        .first()
+    )
     if project is None:
         return None
-    live = Sandbox.objects.filter(task__project_id=task.project_id).exclude(
-        state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED)).count()
+    live = (
+        Sandbox.objects.filter(task__project_id=task.project_id)
+        .exclude(state__in=(Sandbox.State.STOPPED, Sandbox.State.FAILED))
+        .count()
+    )
     return max(0, project - live)
 
 
@@ -65,7 +72,9 @@ def sandbox_row(*, task: Task, **fields) -> Sandbox:
         if _room(task) == 0:
             raise SandboxQuotaExceeded(
                 f"Project '{key_project(task.pk)}' holds as many live sandboxes as it is granted; end rollouts "
-                "(DELETE .../rollouts/<id>) or retry shortly.", details={"project": key_project(task.pk)})
+                "(DELETE .../rollouts/<id>) or retry shortly.",
+                details={"project": key_project(task.pk)},
+            )
         return Sandbox.objects.create(task=task, **fields)
 
 
@@ -79,11 +88,15 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
             snapshot_ids = list(snapshot_ids)[:room]
             roots = max(0, min(roots, room - len(snapshot_ids)))
         backend = task.env.get("backend", "external")
-        rows = [Sandbox(task=task, backend=backend, engine=engine, pool=Sandbox.Pool.ROOT)
-                for engine in engines_for(backend, roots)]
+        rows = [
+            Sandbox(task=task, backend=backend, engine=engine, pool=Sandbox.Pool.ROOT)
+            for engine in engines_for(backend, roots)
+        ]
         held = dict(Snapshot.objects.filter(pk__in=snapshot_ids).values_list("pk", "engine"))
-        rows += [Sandbox(task=task, backend=backend, engine=held.get(sid, ""), pool=Sandbox.Pool.FORK, snapshot_id=sid)
-                 for sid in snapshot_ids]
+        rows += [
+            Sandbox(task=task, backend=backend, engine=held.get(sid, ""), pool=Sandbox.Pool.FORK, snapshot_id=sid)
+            for sid in snapshot_ids
+        ]
         created = Sandbox.objects.bulk_create(rows)
         for row in created:
             job_enqueue("workers.tasks.sandbox_warm", row.pk, near=engine_queue(row.engine))
@@ -149,8 +162,13 @@ def sandbox_warm(*, sandbox_id: int) -> None:
         if current.state != Sandbox.State.WARMING:  # stopped meanwhile: do not leak the sandbox
             sandbox.stop()
             return
-        set_state(current, Sandbox.State.READY, ref=sandbox.sandbox_id, ready_at=timezone.now(),
-                  start_ms=(time.perf_counter() - started) * 1000)
+        set_state(
+            current,
+            Sandbox.State.READY,
+            ref=sandbox.sandbox_id,
+            ready_at=timezone.now(),
+            start_ms=(time.perf_counter() - started) * 1000,
+        )
     metrics.sandbox_started(backend=row.backend, forked=row.pool == Sandbox.Pool.FORK, path="pool", ms=current.start_ms)
 
 
@@ -158,8 +176,12 @@ def sandbox_acquire(*, task_id: str, snapshot_id: int | None, rollout_pk: int) -
     """Take a READY sandbox of the pool (a root, or a fork of `snapshot_id`) for a rollout."""
     pool = Q(pool=Sandbox.Pool.FORK, snapshot_id=snapshot_id) if snapshot_id else Q(pool=Sandbox.Pool.ROOT)
     with transaction.atomic():
-        row = (Sandbox.objects.select_for_update(skip_locked=True)
-               .filter(pool, task_id=task_id, state=Sandbox.State.READY).order_by("pk").first())
+        row = (
+            Sandbox.objects.select_for_update(skip_locked=True)
+            .filter(pool, task_id=task_id, state=Sandbox.State.READY)
+            .order_by("pk")
+            .first()
+        )
         if row is None:
             return None
         set_state(row, Sandbox.State.LEASED, rollout_id=rollout_pk, lease_expires_at=idle_deadline())
@@ -200,8 +222,9 @@ def admin_sandbox_stop(*, actor, sandbox_id: str, task_id: str = "") -> AuditEnt
             raise NotFound(f"No sandbox '{sandbox_id}'.", code="unknown_sandbox") from None
         return {"sandbox_id": sandbox_id, "stopped": stopped}
 
-    return action_audited(actor=actor, action=AuditEntry.Action.SANDBOX_STOP, task_id=task_id,
-                          target=f"sandbox {sandbox_id}", run=run)
+    return action_audited(
+        actor=actor, action=AuditEntry.Action.SANDBOX_STOP, task_id=task_id, target=f"sandbox {sandbox_id}", run=run
+    )
 
 
 def step_announce(*, task_ids: list[str], rollouts_per_task: int) -> dict[str, dict[str, int]]:
@@ -213,12 +236,17 @@ def step_announce(*, task_ids: list[str], rollouts_per_task: int) -> dict[str, d
             continue
         waiting = Sandbox.objects.filter(task=task, state__in=WAITING)
         roots = max(0, rollouts_per_task - waiting.filter(pool=Sandbox.Pool.ROOT).count())
-        room = max(0, min(rollouts_per_task, settings.TVCACHE["PREFORKS_PER_TASK"])
-                   - waiting.filter(pool=Sandbox.Pool.FORK).count())
+        room = max(
+            0,
+            min(rollouts_per_task, settings.TVCACHE["PREFORKS_PER_TASK"])
+            - waiting.filter(pool=Sandbox.Pool.FORK).count(),
+        )
         hot = list(
             Snapshot.objects.filter(task=task, status=Snapshot.Status.LIVE, owner=Snapshot.Owner.SERVICE)
             .annotate(waiting=Count("forks", filter=Q(forks__state__in=WAITING)))
-            .filter(waiting=0).order_by("-node__hit_count", "-node__depth").values_list("pk", flat=True)[:room]
+            .filter(waiting=0)
+            .order_by("-node__hit_count", "-node__depth")
+            .values_list("pk", flat=True)[:room]
         )
         pool_request(task_id=task.pk, roots=roots, snapshot_ids=hot)
         planned[task.pk] = {"roots": roots, "forks": len(hot)}

@@ -29,9 +29,14 @@ ORPHAN_GRACE_S = 120.0  # a sandbox this young may still be on its way into the 
 def sandboxes_reap() -> dict[str, int]:
     now = timezone.now()
     leases = Lease.objects.filter(released_at__isnull=True, expires_at__lte=now).update(released_at=now)
-    idle = list(Sandbox.objects.filter(state=Sandbox.State.LEASED, lease_expires_at__lte=now).values_list("pk", flat=True))
-    ended = list(Sandbox.objects.filter(state=Sandbox.State.LEASED, rollout__finished_at__isnull=False)
-                 .values_list("pk", flat=True))
+    idle = list(
+        Sandbox.objects.filter(state=Sandbox.State.LEASED, lease_expires_at__lte=now).values_list("pk", flat=True)
+    )
+    ended = list(
+        Sandbox.objects.filter(state=Sandbox.State.LEASED, rollout__finished_at__isnull=False).values_list(
+            "pk", flat=True
+        )
+    )
     unused = now - timedelta(seconds=settings.TVCACHE["POOL_IDLE_S"])
     idle += list(Sandbox.objects.filter(state=Sandbox.State.READY, ready_at__lte=unused).values_list("pk", flat=True))
     for sandbox_id in {*idle, *ended}:
@@ -46,7 +51,7 @@ def sandboxes_reap() -> dict[str, int]:
 def snapshots_collect(*, engine: str | None = None) -> dict[str, int]:
     """Enforce every task's budget, then free the storage of evicted service snapshots (those on
     `engine` only, if given) and stop the pre-forks nobody will take any more."""
-    for task_id in (Snapshot.objects.filter(status=Snapshot.Status.LIVE).values_list("task_id", flat=True).distinct()):
+    for task_id in Snapshot.objects.filter(status=Snapshot.Status.LIVE).values_list("task_id", flat=True).distinct():
         task_enforce_budget(task_id=task_id)
     freed = 0
     evicted = Snapshot.objects.filter(status=Snapshot.Status.EVICTED, owner=Snapshot.Owner.SERVICE)
@@ -66,11 +71,16 @@ def snapshots_collect(*, engine: str | None = None) -> dict[str, int]:
 def tasks_release(*, task_ids: list[str]) -> dict[str, int]:
     """Stop the tasks' sandboxes and free their service snapshots' storage; their results stay
     cached. For a server that stops with its tasks: nothing would reap what its pools keep ready."""
-    stopped = sum(sandbox_stop(sandbox_id=pk) for pk in Sandbox.objects.filter(task_id__in=task_ids)
-                  .exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED]).values_list("pk", flat=True))
+    stopped = sum(
+        sandbox_stop(sandbox_id=pk)
+        for pk in Sandbox.objects.filter(task_id__in=task_ids)
+        .exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
+        .values_list("pk", flat=True)
+    )
     with transaction.atomic():
         for snapshot in Snapshot.objects.select_for_update().filter(
-                task_id__in=task_ids, owner=Snapshot.Owner.SERVICE, status=Snapshot.Status.LIVE):
+            task_id__in=task_ids, owner=Snapshot.Owner.SERVICE, status=Snapshot.Status.LIVE
+        ):
             snapshot_evict(snapshot=snapshot)
     return {"sandboxes": stopped, **snapshots_collect()}
 
@@ -91,19 +101,29 @@ def orphans_reap(*, grace_s: float = ORPHAN_GRACE_S) -> dict[str, int]:
     killed between creating a container and saving its id, a deleted task, ...)."""
     cutoff = timezone.now() - timedelta(seconds=grace_s)
     removed = {"sandboxes": 0, "snapshots": 0}
-    places = [(name, engine) for name in BACKEND_NAMES
-              for engine in ([e.name for e in engines()] if name == "docker" else [""])]
+    places = [
+        (name, engine)
+        for name in BACKEND_NAMES
+        for engine in ([e.name for e in engines()] if name == "docker" else [""])
+    ]
     for name, engine in places:
         try:
             backend = engine_backend(name, engine)
-            known = set(Sandbox.objects.filter(backend=name).exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
-                        .exclude(ref="").values_list("ref", flat=True))
+            known = set(
+                Sandbox.objects.filter(backend=name)
+                .exclude(state__in=[Sandbox.State.STOPPED, Sandbox.State.FAILED])
+                .exclude(ref="")
+                .values_list("ref", flat=True)
+            )
             for resource in backend.list_sandboxes(instance_selector()):
                 if resource.id not in known and _old(resource, cutoff):
                     backend.remove_sandbox(resource.id)
                     removed["sandboxes"] += 1
-            kept = set(Snapshot.objects.filter(backend=name).filter(Q(status=Snapshot.Status.LIVE) | Q(
-                status=Snapshot.Status.EVICTED)).values_list("ref", flat=True))
+            kept = set(
+                Snapshot.objects.filter(backend=name)
+                .filter(Q(status=Snapshot.Status.LIVE) | Q(status=Snapshot.Status.EVICTED))
+                .values_list("ref", flat=True)
+            )
             for resource in backend.list_snapshots(instance_selector()):
                 if resource.id not in kept and _old(resource, cutoff):
                     backend.delete_snapshot(resource.id)

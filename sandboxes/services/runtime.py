@@ -14,7 +14,6 @@ from django.conf import settings
 
 from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
-from sandboxes.backends.docker import DockerEnv, allowed_images
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
     EngineUnavailable,
@@ -32,6 +31,7 @@ from sandboxes.backends.base import (
     SnapshotInfo,
     ToolNotFound,
 )
+from sandboxes.backends.docker import DockerEnv, allowed_images
 from sandboxes.backends.hostfs import StateDigest
 
 from .engines import engine_lost, engine_named, engines
@@ -52,20 +52,35 @@ def sandbox_config() -> SandboxConfig:
     images = {"images": tuple(conf["DOCKER_IMAGES"])} if conf["DOCKER_IMAGES"] else {}  # else the base images
     return SandboxConfig(
         root=Path(conf["SANDBOX_ROOT"]),
-        docker=DockerConfig(base_url=engines()[0].url or None, max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
-                            memory_mb=conf["DOCKER_MEMORY_MB"], cpus=conf["DOCKER_CPUS"], pids=conf["DOCKER_PIDS"],
-                            max_memory_mb=conf["DOCKER_MAX_MEMORY_MB"], max_cpus=conf["DOCKER_MAX_CPUS"],
-                            max_pids=conf["DOCKER_MAX_PIDS"], allow_network=conf["DOCKER_ALLOW_NETWORK"],
-                            user=conf["DOCKER_USER"], ulimit_nofile=conf["DOCKER_ULIMIT_NOFILE"],
-                            ulimit_nproc=conf["DOCKER_ULIMIT_NPROC"], ulimit_fsize_mb=conf["DOCKER_ULIMIT_FSIZE_MB"],
-                            disk_mb=conf["DOCKER_DISK_MB"], disk_max_files=conf["DOCKER_DISK_MAX_FILES"],
-                            disk_check_s=conf["DOCKER_DISK_CHECK_S"], **images,
-                            observe_writes=conf["DOCKER_OBSERVE_WRITES"],
-                            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"], session=conf["DOCKER_SESSION"],
-                            runtime=conf["DOCKER_RUNTIME"], runtimes=tuple(conf["DOCKER_RUNTIMES"]),
-                            checkpoint_runtimes=tuple(conf["DOCKER_CHECKPOINT_RUNTIMES"])),
+        docker=DockerConfig(
+            base_url=engines()[0].url or None,
+            max_concurrent_starts=conf["DOCKER_MAX_CONCURRENT_STARTS"],
+            memory_mb=conf["DOCKER_MEMORY_MB"],
+            cpus=conf["DOCKER_CPUS"],
+            pids=conf["DOCKER_PIDS"],
+            max_memory_mb=conf["DOCKER_MAX_MEMORY_MB"],
+            max_cpus=conf["DOCKER_MAX_CPUS"],
+            max_pids=conf["DOCKER_MAX_PIDS"],
+            allow_network=conf["DOCKER_ALLOW_NETWORK"],
+            user=conf["DOCKER_USER"],
+            ulimit_nofile=conf["DOCKER_ULIMIT_NOFILE"],
+            ulimit_nproc=conf["DOCKER_ULIMIT_NPROC"],
+            ulimit_fsize_mb=conf["DOCKER_ULIMIT_FSIZE_MB"],
+            disk_mb=conf["DOCKER_DISK_MB"],
+            disk_max_files=conf["DOCKER_DISK_MAX_FILES"],
+            disk_check_s=conf["DOCKER_DISK_CHECK_S"],
+            **images,
+            observe_writes=conf["DOCKER_OBSERVE_WRITES"],
+            observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"],
+            session=conf["DOCKER_SESSION"],
+            runtime=conf["DOCKER_RUNTIME"],
+            runtimes=tuple(conf["DOCKER_RUNTIMES"]),
+            checkpoint_runtimes=tuple(conf["DOCKER_CHECKPOINT_RUNTIMES"]),
+        ),
         directory=DirectoryConfig(max_total_bytes=conf["DIRECTORY_MAX_MB"] * 2**20),
-        sqlite=SqliteConfig(max_value_bytes=conf["SQLITE_MAX_VALUE_BYTES"], max_db_bytes=conf["SQLITE_MAX_DB_MB"] * 2**20),
+        sqlite=SqliteConfig(
+            max_value_bytes=conf["SQLITE_MAX_VALUE_BYTES"], max_db_bytes=conf["SQLITE_MAX_DB_MB"] * 2**20
+        ),
     )
 
 
@@ -73,14 +88,18 @@ def granted_config(config: DockerConfig, project) -> DockerConfig:
     """The service's docker configuration narrowed to a project's grants (cache.models.Project):
     network only if both allow it, the project's images (the service's default image stays
     allowed), and the lower of each pair of maxima."""
+
     def lower(service, granted):
         return service if granted is None else min(service, granted)
 
     return dataclasses.replace(
-        config, allow_network=config.allow_network and project.network,
+        config,
+        allow_network=config.allow_network and project.network,
         images=tuple(project.images) if project.images else config.images,
         max_memory_mb=lower(config.max_memory_mb, project.max_memory_mb),
-        max_cpus=lower(config.max_cpus, project.max_cpus), max_pids=lower(config.max_pids, project.max_pids))
+        max_cpus=lower(config.max_cpus, project.max_cpus),
+        max_pids=lower(config.max_pids, project.max_pids),
+    )
 
 
 def env_check_granted(env, *, project) -> None:
@@ -133,8 +152,10 @@ def _project_refusal(exc: NotGranted, project: str) -> NotGranted:
     elif isinstance(exc, ImageNotAllowed):
         message = f"project '{project}' may not use this image ({how.replace('...', '--images ...')})"
     elif isinstance(exc, LimitExceeded) and isinstance(exc.details, dict):
-        message = (f"limits.{exc.details.get('limit')} may be at most {exc.details.get('max')} in project '{project}' "
-                   f"(the sandbox would get {exc.details.get('requested')})")
+        message = (
+            f"limits.{exc.details.get('limit')} may be at most {exc.details.get('max')} in project '{project}' "
+            f"(the sandbox would get {exc.details.get('requested')})"
+        )
     else:
         message = f"{exc.message} (project '{project}')"
     details = {**exc.details, "project": project} if isinstance(exc.details, dict) else {"project": project}
@@ -147,8 +168,10 @@ def is_managed(backend_name: str) -> bool:
 
 def backend_named(name: str) -> SandboxBackend:
     if not is_managed(name):
-        raise InvalidInput(f"Backend '{name}' is not run by the service: its sandboxes belong to the trainer "
-                           "(client mode).", code="not_managed")
+        raise InvalidInput(
+            f"Backend '{name}' is not run by the service: its sandboxes belong to the trainer (client mode).",
+            code="not_managed",
+        )
     return backend_for(name, sandbox_config())
 
 
@@ -161,8 +184,9 @@ def engine_backend(name: str, engine: str) -> SandboxBackend:
     if found is None:
         raise EngineUnavailable(f"engine {engine!r} is not one of this service's (TVCACHE_DOCKER_ENGINES)")
     config = sandbox_config()
-    docker = dataclasses.replace(config.docker, base_url=found.url or None,
-                                 images_from=None if found == first else first.url)
+    docker = dataclasses.replace(
+        config.docker, base_url=found.url or None, images_from=None if found == first else first.url
+    )
     return backend_for(name, dataclasses.replace(config, docker=docker))
 
 

@@ -28,8 +28,16 @@ from cache.inputs import CallContext
 from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Rollout, Task
 from cache.projects import task_public_id, unknown_task
-from cache.services import (LookupHit, lookup_count, rollout_claim, rollout_history_append,
-                            rollout_unclaim, single_flight, task_handle, tcg_lookup)
+from cache.services import (
+    LookupHit,
+    lookup_count,
+    rollout_claim,
+    rollout_history_append,
+    rollout_unclaim,
+    single_flight,
+    task_handle,
+    tcg_lookup,
+)
 from cache.tcg import ToolCall
 from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.models import Sandbox
@@ -39,7 +47,6 @@ from .materialize import Phases, catch_up_after_answer, resume_snapshotted, reti
 from .misses import serve_miss
 from .pools import idle_deadline, sandbox_stop
 from .runtime import as_application_error, backend_named, env_check_granted, sandbox_handle
-
 
 # The rollout_claim column of tool-server mode: the rollout has a sandbox of its own, which it
 # brings up to date rather than fork a snapshot (its lookups then lease none).
@@ -78,21 +85,41 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
         with phases.timed("lookup"):  # (a lane that serves hits takes no lease: a miss moves on, cache/lanes.py)
-            answer = tcg_lookup(task_id=task_id, context=context, count=False, resume=not has_sandbox and not on_fast_lane())
-        with single_flight(task=handle, context=context, answer=answer, resume=not has_sandbox,
-                           timings=phases.ms) as flight:
+            answer = tcg_lookup(
+                task_id=task_id, context=context, count=False, resume=not has_sandbox and not on_fast_lane()
+            )
+        with single_flight(
+            task=handle, context=context, answer=answer, resume=not has_sandbox, timings=phases.ms
+        ) as flight:
             answer = flight.answer
             if isinstance(answer, LookupHit):
-                lookup_count(task_id=task_id, context=context, node_id=answer.node_id, hit=True, seen=True,
-                             saved_ms=answer.exec_ms)
+                lookup_count(
+                    task_id=task_id,
+                    context=context,
+                    node_id=answer.node_id,
+                    hit=True,
+                    seen=True,
+                    saved_ms=answer.exec_ms,
+                )
                 result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
                 mutates = answer.mutates
                 if answer.audit:  # sampled: a worker re-executes it at this state and compares
-                    hit_audit_enqueue(task_id=task_id, node_id=node_id, rollout_pk=rollout.pk, applied=len(history),
-                                      backend=handle.backend)
+                    hit_audit_enqueue(
+                        task_id=task_id,
+                        node_id=node_id,
+                        rollout_pk=rollout.pk,
+                        applied=len(history),
+                        backend=handle.backend,
+                    )
             else:
-                lookup_count(task_id=task_id, context=context, node_id=None, hit=False, seen=answer.seen or flight.waited,
-                             saved_ms=0.0)
+                lookup_count(
+                    task_id=task_id,
+                    context=context,
+                    node_id=None,
+                    hit=False,
+                    seen=answer.seen or flight.waited,
+                    saved_ms=0.0,
+                )
                 task = Task.objects.select_related("project").filter(pk=task_id).first()
                 if task is None:  # deleted since the lookup
                     raise unknown_task(task_id)
@@ -100,8 +127,9 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
                 _granted(task)
                 if not has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
                     answer = resume_snapshotted(task_id, context, answer, phases)
-                result, node_id, mutates = serve_miss(task, backend, rollout, context, answer,
-                                                      recorded=flight.release, phases=phases)
+                result, node_id, mutates = serve_miss(
+                    task, backend, rollout, context, answer, recorded=flight.release, phases=phases
+                )
                 cached = False
         if mutates and cached:  # (a miss appended its call with its record: misses.py)
             rollout_history_append(rollout_pk=rollout.pk, call=call, length=len(history))
@@ -125,8 +153,11 @@ def _serve_detached(rollout: Rollout, call: ToolCall) -> Any:
     """A detached rollout's call: in its own sandbox as it is, uncached and unrecorded."""
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
     if row is None:
-        raise Conflict("The rollout's sandbox is in an unknown state and gone (an earlier call timed out, was killed "
-                       "or failed mid-way): end the rollout.", code="rollout_state_unknown")
+        raise Conflict(
+            "The rollout's sandbox is in an unknown state and gone (an earlier call timed out, was killed "
+            "or failed mid-way): end the rollout.",
+            code="rollout_state_unknown",
+        )
     Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=idle_deadline(busy=True))
     try:
         result = sandbox_handle(row).execute(call.tool, call.args)

@@ -5,50 +5,63 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('cache', '0007_node_divergent_state'),
+        ("cache", "0007_node_divergent_state"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Upstream',
+            name="Upstream",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=100, unique=True)),
-                ('protocol', models.CharField(choices=[('verl-tool', 'Verl Tool')], max_length=20)),
-                ('url', models.URLField(max_length=2000)),
-                ('task_fields', models.JSONField(default=list)),
-                ('action_pattern', models.TextField(blank=True, default='')),
-                ('read_only', models.BooleanField(default=False)),
-                ('ignore_fields', models.JSONField(default=list)),
-                ('timeout_s', models.FloatField(default=120.0)),
-                ('secret_nonce', models.CharField(max_length=64)),
-                ('secret_digest', models.CharField(max_length=64, unique=True)),
-                ('hits', models.PositiveBigIntegerField(default=0)),
-                ('misses', models.PositiveBigIntegerField(default=0)),
-                ('passed_through', models.PositiveBigIntegerField(default=0)),
-                ('upstream_requests', models.PositiveBigIntegerField(default=0)),
-                ('upstream_errors', models.PositiveBigIntegerField(default=0)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.SlugField(max_length=100, unique=True)),
+                ("protocol", models.CharField(choices=[("verl-tool", "Verl Tool")], max_length=20)),
+                ("url", models.URLField(max_length=2000)),
+                ("task_fields", models.JSONField(default=list)),
+                ("action_pattern", models.TextField(blank=True, default="")),
+                ("read_only", models.BooleanField(default=False)),
+                ("ignore_fields", models.JSONField(default=list)),
+                ("timeout_s", models.FloatField(default=120.0)),
+                ("secret_nonce", models.CharField(max_length=64)),
+                ("secret_digest", models.CharField(max_length=64, unique=True)),
+                ("hits", models.PositiveBigIntegerField(default=0)),
+                ("misses", models.PositiveBigIntegerField(default=0)),
+                ("passed_through", models.PositiveBigIntegerField(default=0)),
+                ("upstream_requests", models.PositiveBigIntegerField(default=0)),
+                ("upstream_errors", models.PositiveBigIntegerField(default=0)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Trajectory',
+            name="Trajectory",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('trajectory_id', models.CharField(max_length=200)),
-                ('applied', models.PositiveIntegerField(default=0)),
-                ('pending', models.JSONField(default=list)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('rollout', models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, related_name='trajectory', to='cache.rollout')),
-                ('upstream', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='trajectories', to='upstreams.upstream')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("trajectory_id", models.CharField(max_length=200)),
+                ("applied", models.PositiveIntegerField(default=0)),
+                ("pending", models.JSONField(default=list)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "rollout",
+                    models.OneToOneField(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="trajectory", to="cache.rollout"
+                    ),
+                ),
+                (
+                    "upstream",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="trajectories",
+                        to="upstreams.upstream",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('upstream', 'trajectory_id'), name='trajectory_unique')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("upstream", "trajectory_id"), name="trajectory_unique")
+                ],
             },
         ),
     ]

@@ -6,21 +6,22 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('cache', '0010_projects_required'),
-        ('upstreams', '0001_initial'),
+        ("cache", "0010_projects_required"),
+        ("upstreams", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='upstream',
-            name='project',
-            field=models.ForeignKey(null=True, on_delete=django.db.models.deletion.PROTECT, related_name='upstreams', to='cache.project'),
+            model_name="upstream",
+            name="project",
+            field=models.ForeignKey(
+                null=True, on_delete=django.db.models.deletion.PROTECT, related_name="upstreams", to="cache.project"
+            ),
         ),
         migrations.AlterField(
-            model_name='upstream',
-            name='name',
+            model_name="upstream",
+            name="name",
             field=models.SlugField(db_index=False, max_length=100),
         ),
     ]

@@ -12,9 +12,8 @@ def into_default(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('upstreams', '0002_upstream_project'),
+        ("upstreams", "0002_upstream_project"),
     ]
 
     operations = [

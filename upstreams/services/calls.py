@@ -52,15 +52,23 @@ def task_values(upstream: Upstream, item: ActionItem) -> dict | None:
 
 def task_id_for(upstream: Upstream, values: dict) -> str:
     """The key of the task the values name, in the upstream's project (cache.projects.task_key)."""
-    return task_key(upstream.project.name, f"{upstream.name}--{hashlib.sha256(canonical_json(values)).hexdigest()[:24]}")
+    return task_key(
+        upstream.project.name, f"{upstream.name}--{hashlib.sha256(canonical_json(values)).hexdigest()[:24]}"
+    )
 
 
 def _spec(upstream: Upstream, values: dict) -> tuple[dict, dict]:
-    env = {"backend": "external", "upstream": upstream.name, "task": values,
-           "call": {"action_pattern": upstream.action_pattern, "ignore_fields": sorted(upstream.ignore_fields)}}
+    env = {
+        "backend": "external",
+        "upstream": upstream.name,
+        "task": values,
+        "call": {"action_pattern": upstream.action_pattern, "ignore_fields": sorted(upstream.ignore_fields)},
+    }
     writes = not upstream.read_only
-    tools = {ACTION: {"mutates_state": writes, "cacheable": True},
-             PASSTHROUGH: {"mutates_state": writes, "cacheable": False}}
+    tools = {
+        ACTION: {"mutates_state": writes, "cacheable": True},
+        PASSTHROUGH: {"mutates_state": writes, "cacheable": False},
+    }
     return env, tools
 
 

@@ -48,11 +48,16 @@ class ActionItem:
         return extra
 
     def to_json(self) -> dict:
-        return {"trajectory_id": self.trajectory_id, "action": self.action, "extra_fields": self.extra_fields,
-                "finish": self.finish, "is_last_step": self.is_last_step}
+        return {
+            "trajectory_id": self.trajectory_id,
+            "action": self.action,
+            "extra_fields": self.extra_fields,
+            "finish": self.finish,
+            "is_last_step": self.is_last_step,
+        }
 
     @classmethod
-    def from_json(cls, data: dict) -> "ActionItem":
+    def from_json(cls, data: dict) -> ActionItem:
         return cls(data["trajectory_id"], data["action"], data["extra_fields"], data["finish"], data["is_last_step"])
 
 
@@ -71,7 +76,7 @@ class Observation:
         return {"observation": self.observation, "done": self.done, "valid": self.valid}
 
     @classmethod
-    def from_result(cls, result: dict) -> "Observation":
+    def from_result(cls, result: dict) -> Observation:
         return cls(result["observation"], result["done"], result["valid"])
 
 
@@ -85,18 +90,23 @@ def _list(payload: dict, field: str, length: int | None, check) -> list | None:
     if value is None:
         return None
     if not isinstance(value, list) or (length is not None and len(value) != length):
-        raise InvalidInput(f"'{field}' must be a list as long as 'trajectory_ids'.", code="invalid_payload",
-                           details={"field": field})
+        raise InvalidInput(
+            f"'{field}' must be a list as long as 'trajectory_ids'.", code="invalid_payload", details={"field": field}
+        )
     for index, item in enumerate(value):
         if not check(item):
-            raise InvalidInput(f"'{field}[{index}]' has the wrong type.", code="invalid_payload",
-                               details={"field": f"{field}[{index}]"})
+            raise InvalidInput(
+                f"'{field}[{index}]' has the wrong type.",
+                code="invalid_payload",
+                details={"field": f"{field}[{index}]"},
+            )
     return value
 
 
 def _trajectory_id(value) -> bool:
-    return (isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool)) \
-        and 0 < len(str(value)) <= MAX_TRAJECTORY_ID
+    return (isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool)) and 0 < len(
+        str(value)
+    ) <= MAX_TRAJECTORY_ID
 
 
 def request_parse(payload: Any) -> list[ActionItem]:
@@ -111,15 +121,23 @@ def request_parse(payload: Any) -> list[ActionItem]:
     actions = _list(payload, "actions", len(ids), lambda a: isinstance(a, str))
     extra = _list(payload, "extra_fields", len(ids), lambda e: e is None or isinstance(e, dict))
     flags = {flag: _list(payload, flag, len(ids), lambda f: isinstance(f, bool)) for flag in FLAGS}
-    return [ActionItem(str(ids[i]), actions[i], extra[i] if extra is not None else None,
-                       *(flags[flag][i] if flags[flag] is not None else None for flag in FLAGS))
-            for i in range(len(ids))]
+    return [
+        ActionItem(
+            str(ids[i]),
+            actions[i],
+            extra[i] if extra is not None else None,
+            *(flags[flag][i] if flags[flag] is not None else None for flag in FLAGS),
+        )
+        for i in range(len(ids))
+    ]
 
 
 def request_body(items: list[ActionItem]) -> dict:
     """The request that sends `items` to an upstream: the lists the trainer sent, and only those."""
-    body: dict[str, Any] = {"trajectory_ids": [item.trajectory_id for item in items],
-                            "actions": [item.action for item in items]}
+    body: dict[str, Any] = {
+        "trajectory_ids": [item.trajectory_id for item in items],
+        "actions": [item.action for item in items],
+    }
     if any(item.extra_fields is not None for item in items):
         body["extra_fields"] = [item.extra_fields or {} for item in items]
     for flag in FLAGS:
@@ -129,8 +147,13 @@ def request_body(items: list[ActionItem]) -> dict:
 
 
 def response_body(answers: list[Observation], *, processing_ms: float, queue_ms: float) -> dict:
-    return {"observations": [a.observation for a in answers], "dones": [a.done for a in answers],
-            "valids": [a.valid for a in answers], "processing_time_ms": processing_ms, "queue_time_ms": queue_ms}
+    return {
+        "observations": [a.observation for a in answers],
+        "dones": [a.done for a in answers],
+        "valids": [a.valid for a in answers],
+        "processing_time_ms": processing_ms,
+        "queue_time_ms": queue_ms,
+    }
 
 
 class UpstreamFailure(Exception):
@@ -171,8 +194,12 @@ def upstream_post(*, url: str, items: list[ActionItem], timeout_s: float) -> tup
     """The upstream's answers to `items`, sent in one request, and the time it took (ms)."""
     started = time.perf_counter()
     try:
-        response = _http().post(url, content=orjson.dumps(request_body(items)),
-                                headers={"Content-Type": "application/json"}, timeout=timeout_s)
+        response = _http().post(
+            url,
+            content=orjson.dumps(request_body(items)),
+            headers={"Content-Type": "application/json"},
+            timeout=timeout_s,
+        )
     except httpx.TimeoutException:
         raise UpstreamFailure(f"no answer within {timeout_s:g} s") from None
     except httpx.HTTPError as exc:

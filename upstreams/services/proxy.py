@@ -34,8 +34,20 @@ from django.utils import timezone
 from cache.errors import Conflict, NotFound, PayloadTooLarge
 from cache.inputs import CallContext, RecordInput
 from cache.models import Rollout
-from cache.services import (Flight, LookupHit, LookupMiss, TaskHandle, lookup_count, node_record, rollout_claim,
-                            rollout_detach, rollout_history_append, rollout_unclaim, task_handle, tcg_lookup)
+from cache.services import (
+    Flight,
+    LookupHit,
+    LookupMiss,
+    TaskHandle,
+    lookup_count,
+    node_record,
+    rollout_claim,
+    rollout_detach,
+    rollout_history_append,
+    rollout_unclaim,
+    task_handle,
+    tcg_lookup,
+)
 from cache.tcg import ToolCall
 from upstreams.models import Trajectory, Upstream
 
@@ -126,15 +138,23 @@ class _Batch:
 
     def count(self) -> None:
         Upstream.objects.filter(pk=self.upstream.pk).update(
-            hits=F("hits") + self.hits, misses=F("misses") + self.misses, passed_through=F("passed_through") + self.passed,
-            upstream_requests=F("upstream_requests") + self.requests, upstream_errors=F("upstream_errors") + self.errors)
+            hits=F("hits") + self.hits,
+            misses=F("misses") + self.misses,
+            passed_through=F("passed_through") + self.passed,
+            upstream_requests=F("upstream_requests") + self.requests,
+            upstream_errors=F("upstream_errors") + self.errors,
+        )
 
     # Opening: the trajectories, their rollouts (claimed) and the lookups.
 
     def _open(self, slots: list[_Slot]) -> None:
         ids = [slot.item.trajectory_id for slot in slots]
-        rows = {row.trajectory_id: row for row in
-                Trajectory.objects.filter(upstream=self.upstream, trajectory_id__in=ids).select_related("rollout")}
+        rows = {
+            row.trajectory_id: row
+            for row in Trajectory.objects.filter(upstream=self.upstream, trajectory_id__in=ids).select_related(
+                "rollout"
+            )
+        }
         for slot in slots:
             slot.trajectory = rows.get(slot.item.trajectory_id)
             if slot.item.finish:
@@ -143,7 +163,9 @@ class _Batch:
             try:
                 self._claim(slot)
             except Conflict as exc:  # the same trajectory in two requests at once: the trainer broke the order
-                log.warning("trajectory %s of upstream %s: %s", slot.item.trajectory_id, self.upstream.name, exc.message)
+                log.warning(
+                    "trajectory %s of upstream %s: %s", slot.item.trajectory_id, self.upstream.name, exc.message
+                )
                 slot.answer = failed(exc.message)
                 continue
             if slot.route == AS_IS:  # off the shared graph
@@ -173,8 +195,9 @@ class _Batch:
             except NotFound:  # the task was deleted since this process made sure of it
                 slot.task = task_ensure(upstream=self.upstream, values=values, fresh=True)
                 claim = self._claim_rollout(slot)
-            row, _ = Trajectory.objects.get_or_create(upstream=self.upstream, trajectory_id=item.trajectory_id,
-                                                      defaults={"rollout_id": claim.rollout.pk})
+            row, _ = Trajectory.objects.get_or_create(
+                upstream=self.upstream, trajectory_id=item.trajectory_id, defaults={"rollout_id": claim.rollout.pk}
+            )
         else:
             slot.task = task_handle(task_id=row.rollout.task_id, cached=True)
             claim = self._claim_rollout(slot)
@@ -190,8 +213,14 @@ class _Batch:
         return claim
 
     def _hit(self, slot: _Slot, hit: LookupHit) -> None:
-        lookup_count(task_id=slot.task.task_id, context=slot.context, node_id=hit.node_id, hit=True, seen=True,
-                     saved_ms=hit.exec_ms)
+        lookup_count(
+            task_id=slot.task.task_id,
+            context=slot.context,
+            node_id=hit.node_id,
+            hit=True,
+            seen=True,
+            saved_ms=hit.exec_ms,
+        )
         slot.answer = Observation.from_result(orjson.loads(hit.result_json))
         self.hits += 1
         if hit.mutates:  # the upstream has not run it: it goes with the trajectory's next miss
@@ -271,11 +300,14 @@ class _Batch:
                 exchange.requests += 1
                 answer = upstream_post(url=upstream.url, items=[item], timeout_s=upstream.timeout_s)[0][0]
                 if not answer.valid:
-                    raise UpstreamFailure(f"it answered the catch-up action {item.action[:80]!r} as invalid, which "
-                                          "it had answered valid for another trajectory")
+                    raise UpstreamFailure(
+                        f"it answered the catch-up action {item.action[:80]!r} as invalid, which "
+                        "it had answered valid for another trajectory"
+                    )
             exchange.requests += 1
-            exchange.answers, exchange.exec_ms = upstream_post(url=upstream.url, items=[s.item for s in exchange.slots],
-                                                               timeout_s=upstream.timeout_s)
+            exchange.answers, exchange.exec_ms = upstream_post(
+                url=upstream.url, items=[s.item for s in exchange.slots], timeout_s=upstream.timeout_s
+            )
         except UpstreamFailure as exc:
             exchange.error = str(exc)
 
@@ -285,9 +317,14 @@ class _Batch:
         self.requests += exchange.requests
         if exchange.error:
             self.errors += 1
-            log.error("upstream %s (%s) failed for trajectories %s: %s; answered as a failed tool, and the "
-                      "trajectories leave the shared graph", self.upstream.name, self.upstream.url,
-                      ", ".join(s.item.trajectory_id for s in exchange.slots), exchange.error)
+            log.error(
+                "upstream %s (%s) failed for trajectories %s: %s; answered as a failed tool, and the "
+                "trajectories leave the shared graph",
+                self.upstream.name,
+                self.upstream.url,
+                ", ".join(s.item.trajectory_id for s in exchange.slots),
+                exchange.error,
+            )
             for slot in exchange.slots:
                 slot.answer = failed(f"upstream '{self.upstream.name}' did not answer: {exchange.error}")
                 self._counted(slot)
@@ -304,8 +341,14 @@ class _Batch:
 
     def _counted(self, slot: _Slot) -> None:
         if slot.route == MISS:
-            lookup_count(task_id=slot.task.task_id, context=slot.context, node_id=None, hit=False,
-                         seen=slot.lookup.seen or bool(slot.flight and slot.flight.waited), saved_ms=0.0)
+            lookup_count(
+                task_id=slot.task.task_id,
+                context=slot.context,
+                node_id=None,
+                hit=False,
+                seen=slot.lookup.seen or bool(slot.flight and slot.flight.waited),
+                saved_ms=0.0,
+            )
             self.misses += 1
         else:
             self.passed += 1
@@ -320,8 +363,9 @@ class _Batch:
         call = slot.call if slot.route == MISS and answer.valid else passthrough_call(self.upstream, slot.item)
         context = CallContext(slot.history, call, slot.item.trajectory_id, 0, None)
         try:
-            mutates = node_record(task_id=slot.task.task_id,
-                                  record=RecordInput(context, answer.to_result(), exec_ms)).mutates
+            mutates = node_record(
+                task_id=slot.task.task_id, record=RecordInput(context, answer.to_result(), exec_ms)
+            ).mutates
         except PayloadTooLarge:  # answered, not cached; the history still has it
             mutates = slot.task.policy.for_tool(call.tool).mutates_state
         if slot.flight is not None:

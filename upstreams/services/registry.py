@@ -18,8 +18,16 @@ from cache.errors import InvalidInput, NotFound
 from cache.models import Rollout
 from upstreams.models import Upstream
 
-FIELDS = {"protocol", "url", "task_fields", "action_pattern", "read_only", "ignore_fields", "timeout_s",
-          "rotate_secret"}
+FIELDS = {
+    "protocol",
+    "url",
+    "task_fields",
+    "action_pattern",
+    "read_only",
+    "ignore_fields",
+    "timeout_s",
+    "rotate_secret",
+}
 # What the calls, tasks and the upstream's trajectory state depend on: changing any of these
 # takes the upstream's live trajectories off the shared graph.
 CALL_SHAPE = ("url", "task_fields", "action_pattern", "read_only", "ignore_fields")
@@ -30,8 +38,9 @@ PROXY_PATH = "/verl-tool/{secret}/get_observation"
 def proxy_secret(upstream: Upstream) -> str:
     """The secret in the upstream's proxy path: derived from its nonce with the service's
     SECRET_KEY, so that it can be shown again without being stored (only its digest is)."""
-    mac = hmac.new(settings.SECRET_KEY.encode(), b"tvcache upstream proxy\0" + upstream.secret_nonce.encode(),
-                   hashlib.sha256).digest()
+    mac = hmac.new(
+        settings.SECRET_KEY.encode(), b"tvcache upstream proxy\0" + upstream.secret_nonce.encode(), hashlib.sha256
+    ).digest()
     return base64.urlsafe_b64encode(mac[:24]).decode()
 
 
@@ -65,10 +74,16 @@ def _field_names(data: dict, field: str, required: bool) -> list[str]:
     value = data.get(field)
     if value is None and not required:
         return []
-    if not isinstance(value, list) or len(value) > MAX_FIELDS or not all(
-            isinstance(name, str) and 0 < len(name) <= MAX_FIELD for name in value):
-        raise _invalid(f"'{field}' must be a list of at most {MAX_FIELDS} field names (non-empty strings).",
-                       "invalid_fields", field)
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_FIELDS
+        or not all(isinstance(name, str) and 0 < len(name) <= MAX_FIELD for name in value)
+    ):
+        raise _invalid(
+            f"'{field}' must be a list of at most {MAX_FIELDS} field names (non-empty strings).",
+            "invalid_fields",
+            field,
+        )
     return list(dict.fromkeys(value))
 
 
@@ -83,13 +98,19 @@ def _pattern(value: Any) -> str:
     if value is None:
         return ""
     if not isinstance(value, str) or len(value) > MAX_PATTERN:
-        raise _invalid(f"'action_pattern' must be a regular expression of at most {MAX_PATTERN} characters.",
-                       "invalid_pattern", "action_pattern")
+        raise _invalid(
+            f"'action_pattern' must be a regular expression of at most {MAX_PATTERN} characters.",
+            "invalid_pattern",
+            "action_pattern",
+        )
     try:
         re.compile(value)
     except re.error as exc:
-        raise InvalidInput(f"'action_pattern' does not compile: {exc}", code="invalid_pattern",
-                           details={"field": "action_pattern", "position": exc.pos}) from None
+        raise InvalidInput(
+            f"'action_pattern' does not compile: {exc}",
+            code="invalid_pattern",
+            details={"field": "action_pattern", "position": exc.pos},
+        ) from None
     return value
 
 
@@ -104,8 +125,11 @@ def _timeout(value: Any) -> float:
     if value is None:
         return Upstream._meta.get_field("timeout_s").default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
-        raise _invalid(f"'timeout_s' must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}.",
-                       "invalid_payload", "timeout_s")
+        raise _invalid(
+            f"'timeout_s' must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}.",
+            "invalid_payload",
+            "timeout_s",
+        )
     return float(value)
 
 
@@ -115,18 +139,29 @@ def upstream_config(data: Any) -> dict[str, Any]:
         raise InvalidInput("The request body must be a JSON object.", code="invalid_payload")
     unknown = sorted(set(data) - FIELDS)
     if unknown:
-        raise InvalidInput(f"Unknown field '{unknown[0]}'.", code="unknown_field",
-                           details={"field": unknown[0], "allowed": sorted(FIELDS)})
+        raise InvalidInput(
+            f"Unknown field '{unknown[0]}'.",
+            code="unknown_field",
+            details={"field": unknown[0], "allowed": sorted(FIELDS)},
+        )
     for field in ("protocol", "url", "task_fields"):
         if field not in data:
             raise _invalid(f"Missing field '{field}'.", "missing_field", field)
     if data["protocol"] not in Upstream.Protocol.values:
-        raise InvalidInput(f"Unknown protocol {data['protocol']!r}.", code="unknown_protocol",
-                           details={"field": "protocol", "allowed": Upstream.Protocol.values})
-    return {"protocol": data["protocol"], "url": _url(data["url"]),
-            "task_fields": _field_names(data, "task_fields", True),
-            "action_pattern": _pattern(data.get("action_pattern")), "read_only": _flag(data, "read_only"),
-            "ignore_fields": _field_names(data, "ignore_fields", False), "timeout_s": _timeout(data.get("timeout_s"))}
+        raise InvalidInput(
+            f"Unknown protocol {data['protocol']!r}.",
+            code="unknown_protocol",
+            details={"field": "protocol", "allowed": Upstream.Protocol.values},
+        )
+    return {
+        "protocol": data["protocol"],
+        "url": _url(data["url"]),
+        "task_fields": _field_names(data, "task_fields", True),
+        "action_pattern": _pattern(data.get("action_pattern")),
+        "read_only": _flag(data, "read_only"),
+        "ignore_fields": _field_names(data, "ignore_fields", False),
+        "timeout_s": _timeout(data.get("timeout_s")),
+    }
 
 
 @transaction.atomic
@@ -154,5 +189,6 @@ def upstream_put(*, project_id: int, name: str, data: Any) -> tuple[Upstream, bo
 
 
 def upstream_trajectories_detach(*, upstream: Upstream, reason: str) -> int:
-    return Rollout.objects.filter(trajectory__upstream=upstream, finished_at__isnull=True,
-                                  detached_at__isnull=True).update(detached_at=timezone.now(), detached_reason=reason)
+    return Rollout.objects.filter(
+        trajectory__upstream=upstream, finished_at__isnull=True, detached_at__isnull=True
+    ).update(detached_at=timezone.now(), detached_reason=reason)

@@ -21,8 +21,18 @@ class Command(BaseCommand):
                 raise CommandError(f"No project '{project}'.")
         rows = project_tokens(project=owner)
         header = ("name", "project", "role", "state", "created", "expires", "last used")
-        table = [header] + [(r["name"], r["project"], r["role"], r["state"], _when(r["created_at"]),
-                             _when(r["expires_at"]), _when(r["last_used_at"])) for r in rows]
+        table = [header] + [
+            (
+                r["name"],
+                r["project"],
+                r["role"],
+                r["state"],
+                _when(r["created_at"]),
+                _when(r["expires_at"]),
+                _when(r["last_used_at"]),
+            )
+            for r in rows
+        ]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         for row in table:
             self.stdout.write("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

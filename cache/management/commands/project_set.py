@@ -27,35 +27,63 @@ def _number(kind):
                 return int(float(value[:-1]) * UNITS[value[-1].lower()])
             return kind(value)
         except ValueError:
-            raise CommandError(f"'{value}' is not a {'number' if kind is float else 'whole number'} (or none).") from None
+            raise CommandError(
+                f"'{value}' is not a {'number' if kind is float else 'whole number'} (or none)."
+            ) from None
+
     return parse
 
 
 class Command(BaseCommand):
-    help = ("Create a project or change its operator grants and members. Limits take 'none' to lift the project's "
-            "own bound (the service's maxima, TVCACHE_DOCKER_MAX_*, always apply).")
+    help = (
+        "Create a project or change its operator grants and members. Limits take 'none' to lift the project's "
+        "own bound (the service's maxima, TVCACHE_DOCKER_MAX_*, always apply)."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("project")
         parser.add_argument("--network", metavar="on|off", help="docker network access (the service must allow it too)")
-        parser.add_argument("--images", metavar="IMAGE,...", help="images its tasks may name; '' for every image the service runs")
+        parser.add_argument(
+            "--images", metavar="IMAGE,...", help="images its tasks may name; '' for every image the service runs"
+        )
         parser.add_argument("--max-memory-mb", type=_number(int), default=argparse.SUPPRESS)
         parser.add_argument("--max-cpus", type=_number(float), default=argparse.SUPPRESS)
         parser.add_argument("--max-pids", type=_number(int), default=argparse.SUPPRESS)
         parser.add_argument("--max-live-sandboxes", type=_number(int), default=argparse.SUPPRESS)
         parser.add_argument("--max-snapshot-bytes", type=_number(int), default=argparse.SUPPRESS, help="e.g. 20G")
-        parser.add_argument("--rate-limit", type=_number(int), default=argparse.SUPPRESS, metavar="PER_S",
-                            help="requests per second")
-        parser.add_argument("--rate-burst", type=_number(int), default=argparse.SUPPRESS, metavar="N",
-                            help="default: one second's worth")
-        parser.add_argument("--member", action="append", default=[], metavar="USER[:ROLE]",
-                            help=f"add or change a dashboard member (role: {'|'.join(ROLES)}, default trainer)")
+        parser.add_argument(
+            "--rate-limit", type=_number(int), default=argparse.SUPPRESS, metavar="PER_S", help="requests per second"
+        )
+        parser.add_argument(
+            "--rate-burst",
+            type=_number(int),
+            default=argparse.SUPPRESS,
+            metavar="N",
+            help="default: one second's worth",
+        )
+        parser.add_argument(
+            "--member",
+            action="append",
+            default=[],
+            metavar="USER[:ROLE]",
+            help=f"add or change a dashboard member (role: {'|'.join(ROLES)}, default trainer)",
+        )
         parser.add_argument("--remove-member", action="append", default=[], metavar="USER")
 
     def handle(self, *args, project: str, network, images, member, remove_member, **options):
-        grants = {field: options[field] for field in ("max_memory_mb", "max_cpus", "max_pids", "max_live_sandboxes",
-                                                      "max_snapshot_bytes", "rate_limit", "rate_burst")
-                  if field in options}  # left out: unchanged; "none": lifted
+        grants = {
+            field: options[field]
+            for field in (
+                "max_memory_mb",
+                "max_cpus",
+                "max_pids",
+                "max_live_sandboxes",
+                "max_snapshot_bytes",
+                "rate_limit",
+                "rate_burst",
+            )
+            if field in options
+        }  # left out: unchanged; "none": lifted
         if network is not None:
             grants["network"] = _on_off(network)
         if images is not None:
@@ -69,10 +97,18 @@ class Command(BaseCommand):
             changed = project_set(name=project, grants=grants, members=members)
         except ApplicationError as exc:
             raise CommandError(exc.message) from None
-        fields = ("network", "images", "max_memory_mb", "max_cpus", "max_pids", "max_live_sandboxes",
-                  "max_snapshot_bytes", "rate_limit", "rate_burst")
+        fields = (
+            "network",
+            "images",
+            "max_memory_mb",
+            "max_cpus",
+            "max_pids",
+            "max_live_sandboxes",
+            "max_snapshot_bytes",
+            "rate_limit",
+            "rate_burst",
+        )
         self.stdout.write(f"project {changed.name}: " + ", ".join(f"{f}={getattr(changed, f)}" for f in fields))
         members_now = changed.memberships.select_related("user").order_by("user__username")
         self.stdout.write("members: " + (", ".join(f"{m.user.get_username()} ({m.role})" for m in members_now) or "-"))
         self.stdout.write(f"tokens: {len(project_tokens(project=changed))}")
-

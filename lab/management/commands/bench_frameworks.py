@@ -17,8 +17,8 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from django.core.management.base import BaseCommand
 
@@ -30,9 +30,25 @@ Row = dict[str, Any]
 
 
 def skyrl(env: dict[str, str]) -> tuple[dict, list[Row]]:
-    done = subprocess.run([sys.executable, "-m", "lab.frameworks.skyrl_rollouts", "--scenarios", "sql,notes",
-                           "--passes", "2", "--instances", "8"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lab.frameworks.skyrl_rollouts",
+            "--scenarios",
+            "sql,notes",
+            "--passes",
+            "2",
+            "--instances",
+            "8",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     document = json.loads(done.stdout)
     rows = []
     for name, scenario in document["scenarios"].items():
@@ -42,12 +58,25 @@ def skyrl(env: dict[str, str]) -> tuple[dict, list[Row]]:
             counters = result["counters"]
             # The tools' own counter where the scenario has one; else the executors' (the
             # uncached run ran every call the first pass looked up).
-            executed = result["tool_calls"] if result["tool_calls"] is not None else \
-                counters.get("executed", 0) + counters.get("replayed", 0) if counters else first["hits"] + first["misses"]
-            rows.append({"framework": "SkyRL", "workload": f"{name}, 8 trajectories", "pass": label,
-                         "wall_s": result["wall_ms"] / 1000, "tool_s": None,
-                         "executed": executed, "hits": counters.get("hits"),
-                         "identical": scenario.get("identical", {}).get(run, True)})
+            executed = (
+                result["tool_calls"]
+                if result["tool_calls"] is not None
+                else counters.get("executed", 0) + counters.get("replayed", 0)
+                if counters
+                else first["hits"] + first["misses"]
+            )
+            rows.append(
+                {
+                    "framework": "SkyRL",
+                    "workload": f"{name}, 8 trajectories",
+                    "pass": label,
+                    "wall_s": result["wall_ms"] / 1000,
+                    "tool_s": None,
+                    "executed": executed,
+                    "hits": counters.get("hits"),
+                    "identical": scenario.get("identical", {}).get(run, True),
+                }
+            )
     return document, rows
 
 
@@ -56,10 +85,18 @@ def verl(env: dict[str, str]) -> tuple[dict, list[Row]]:
     rows = []
     for label, result in document["passes"].items():
         service = result.get("service") or {}
-        rows.append({"framework": "veRL", "workload": "ToolAgentLoop, 4 samples x 4 rollouts", "pass": label,
-                     "wall_s": result["wall_s"], "tool_s": result["tool_s"],
-                     "executed": sum(result["executed"].values()), "hits": service.get("hits"),
-                     "identical": result["trajectories"] == document["passes"]["uncached"]["trajectories"]})
+        rows.append(
+            {
+                "framework": "veRL",
+                "workload": "ToolAgentLoop, 4 samples x 4 rollouts",
+                "pass": label,
+                "wall_s": result["wall_s"],
+                "tool_s": result["tool_s"],
+                "executed": sum(result["executed"].values()),
+                "hits": service.get("hits"),
+                "identical": result["trajectories"] == document["passes"]["uncached"]["trajectories"],
+            }
+        )
     return document, rows
 
 
@@ -68,11 +105,19 @@ def tinker(env: dict[str, str]) -> tuple[dict, list[Row]]:
     rows = []
     uncached = document["passes"][0]
     for label, result in zip(("uncached", "first", "repeat"), document["passes"]):
-        rows.append({"framework": "Tinker", "workload": "do_group_rollout, a group of 3", "pass": label,
-                     "wall_s": result["wall_ms"] / 1000, "tool_s": result["tool_ms"] / 1000,
-                     "executed": sum(result["ran"].values()), "hits": (result.get("executor") or {}).get("hits"),
-                     "identical": (result["group_repr"], result["trajectories"])
-                     == (uncached["group_repr"], uncached["trajectories"])})
+        rows.append(
+            {
+                "framework": "Tinker",
+                "workload": "do_group_rollout, a group of 3",
+                "pass": label,
+                "wall_s": result["wall_ms"] / 1000,
+                "tool_s": result["tool_ms"] / 1000,
+                "executed": sum(result["ran"].values()),
+                "hits": (result.get("executor") or {}).get("hits"),
+                "identical": (result["group_repr"], result["trajectories"])
+                == (uncached["group_repr"], uncached["trajectories"]),
+            }
+        )
     return document, rows
 
 
@@ -81,16 +126,27 @@ def harbor(env: dict[str, str]) -> tuple[dict, list[Row]]:
     rows = []
     for label, result in document["passes"].items():
         service = result.get("service") or {}
-        rows.append({"framework": "Harbor 0.26", "workload": "harbor run, solve.sh sleeps 4 s", "pass": label,
-                     "wall_s": result["trials"][0]["trial_s"], "tool_s": None,
-                     "executed": len(result["sandbox_operations"]) // (2 if label == "uncached" else 1),
-                     "hits": service.get("hits"), "solve_runs": result["solve_runs"],
-                     "identical": not document.get("differences", {}).get(label)})
+        rows.append(
+            {
+                "framework": "Harbor 0.26",
+                "workload": "harbor run, solve.sh sleeps 4 s",
+                "pass": label,
+                "wall_s": result["trials"][0]["trial_s"],
+                "tool_s": None,
+                "executed": len(result["sandbox_operations"]) // (2 if label == "uncached" else 1),
+                "hits": service.get("hits"),
+                "solve_runs": result["solve_runs"],
+                "identical": not document.get("differences", {}).get(label),
+            }
+        )
     return document, rows
 
 
 FRAMEWORKS: dict[str, Callable[[dict[str, str]], tuple[dict, list[Row]]]] = {
-    "skyrl": skyrl, "verl": verl, "tinker": tinker, "harbor": harbor,
+    "skyrl": skyrl,
+    "verl": verl,
+    "tinker": tinker,
+    "harbor": harbor,
 }
 
 
@@ -103,13 +159,17 @@ def _driver(framework: str, script: str, args: list[str], env: dict[str, str]) -
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| framework | workload | pass | wall s | tool s | calls run | hits | same as uncached |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| framework | workload | pass | wall s | tool s | calls run | hits | same as uncached |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for row in rows:
         tool = "" if row["tool_s"] is None else f"{row['tool_s']:.3f}"
         same = ("yes" if row["identical"] else "**no**") if row["pass"] != "uncached" else ""
-        lines.append(f"| {row['framework']} | {row['workload']} | {row['pass']} | {row['wall_s']:.3f} | {tool} "
-                     f"| {row['executed']} | {row['hits'] if row['hits'] is not None else ''} | {same} |")
+        lines.append(
+            f"| {row['framework']} | {row['workload']} | {row['pass']} | {row['wall_s']:.3f} | {tool} "
+            f"| {row['executed']} | {row['hits'] if row['hits'] is not None else ''} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -126,19 +186,24 @@ class Command(BaseCommand):
         documents: dict[str, Any] = {}
         rows: list[Row] = []
         with service_running(workers=2, redis_url="") as service:
-            env = {**os.environ, "TVCACHE_URL": service.url,
-                   "TVCACHE_TOKEN": token_create(name=f"bench-{uuid.uuid4().hex[:8]}")}
+            env = {
+                **os.environ,
+                "TVCACHE_URL": service.url,
+                "TVCACHE_TOKEN": token_create(name=f"bench-{uuid.uuid4().hex[:8]}"),
+            }
             for name in only.split(","):
                 self.stderr.write(f"[bench_frameworks] {name}")
                 documents[name], more = FRAMEWORKS[name](env)
                 rows += more
         (out_dir / "frameworks.json").write_text(json.dumps({"rows": rows, "documents": documents}, indent=1))
-        markdown = ("# Frameworks: uncached, first and repeat pass\n\n"
-                    "`python manage.py bench_frameworks` (lab/management/commands/bench_frameworks.py); "
-                    "tvcache served as deployed (uvicorn, 2 workers) on this machine. Wall s: the pass "
-                    "(Harbor: the trial, from its result.json). Tool s: time inside the tools, where the "
-                    "driver measures it. Calls run: tool calls (Harbor: sandbox operations) that really "
-                    "ran.\n\n" + table(rows) + "\n")
+        markdown = (
+            "# Frameworks: uncached, first and repeat pass\n\n"
+            "`python manage.py bench_frameworks` (lab/management/commands/bench_frameworks.py); "
+            "tvcache served as deployed (uvicorn, 2 workers) on this machine. Wall s: the pass "
+            "(Harbor: the trial, from its result.json). Tool s: time inside the tools, where the "
+            "driver measures it. Calls run: tool calls (Harbor: sandbox operations) that really "
+            "ran.\n\n" + table(rows) + "\n"
+        )
         (out_dir / "frameworks.md").write_text(markdown)
         results = ROOT / "docs" / "results" / "bench"
         results.mkdir(parents=True, exist_ok=True)

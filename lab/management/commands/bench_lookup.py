@@ -34,8 +34,12 @@ TASK = "bench-lookup"
 def build_graph(nodes: int, max_depth: int, seed: int) -> list[tuple[list[ToolCall], ToolCall]]:
     """Record rollouts that share prefixes and branch, until the task holds `nodes` nodes."""
     rng = random.Random(seed)
-    task_put(task_id=TASK, env={"backend": "external", "bench": "lookup"},
-             tools={"cat": {"mutates_state": False, "cacheable": True}}, sandbox_budget=0)
+    task_put(
+        task_id=TASK,
+        env={"backend": "external", "bench": "lookup"},
+        tools={"cat": {"mutates_state": False, "cacheable": True}},
+        sandbox_budget=0,
+    )
     task_flush(task_id=TASK)
     seen: set[tuple] = set()
     paths: list[tuple[list[ToolCall], ToolCall]] = []
@@ -78,8 +82,12 @@ class Command(BaseCommand):
         parser.add_argument("--duration", type=float, default=10.0)
         parser.add_argument("--server", choices=sorted(SERVERS), default="uvicorn")
         parser.add_argument("--workers", type=int, default=3)
-        parser.add_argument("--repeat", type=int, default=3,
-                            help="runs per rate; the table shows the run with the median hit P95, the JSON all of them")
+        parser.add_argument(
+            "--repeat",
+            type=int,
+            default=3,
+            help="runs per rate; the table shows the run with the median hit P95, the JSON all of them",
+        )
         parser.add_argument("--loadgen-processes", type=int, default=1)
         parser.add_argument("--nodes", type=int, default=8192)
         parser.add_argument("--seed", type=int, default=7)
@@ -97,22 +105,54 @@ class Command(BaseCommand):
             bodies.write_text(json.dumps(lookup_requests(paths, 4096, seed)))
             self._drive(running, bodies, token, 256, 3.0, Path(tmp) / "warmup.json")  # warm connections and caches
             for rate in [float(r) for r in rates.split(",")]:
-                runs = [self._summarize(rate, self._drive(running, bodies, token, rate, duration, Path(tmp) / f"{rate}.json"))
-                        for _ in range(repeat)]
+                runs = [
+                    self._summarize(
+                        rate, self._drive(running, bodies, token, rate, duration, Path(tmp) / f"{rate}.json")
+                    )
+                    for _ in range(repeat)
+                ]
                 median = sorted(runs, key=lambda r: r["hit"]["p95"])[len(runs) // 2]
                 rows.append({**median, "runs": runs})
                 self.stdout.write(json.dumps(median))
-        self._write(Path(out), rows, server=server, workers=workers, nodes=nodes, duration=duration, repeat=repeat,
-                    loadgen_processes=loadgen_processes, cores=os.cpu_count())
+        self._write(
+            Path(out),
+            rows,
+            server=server,
+            workers=workers,
+            nodes=nodes,
+            duration=duration,
+            repeat=repeat,
+            loadgen_processes=loadgen_processes,
+            cores=os.cpu_count(),
+        )
 
     def _drive(self, running, bodies, token, rate, duration, out) -> dict:
         """One open-loop run; also what it cost: the load generator's and the server's CPU seconds
         (they share the machine with PostgreSQL) and the machine's load before it started."""
         load_before = os.getloadavg()[0]
         server_before, loadgen_before = running.cpu_s(), _children_cpu_s()
-        subprocess.run([sys.executable, "-m", "lab.bench.loadgen", "--url", running.url, "--rate", str(rate),
-                        "--duration", str(duration), "--requests", str(bodies), "--token", token,
-                        "--processes", str(self.loadgen_processes), "--out", str(out)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lab.bench.loadgen",
+                "--url",
+                running.url,
+                "--rate",
+                str(rate),
+                "--duration",
+                str(duration),
+                "--requests",
+                str(bodies),
+                "--token",
+                token,
+                "--processes",
+                str(self.loadgen_processes),
+                "--out",
+                str(out),
+            ],
+            check=True,
+        )
         result = json.loads(out.read_text())
         result["cpu_s"] = {"server": running.cpu_s() - server_before, "loadgen": _children_cpu_s() - loadgen_before}
         result["load_avg_before"] = load_before
@@ -121,11 +161,15 @@ class Command(BaseCommand):
     @staticmethod
     def _summarize(rate: float, result: dict) -> dict:
         done = len(result["results"])
-        row = {"offered_rps": rate, "achieved_rps": round(done / result["elapsed_s"], 1),
-               "errors": sum(1 for _, status, _ in result["results"] if status != 200),
-               "cpu_ms_per_request": {name: round(1000 * seconds / max(done, 1), 3)
-                                      for name, seconds in result["cpu_s"].items()},
-               "load_avg_before": round(result["load_avg_before"], 2)}
+        row = {
+            "offered_rps": rate,
+            "achieved_rps": round(done / result["elapsed_s"], 1),
+            "errors": sum(1 for _, status, _ in result["results"] if status != 200),
+            "cpu_ms_per_request": {
+                name: round(1000 * seconds / max(done, 1), 3) for name, seconds in result["cpu_s"].items()
+            },
+            "load_avg_before": round(result["load_avg_before"], 2),
+        }
         for kind in ("hit", "miss"):
             latencies = [ms for k, status, ms in result["results"] if k == kind]
             row[kind] = {f"p{q}": percentile(latencies, q, 2) for q in (50, 95, 99)}
@@ -134,14 +178,18 @@ class Command(BaseCommand):
     def _write(self, out: Path, rows: list[dict], **meta) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "lookup.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        lines = ["| offered req/s | achieved req/s | hit P50 / P95 / P99 ms | miss P50 / P95 / P99 ms | errors "
-                 "| CPU ms/req server / loadgen | load avg before |",
-                 "|---:|---:|---|---|---:|---|---:|"]
+        lines = [
+            "| offered req/s | achieved req/s | hit P50 / P95 / P99 ms | miss P50 / P95 / P99 ms | errors "
+            "| CPU ms/req server / loadgen | load avg before |",
+            "|---:|---:|---|---|---:|---|---:|",
+        ]
         for r in rows:
             hit, miss, cpu = r["hit"], r["miss"], r["cpu_ms_per_request"]
-            lines.append(f"| {r['offered_rps']:.0f} | {r['achieved_rps']:.0f} | {hit['p50']} / {hit['p95']} / {hit['p99']} "
-                         f"| {miss['p50']} / {miss['p95']} / {miss['p99']} | {r['errors']} "
-                         f"| {cpu['server']} / {cpu['loadgen']} | {r['load_avg_before']} |")
+            lines.append(
+                f"| {r['offered_rps']:.0f} | {r['achieved_rps']:.0f} | {hit['p50']} / {hit['p95']} / {hit['p99']} "
+                f"| {miss['p50']} / {miss['p95']} / {miss['p99']} | {r['errors']} "
+                f"| {cpu['server']} / {cpu['loadgen']} | {r['load_avg_before']} |"
+            )
         (out / "lookup.md").write_text("\n".join(lines) + "\n")
         self.stdout.write("\n".join(lines))
 

@@ -22,9 +22,9 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from lab.figures import median_p95
 from lab.bench import runtimes as bench
 from lab.bench.sandboxes import BENCH_LABEL, remove_labelled
+from lab.figures import median_p95
 from sandboxes.backends.config import DockerConfig
 from sandboxes.backends.docker import DockerBackend
 from sandboxes.images import BUSYBOX_TAG, DEBIAN_TAG
@@ -39,29 +39,48 @@ class Command(BaseCommand):
         parser.add_argument("--call-rounds", type=int, default=50, help="rounds of calls per command")
         parser.add_argument("--memory", default="0,64", help="MB a process of the snapshotted state holds")
         parser.add_argument("--out", type=Path, default=Path(settings.BASE_DIR) / "artifacts" / "bench")
-        parser.add_argument("--docs", default=str(Path(settings.BASE_DIR) / "docs" / "results" / "bench"),
-                            help="where runtimes.md goes for the docs ('' for nowhere)")
+        parser.add_argument(
+            "--docs",
+            default=str(Path(settings.BASE_DIR) / "docs" / "results" / "bench"),
+            help="where runtimes.md goes for the docs ('' for nowhere)",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         backend = DockerBackend(DockerConfig(runtimes=bench.RUNTIMES, checkpoint_runtimes=("runsc",)))
         facts = backend.facts(wanted_runtime="runsc")
         if "runsc" not in facts.runtimes or not facts.checkpoints:
-            raise CommandError("the engine lacks runsc or its checkpoint API: run .ci/setup.sh (docs/operations/runtimes.md)")
+            raise CommandError(
+                "the engine lacks runsc or its checkpoint API: run .ci/setup.sh (docs/operations/runtimes.md)"
+            )
         run_id = datetime.now().strftime("%Y%m%d%H%M%S")
         labels = {BENCH_LABEL: f"{run_id}-{uuid.uuid4().hex[:8]}"}
         version = backend.api.version()
-        figures: dict[str, Any] = {"meta": {
-            "run": run_id, "cpus": os.cpu_count(), "rounds": opts["rounds"], "call_rounds": opts["call_rounds"],
-            "engine": version.get("Version"), "runsc_args": list(facts.runtimes["runsc"]), "loadavg": {}}}
+        figures: dict[str, Any] = {
+            "meta": {
+                "run": run_id,
+                "cpus": os.cpu_count(),
+                "rounds": opts["rounds"],
+                "call_rounds": opts["call_rounds"],
+                "engine": version.get("Version"),
+                "runsc_args": list(facts.runtimes["runsc"]),
+                "loadavg": {},
+            }
+        }
         self.loadavg = figures["meta"]["loadavg"]
         try:
             self._section("starts")
-            figures["starts"] = [bench.starts(backend, image, labels, opts["rounds"]) for image in (BUSYBOX_TAG, DEBIAN_TAG)]
+            figures["starts"] = [
+                bench.starts(backend, image, labels, opts["rounds"]) for image in (BUSYBOX_TAG, DEBIAN_TAG)
+            ]
             self._section("calls")
-            figures["calls"] = [bench.calls(backend, image, labels, opts["call_rounds"]) for image in (BUSYBOX_TAG, DEBIAN_TAG)]
+            figures["calls"] = [
+                bench.calls(backend, image, labels, opts["call_rounds"]) for image in (BUSYBOX_TAG, DEBIAN_TAG)
+            ]
             self._section("snapshots and forks")
-            figures["snapshots"] = [bench.snapshots_and_forks(backend, BUSYBOX_TAG, labels, int(mb), opts["rounds"])
-                                    for mb in opts["memory"].split(",")]
+            figures["snapshots"] = [
+                bench.snapshots_and_forks(backend, BUSYBOX_TAG, labels, int(mb), opts["rounds"])
+                for mb in opts["memory"].split(",")
+            ]
         finally:
             self._section("cleanup")
             figures["cleanup"] = {"leftover_on_engine": remove_labelled(backend, labels)}
@@ -84,36 +103,59 @@ class Command(BaseCommand):
 
 def render_markdown(figures: dict[str, Any]) -> str:
     meta = figures["meta"]
-    lines = ["# Sandbox runtimes: runc against gVisor (runsc)", "",
-             f"`python manage.py bench_runtimes` (lab/bench/runtimes.py), run {meta['run']}: {meta['cpus']} cores, "
-             f"Docker engine {meta['engine']}, runsc with {meta['runsc_args']}; {meta['rounds']} samples of starts, "
-             f"snapshots and forks, {meta['call_rounds']} rounds of calls; runtimes interleaved round by round. "
-             f"1-min load average at each section: {meta['loadavg']}. Median / P95 in ms.", ""]
-    lines += ["Container start (create + start + the shell session's first state):", "",
-              "| image | runc | runsc |", "|---|---|---|"]
+    lines = [
+        "# Sandbox runtimes: runc against gVisor (runsc)",
+        "",
+        f"`python manage.py bench_runtimes` (lab/bench/runtimes.py), run {meta['run']}: {meta['cpus']} cores, "
+        f"Docker engine {meta['engine']}, runsc with {meta['runsc_args']}; {meta['rounds']} samples of starts, "
+        f"snapshots and forks, {meta['call_rounds']} rounds of calls; runtimes interleaved round by round. "
+        f"1-min load average at each section: {meta['loadavg']}. Median / P95 in ms.",
+        "",
+    ]
+    lines += [
+        "Container start (create + start + the shell session's first state):",
+        "",
+        "| image | runc | runsc |",
+        "|---|---|---|",
+    ]
     for s in figures.get("starts", []):
         lines.append(f"| {s['image']} | {median_p95(s['runc'])} | {median_p95(s['runsc'])} |")
-    lines += ["", "A bash call in a running sandbox: plain (a replay) and observed (a tool-server miss: the files, "
-              "the session and the live processes listed before and after the call):", "",
-              "| image | command | runc | runsc | runc, observed | runsc, observed |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "A bash call in a running sandbox: plain (a replay) and observed (a tool-server miss: the files, "
+        "the session and the live processes listed before and after the call):",
+        "",
+        "| image | command | runc | runsc | runc, observed | runsc, observed |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in figures.get("calls", []):
         for command in bench.CALLS:
             plain, observed = f"{command} (plain)", f"{command} (observed)"
-            lines.append(f"| {c['image']} | `{command}` | {median_p95(c['runc'].get(plain))} | {median_p95(c['runsc'].get(plain))} "
-                         f"| {median_p95(c['runc'].get(observed))} | {median_p95(c['runsc'].get(observed))} |")
-        lines.append(f"| {c['image']} | a sandbox's first call (observed) | | | {median_p95(c['runc'].get('first'))} "
-                     f"| {median_p95(c['runsc'].get('first'))} |")
-    lines += ["", "Snapshot and fork of a sandbox left running a web server (busybox httpd), a background "
-              "process and a process holding the memory said (busybox image). runc: a commit, its forks start "
-              "without the processes; runsc: a checkpoint plus a commit, its forks are restored with them:", "",
-              "| memory held | runtime | snapshot | size on disk MB | fork | fork + first call | source's next call "
-              "| fork's memory MB | keeps processes | the fork's probe (page, sleeps) |",
-              "|---:|---|---|---:|---|---|---|---:|---|---|"]
+            lines.append(
+                f"| {c['image']} | `{command}` | {median_p95(c['runc'].get(plain))} | {median_p95(c['runsc'].get(plain))} "
+                f"| {median_p95(c['runc'].get(observed))} | {median_p95(c['runsc'].get(observed))} |"
+            )
+        lines.append(
+            f"| {c['image']} | a sandbox's first call (observed) | | | {median_p95(c['runc'].get('first'))} "
+            f"| {median_p95(c['runsc'].get('first'))} |"
+        )
+    lines += [
+        "",
+        "Snapshot and fork of a sandbox left running a web server (busybox httpd), a background "
+        "process and a process holding the memory said (busybox image). runc: a commit, its forks start "
+        "without the processes; runsc: a checkpoint plus a commit, its forks are restored with them:",
+        "",
+        "| memory held | runtime | snapshot | size on disk MB | fork | fork + first call | source's next call "
+        "| fork's memory MB | keeps processes | the fork's probe (page, sleeps) |",
+        "|---:|---|---|---:|---|---|---|---:|---|---|",
+    ]
     for s in figures.get("snapshots", []):
         for runtime in bench.RUNTIMES:
             r = s[runtime]
-            lines.append(f"| {s['memory_mb']} MB | {runtime} | {median_p95(r['snapshot'])} | {r['size_mb']} | {median_p95(r['fork'])} "
-                         f"| {median_p95(r['fork_and_first_call'])} | {median_p95(r['source_next_call'])} | {r['fork_memory_mb']} "
-                         f"| {r['keeps_processes']} | {r['fork_probe']} |")
+            lines.append(
+                f"| {s['memory_mb']} MB | {runtime} | {median_p95(r['snapshot'])} | {r['size_mb']} | {median_p95(r['fork'])} "
+                f"| {median_p95(r['fork_and_first_call'])} | {median_p95(r['source_next_call'])} | {r['fork_memory_mb']} "
+                f"| {r['keeps_processes']} | {r['fork_probe']} |"
+            )
     lines += ["", f"Cleanup: {figures.get('cleanup')}", ""]
     return "\n".join(lines)

@@ -36,8 +36,8 @@ from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken, Lease, Rollout, Snapshot, Task
 from cache.services import node_record, snapshot_register, task_put
 from cache.tcg import ToolCall
-from lab.figures import median_p95
 from lab.bench import sandboxes as bench
+from lab.figures import median_p95
 from lab.server import service_running
 from sandboxes import services
 from sandboxes.backends.config import DockerConfig
@@ -75,10 +75,20 @@ class Command(BaseCommand):
         self.task_ids: list[str] = []
         self.token_name = f"{self.prefix}-token"
         self.setting = settings.TVCACHE["DOCKER_MAX_CONCURRENT_STARTS"]
-        figures: dict[str, Any] = {"meta": {
-            "run": run_id, "cpus": os.cpu_count(), "epochs": opts["epochs"], "rollouts": opts["rollouts"],
-            "tasks": opts["tasks"].split(","), "rounds": opts["rounds"], "uvicorn_workers": opts["uvicorn_workers"],
-            "max_concurrent_starts_setting": self.setting, "seed": opts["seed"], "loadavg": {}}}
+        figures: dict[str, Any] = {
+            "meta": {
+                "run": run_id,
+                "cpus": os.cpu_count(),
+                "epochs": opts["epochs"],
+                "rollouts": opts["rollouts"],
+                "tasks": opts["tasks"].split(","),
+                "rounds": opts["rounds"],
+                "uvicorn_workers": opts["uvicorn_workers"],
+                "max_concurrent_starts_setting": self.setting,
+                "seed": opts["seed"],
+                "loadavg": {},
+            }
+        }
         self.loadavg = figures["meta"]["loadavg"]
         backend = DockerBackend(DockerConfig(max_concurrent_starts=self.setting))
         if opts["only"] == "calls":
@@ -91,15 +101,22 @@ class Command(BaseCommand):
         try:
             figures["calls"] = self._calls(opts["call_rounds"])
             self._section("cold forks")
-            figures["cold_fork"] = [bench.cold_forks(backend, image, self.bench_labels, opts["rounds"])
-                                    for image in (BUSYBOX_TAG, DEBIAN_TAG)]
+            figures["cold_fork"] = [
+                bench.cold_forks(backend, image, self.bench_labels, opts["rounds"])
+                for image in (BUSYBOX_TAG, DEBIAN_TAG)
+            ]
             self._section("snapshot cost against size")
-            figures["snapshot_size"] = bench.snapshot_sizes(backend, BUSYBOX_TAG, self.bench_labels,
-                                                            [int(s) for s in opts["sizes"].split(",")], 3)
+            figures["snapshot_size"] = bench.snapshot_sizes(
+                backend, BUSYBOX_TAG, self.bench_labels, [int(s) for s in opts["sizes"].split(",")], 3
+            )
             self._section("container starts per second")
-            figures["starts"] = bench.start_rates(lambda c: DockerBackend(DockerConfig(max_concurrent_starts=c)),
-                                                  BUSYBOX_TAG, self.bench_labels,
-                                                  sorted({1, self.setting, 4}), opts["starts"])
+            figures["starts"] = bench.start_rates(
+                lambda c: DockerBackend(DockerConfig(max_concurrent_starts=c)),
+                BUSYBOX_TAG,
+                self.bench_labels,
+                sorted({1, self.setting, 4}),
+                opts["starts"],
+            )
             self._section("pre-fork hand-over (services, in process)")
             figures["handover"] = self._handover(opts["rounds"])
             self._section("the service as deployed")
@@ -107,8 +124,9 @@ class Command(BaseCommand):
             log_dir.mkdir(parents=True, exist_ok=True)
             with service_running(workers=opts["uvicorn_workers"], celery=True, log_dir=log_dir) as deployment:
                 token = token_create(name=self.token_name)
-                with httpx.Client(base_url=deployment.url, headers={"Authorization": f"Token {token}"},
-                                  timeout=600) as client:
+                with httpx.Client(
+                    base_url=deployment.url, headers={"Authorization": f"Token {token}"}, timeout=600
+                ) as client:
                     self._section("first miss in tool-server mode")
                     figures["first_miss"] = self._first_miss(client, max(3, opts["rounds"] // 2))
                     self._section("tool-server rollouts")
@@ -120,8 +138,12 @@ class Command(BaseCommand):
 
     def _calls(self, rounds: int) -> list[dict[str, Any]]:
         self._section("a call: docker exec against the session agent")
-        return [bench.call_latency(lambda session: DockerBackend(DockerConfig(session=session)), image, self.bench_labels,
-                                   rounds) for image in (BUSYBOX_TAG, DEBIAN_TAG)]
+        return [
+            bench.call_latency(
+                lambda session: DockerBackend(DockerConfig(session=session)), image, self.bench_labels, rounds
+            )
+            for image in (BUSYBOX_TAG, DEBIAN_TAG)
+        ]
 
     def _section(self, title: str) -> None:
         # Other work on the machine shows here: the figures assume the bench has it to itself.
@@ -143,8 +165,10 @@ class Command(BaseCommand):
         task_id = self._bench_task("handover", BUSYBOX_TAG)
         backend = backend_named("docker")
         snapshot = self._service_snapshot(task_id, backend)
-        rows = [Sandbox.objects.create(task_id=task_id, backend="docker", pool=Sandbox.Pool.FORK, snapshot=snapshot)
-                for _ in range(rounds)]
+        rows = [
+            Sandbox.objects.create(task_id=task_id, backend="docker", pool=Sandbox.Pool.FORK, snapshot=snapshot)
+            for _ in range(rounds)
+        ]
         warm = []
         for row in rows:  # what the Celery task does, timed here
             ms, _ = bench.timed_ms(lambda: services.sandbox_warm(sandbox_id=row.pk))
@@ -155,7 +179,8 @@ class Command(BaseCommand):
             forget("docker", ref)
             rollout = Rollout.objects.create(task_id=task_id, rollout_id=f"h{index}")
             acquire_ms, taken = bench.timed_ms(
-                lambda: services.sandbox_acquire(task_id=task_id, snapshot_id=snapshot.pk, rollout_pk=rollout.pk))
+                lambda: services.sandbox_acquire(task_id=task_id, snapshot_id=snapshot.pk, rollout_pk=rollout.pk)
+            )
             attach_ms, sandbox = bench.timed_ms(lambda: sandbox_handle(backend, taken.ref))
             exec_ms, result = bench.timed_ms(lambda: sandbox.execute("bash", {"command": "cat /f"}))
             assert result["stdout"] == "ready\n", result
@@ -167,10 +192,15 @@ class Command(BaseCommand):
             cached_ms, _ = bench.timed_ms(lambda: sandbox_handle(backend, taken.ref))
             handover_cached.append(acquire_ms + cached_ms)
             services.sandbox_stop(sandbox_id=taken.pk)
-        return {"warm_fork_in_worker": bench.summary(warm), "acquire": bench.summary(acquire),
-                "attach": bench.summary(attach), "handover": bench.summary(handover),
-                "handover_handle_cached": bench.summary(handover_cached), "first_exec": bench.summary(first_exec),
-                "handover_and_first_exec": bench.summary([h + e for h, e in zip(handover, first_exec)])}
+        return {
+            "warm_fork_in_worker": bench.summary(warm),
+            "acquire": bench.summary(acquire),
+            "attach": bench.summary(attach),
+            "handover": bench.summary(handover),
+            "handover_handle_cached": bench.summary(handover_cached),
+            "first_exec": bench.summary(first_exec),
+            "handover_and_first_exec": bench.summary([h + e for h, e in zip(handover, first_exec)]),
+        }
 
     def _service_snapshot(self, task_id: str, backend) -> Snapshot:
         """A service-owned snapshot after SETUP, recorded as the tool server would."""
@@ -179,9 +209,15 @@ class Command(BaseCommand):
             context = CallContext((), ToolCall("bash", {"command": SETUP}), "setup", 0, None)
             outcome = node_record(task_id=task_id, record=RecordInput(context, result, exec_ms))
             info = source.snapshot(labels=labels(task_id))
-        snapshot, _ = snapshot_register(task_id=task_id, node_id=outcome.node_id, ref=info.ref, backend="docker",
-                                        size_bytes=info.size_bytes, create_ms=info.create_ms,
-                                        owner=Snapshot.Owner.SERVICE)
+        snapshot, _ = snapshot_register(
+            task_id=task_id,
+            node_id=outcome.node_id,
+            ref=info.ref,
+            backend="docker",
+            size_bytes=info.size_bytes,
+            create_ms=info.create_ms,
+            owner=Snapshot.Owner.SERVICE,
+        )
         return snapshot
 
     # --- over HTTP ------------------------------------------------------------------------------
@@ -205,30 +241,45 @@ class Command(BaseCommand):
                 if bench.wait_for(lambda: forks.filter(state=Sandbox.State.READY).exists(), 60) is None:
                     raise RuntimeError("the worker never made a pre-fork ready")
                 if mode == "no_prefork":
-                    for pk in forks.filter(state__in=[Sandbox.State.READY, Sandbox.State.WARMING]).values_list("pk", flat=True):
+                    for pk in forks.filter(state__in=[Sandbox.State.READY, Sandbox.State.WARMING]).values_list(
+                        "pk", flat=True
+                    ):
                         services.sandbox_stop(sandbox_id=pk)
                 ready_before = set(forks.filter(state=Sandbox.State.READY).values_list("pk", flat=True))
                 rollout = f"{mode}-{index}"
                 hit = self._post(client, f"{calls}/{rollout}/calls", bash_call(SETUP))
                 assert hit["cached"], hit
-                ms, answer = bench.timed_ms(lambda: self._post(client, f"{calls}/{rollout}/calls",
-                                                               bash_call(f"cat /f; echo {mode} {index}")))
+                ms, answer = bench.timed_ms(
+                    lambda: self._post(client, f"{calls}/{rollout}/calls", bash_call(f"cat /f; echo {mode} {index}"))
+                )
                 assert not answer["cached"] and answer["result"]["stdout"].startswith("ready\n"), answer
                 first.append(ms)
                 server.append(answer["latency_ms"])
-                used = Sandbox.objects.filter(rollout__task_id=task_id, rollout__rollout_id=rollout).values_list("pk", flat=True)
+                used = Sandbox.objects.filter(rollout__task_id=task_id, rollout__rollout_id=rollout).values_list(
+                    "pk", flat=True
+                )
                 used_prefork += bool(set(used) & ready_before)
-                second.append(bench.timed_ms(lambda: self._post(client, f"{calls}/{rollout}/calls",
-                                                                bash_call(f"echo again {mode} {index}")))[0])
+                second.append(
+                    bench.timed_ms(
+                        lambda: self._post(client, f"{calls}/{rollout}/calls", bash_call(f"echo again {mode} {index}"))
+                    )[0]
+                )
                 client.delete(f"{calls}/{rollout}")
-            figures[mode] = {"first_miss": bench.summary(first), "first_miss_server": bench.summary(server),
-                             "second_miss": bench.summary(second), "took_ready_prefork": used_prefork, "rounds": rounds}
+            figures[mode] = {
+                "first_miss": bench.summary(first),
+                "first_miss_server": bench.summary(server),
+                "second_miss": bench.summary(second),
+                "took_ready_prefork": used_prefork,
+                "rounds": rounds,
+            }
         return figures
 
     def _http_task(self, client: httpx.Client, name: str, image: str) -> str:
         task_id = f"{self.prefix}-{name}"
-        response = client.put(f"/api/v1/tasks/{task_id}", json={"env": {"backend": "docker", "image": image},
-                                                                 "tools": {}, "sandbox_budget": 64})
+        response = client.put(
+            f"/api/v1/tasks/{task_id}",
+            json={"env": {"backend": "docker", "image": image}, "tools": {}, "sandbox_budget": 64},
+        )
         response.raise_for_status()
         self.task_ids.append(task_id)
         return task_id
@@ -247,7 +298,9 @@ class Command(BaseCommand):
             task_ids = {name: self._http_task(client, f"ts-{name}", bench.POLICIES[name].image) for name in policies}
         direct = DockerBackend(DockerConfig(max_concurrent_starts=self.setting))
         epochs, windows = [], []
-        clients = [httpx.Client(base_url=url, headers=headers, timeout=600) for _ in range(len(policies) * opts["rollouts"])]
+        clients = [
+            httpx.Client(base_url=url, headers=headers, timeout=600) for _ in range(len(policies) * opts["rollouts"])
+        ]
         try:
             for epoch in range(opts["epochs"]):
                 plans = bench.epoch_plans(task_ids, opts["rollouts"], epoch, opts["seed"])
@@ -255,15 +308,25 @@ class Command(BaseCommand):
                 warmup_s = self._announce(clients[0], list(task_ids.values()), opts["rollouts"], epoch)
                 client_of = {plan.rollout_id + plan.task_id: clients[i] for i, plan in enumerate(plans)}
                 step_ms, cached_runs = bench.run_parallel(
-                    lambda plan: bench.run_with_cache(client_of[plan.rollout_id + plan.task_id], plan, epoch), plans)
+                    lambda plan: bench.run_with_cache(client_of[plan.rollout_id + plan.task_id], plan, epoch), plans
+                )
                 windows.append(announced)
                 self.stdout.write(f"  epoch {epoch}: with cache done in {step_ms / 1000:.1f} s")
-                _, direct_runs = bench.run_parallel(lambda plan: bench.run_without_cache(direct, plan, self.bench_labels),
-                                                    plans)
-                epochs.append({"epoch": epoch, "warmup_s": warmup_s, "with_cache": bench.epoch_figures(cached_runs),
-                               "without_cache": {**bench.epoch_figures(direct_runs), "containers": len(direct_runs)},
-                               "per_task_hit_rate": {name: bench.epoch_figures([r for r in cached_runs if r.plan.policy == name])["hit_rate"]
-                                                     for name in policies}})
+                _, direct_runs = bench.run_parallel(
+                    lambda plan: bench.run_without_cache(direct, plan, self.bench_labels), plans
+                )
+                epochs.append(
+                    {
+                        "epoch": epoch,
+                        "warmup_s": warmup_s,
+                        "with_cache": bench.epoch_figures(cached_runs),
+                        "without_cache": {**bench.epoch_figures(direct_runs), "containers": len(direct_runs)},
+                        "per_task_hit_rate": {
+                            name: bench.epoch_figures([r for r in cached_runs if r.plan.policy == name])["hit_rate"]
+                            for name in policies
+                        },
+                    }
+                )
         finally:
             for client in clients:
                 client.close()
@@ -281,10 +344,14 @@ class Command(BaseCommand):
         snapshots = Snapshot.objects.filter(task_id__in=task_ids.values())
         # Every rollout has ended (DELETE): no lease on the tasks' snapshots should remain open.
         open_leases = Lease.objects.filter(snapshot__task_id__in=task_ids.values(), released_at__isnull=True).count()
-        return {"task_ids": task_ids, "epochs": epochs, "snapshots_taken": snapshots.count(),
-                "open_leases_after_rollouts_ended": open_leases,
-                "leases_granted": Lease.objects.filter(snapshot__task_id__in=task_ids.values()).count(),
-                "snapshot_commit": bench.summary([s.create_ms for s in snapshots if s.create_ms is not None])}
+        return {
+            "task_ids": task_ids,
+            "epochs": epochs,
+            "snapshots_taken": snapshots.count(),
+            "open_leases_after_rollouts_ended": open_leases,
+            "leases_granted": Lease.objects.filter(snapshot__task_id__in=task_ids.values()).count(),
+            "snapshot_commit": bench.summary([s.create_ms for s in snapshots if s.create_ms is not None]),
+        }
 
     def _announce(self, client: httpx.Client, task_ids: list[str], rollouts: int, epoch: int) -> float | None:
         """POST /steps, then give the workers until the pools are warm (the trainer generates the
@@ -301,13 +368,18 @@ class Command(BaseCommand):
         the token; then count what was still on the engine (should be nothing)."""
         done: dict[str, Any] = {"tasks": len(self.task_ids)}
         live = Sandbox.objects.filter(task_id__in=self.task_ids).exclude(state=Sandbox.State.STOPPED)
-        done["sandboxes_stopped"] = sum(services.sandbox_stop(sandbox_id=pk) for pk in list(live.values_list("pk", flat=True)))
-        done["open_leases"] = Lease.objects.filter(snapshot__task_id__in=self.task_ids, released_at__isnull=True).count()
+        done["sandboxes_stopped"] = sum(
+            services.sandbox_stop(sandbox_id=pk) for pk in list(live.values_list("pk", flat=True))
+        )
+        done["open_leases"] = Lease.objects.filter(
+            snapshot__task_id__in=self.task_ids, released_at__isnull=True
+        ).count()
         Task.objects.filter(pk__in=self.task_ids).update(sandbox_budget=0)
         services.snapshots_collect()
         # A snapshot held by an open lease is spared by eviction; its image is removed below.
-        done["snapshots_spared_by_collect"] = Snapshot.objects.filter(task_id__in=self.task_ids,
-                                                                      status=Snapshot.Status.LIVE).count()
+        done["snapshots_spared_by_collect"] = Snapshot.objects.filter(
+            task_id__in=self.task_ids, status=Snapshot.Status.LIVE
+        ).count()
         docker = backend_named("docker")
         leftovers = {"sandboxes": 0, "snapshots": 0}
         for task_id in self.task_ids:
@@ -334,75 +406,124 @@ def bash_call(command: str) -> dict[str, Any]:
 def render_markdown(figures: dict[str, Any]) -> str:
     """The tables (median / P95 in ms unless said otherwise)."""
     meta = figures["meta"]
-    lines = [f"Run {meta['run']} ({meta['cpus']} cores; limiter setting {meta['max_concurrent_starts_setting']}; "
-             f"{meta['uvicorn_workers']} uvicorn workers; seed {meta['seed']}; 1-min load average at each section: "
-             f"{meta['loadavg']}).", ""]
+    lines = [
+        f"Run {meta['run']} ({meta['cpus']} cores; limiter setting {meta['max_concurrent_starts_setting']}; "
+        f"{meta['uvicorn_workers']} uvicorn workers; seed {meta['seed']}; 1-min load average at each section: "
+        f"{meta['loadavg']}).",
+        "",
+    ]
     if "calls" in figures:
-        lines += ["A bash call in a running sandbox: a `docker exec` per call against the session agent (one per "
-                  "container), interleaved call by call, median / P95 ms (observed: execute_observed, the layer "
-                  "listed on the host before and after, as a tool-server miss runs):", "",
-                  "| image | command | exec | session | exec, observed | session, observed |", "|---|---|---|---|---|---|"]
+        lines += [
+            "A bash call in a running sandbox: a `docker exec` per call against the session agent (one per "
+            "container), interleaved call by call, median / P95 ms (observed: execute_observed, the layer "
+            "listed on the host before and after, as a tool-server miss runs):",
+            "",
+            "| image | command | exec | session | exec, observed | session, observed |",
+            "|---|---|---|---|---|---|",
+        ]
         for c in figures["calls"]:
             e, s = c["exec"], c["session"]
             for command in bench.CALL_COMMANDS:
                 plain, observed = f"{command} (plain)", f"{command} (observed)"
-                lines.append(f"| {c['image']} | `{command}` | {median_p95(e[plain])} | {median_p95(s[plain])} | {median_p95(e[observed])} "
-                             f"| {median_p95(s[observed])} |")
-            lines.append(f"| {c['image']} | first call of a sandbox | {median_p95(e['first'])} | {median_p95(s['first'])} | | |")
+                lines.append(
+                    f"| {c['image']} | `{command}` | {median_p95(e[plain])} | {median_p95(s[plain])} | {median_p95(e[observed])} "
+                    f"| {median_p95(s[observed])} |"
+                )
+            lines.append(
+                f"| {c['image']} | first call of a sandbox | {median_p95(e['first'])} | {median_p95(s['first'])} | | |"
+            )
         lines.append("")
     if "handover" in figures:
         h = figures["handover"]
-        lines += ["Hand-over of a READY pre-fork (services in process), median / P95 ms:", "",
-                  "| acquire | attach handle | hand-over (acquire + attach) | hand-over, handle cached | first exec | hand-over + first exec | warming the fork (worker) |",
-                  "|---|---|---|---|---|---|---|",
-                  f"| {median_p95(h['acquire'])} | {median_p95(h['attach'])} | {median_p95(h['handover'])} | {median_p95(h['handover_handle_cached'])} "
-                  f"| {median_p95(h['first_exec'])} | {median_p95(h['handover_and_first_exec'])} | {median_p95(h['warm_fork_in_worker'])} |", ""]
+        lines += [
+            "Hand-over of a READY pre-fork (services in process), median / P95 ms:",
+            "",
+            "| acquire | attach handle | hand-over (acquire + attach) | hand-over, handle cached | first exec | hand-over + first exec | warming the fork (worker) |",
+            "|---|---|---|---|---|---|---|",
+            f"| {median_p95(h['acquire'])} | {median_p95(h['attach'])} | {median_p95(h['handover'])} | {median_p95(h['handover_handle_cached'])} "
+            f"| {median_p95(h['first_exec'])} | {median_p95(h['handover_and_first_exec'])} | {median_p95(h['warm_fork_in_worker'])} |",
+            "",
+        ]
     if "first_miss" in figures and "ready_prefork" in figures["first_miss"]:
-        lines += ["A rollout's first miss after a hit on the snapshotted setup, over HTTP (tool-server mode), median / P95 ms:", "",
-                  "| | first miss (client) | first miss (server) | second miss (same sandbox) | took a ready pre-fork |",
-                  "|---|---|---|---|---:|"]
-        for mode, title in (("ready_prefork", "ready pre-fork"), ("no_prefork", "no pre-fork: fork on the critical path")):
+        lines += [
+            "A rollout's first miss after a hit on the snapshotted setup, over HTTP (tool-server mode), median / P95 ms:",
+            "",
+            "| | first miss (client) | first miss (server) | second miss (same sandbox) | took a ready pre-fork |",
+            "|---|---|---|---|---:|",
+        ]
+        for mode, title in (
+            ("ready_prefork", "ready pre-fork"),
+            ("no_prefork", "no pre-fork: fork on the critical path"),
+        ):
             f = figures["first_miss"][mode]
-            lines.append(f"| {title} | {median_p95(f['first_miss'])} | {median_p95(f['first_miss_server'])} | {median_p95(f['second_miss'])} "
-                         f"| {f['took_ready_prefork']} / {f['rounds']} |")
+            lines.append(
+                f"| {title} | {median_p95(f['first_miss'])} | {median_p95(f['first_miss_server'])} | {median_p95(f['second_miss'])} "
+                f"| {f['took_ready_prefork']} / {f['rounds']} |"
+            )
         lines.append("")
     if "cold_fork" in figures:
-        lines += ["Cold fork (docker backend): snapshot -> running container -> first exec, median / P95 ms:", "",
-                  "| image | commit | fork (create + start) | first exec | fork + first exec | again, 2nd fork of the snapshot |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "Cold fork (docker backend): snapshot -> running container -> first exec, median / P95 ms:",
+            "",
+            "| image | commit | fork (create + start) | first exec | fork + first exec | again, 2nd fork of the snapshot |",
+            "|---|---|---|---|---|---|",
+        ]
         for c in figures["cold_fork"]:
-            lines.append(f"| {c['image']} | {median_p95(c['snapshot_commit'])} | {median_p95(c['fork'])} | {median_p95(c['first_exec'])} "
-                         f"| {median_p95(c['fork_and_first_exec'])} | {median_p95(c['second_fork_and_first_exec'])} |")
+            lines.append(
+                f"| {c['image']} | {median_p95(c['snapshot_commit'])} | {median_p95(c['fork'])} | {median_p95(c['first_exec'])} "
+                f"| {median_p95(c['fork_and_first_exec'])} | {median_p95(c['second_fork_and_first_exec'])} |"
+            )
         lines.append("")
     if "snapshot_size" in figures:
-        lines += ["Snapshot cost against what the sandbox wrote (busybox, 3 samples each), median / P95 ms:", "",
-                  "| written MB | commit ms | snapshot size MB | fork + first exec ms |", "|---:|---|---:|---|"]
+        lines += [
+            "Snapshot cost against what the sandbox wrote (busybox, 3 samples each), median / P95 ms:",
+            "",
+            "| written MB | commit ms | snapshot size MB | fork + first exec ms |",
+            "|---:|---|---:|---|",
+        ]
         for s in figures["snapshot_size"]:
-            lines.append(f"| {s['written_mb']} | {median_p95(s['commit'])} | {s['size_mb']} | {median_p95(s['fork_and_first_exec'])} |")
+            lines.append(
+                f"| {s['written_mb']} | {median_p95(s['commit'])} | {s['size_mb']} | {median_p95(s['fork_and_first_exec'])} |"
+            )
         lines.append("")
     if "starts" in figures:
-        lines += ["Container starts (create + start + shell session), 8 callers at once:", "",
-                  "| max concurrent starts | starts | starts/s | one start, median / P95 ms |", "|---:|---:|---:|---|"]
+        lines += [
+            "Container starts (create + start + shell session), 8 callers at once:",
+            "",
+            "| max concurrent starts | starts | starts/s | one start, median / P95 ms |",
+            "|---:|---:|---:|---|",
+        ]
         for s in figures["starts"]:
-            lines.append(f"| {s['max_concurrent_starts']} | {s['starts']} | {s['starts_per_s']} | {median_p95(s['start'])} |")
+            lines.append(
+                f"| {s['max_concurrent_starts']} | {s['starts']} | {s['starts_per_s']} | {median_p95(s['start'])} |"
+            )
         lines.append("")
     if "toolserver" in figures:
         t = figures["toolserver"]
-        lines += [f"Tool-server mode over HTTP ({', '.join(t['task_ids'])} x {figures['meta']['rollouts']} rollouts in "
-                  "parallel per epoch) against the same rollouts run directly in fresh sandboxes:", "",
-                  "| epoch | calls | hit rate | call latency with cache | without cache | hits / misses with cache "
-                  "| step s with / without | containers with / without | errors |",
-                  "|---:|---:|---:|---|---|---|---|---|---:|"]
+        lines += [
+            f"Tool-server mode over HTTP ({', '.join(t['task_ids'])} x {figures['meta']['rollouts']} rollouts in "
+            "parallel per epoch) against the same rollouts run directly in fresh sandboxes:",
+            "",
+            "| epoch | calls | hit rate | call latency with cache | without cache | hits / misses with cache "
+            "| step s with / without | containers with / without | errors |",
+            "|---:|---:|---:|---|---|---|---|---|---:|",
+        ]
         for e in t["epochs"]:
             w, d = e["with_cache"], e["without_cache"]
-            lines.append(f"| {e['epoch']} | {w['calls']} | {w['hit_rate']:.0%} | {median_p95(w['call'])} | {median_p95(d['call'])} "
-                         f"| {median_p95(w['hit'])} / {median_p95(w['miss'])} | {w['step_s']} / {d['step_s']} "
-                         f"| {w.get('containers', '-')} / {d['containers']} | {w['error_count']} |")
-        lines += ["", f"Snapshots taken: {t['snapshots_taken']} (commit {median_p95(t['snapshot_commit'])} ms); "
-                  f"leases granted {t['leases_granted']}, still open after every rollout ended "
-                  f"{t['open_leases_after_rollouts_ended']}; "
-                  f"hit rate per task and epoch: {[e['per_task_hit_rate'] for e in t['epochs']]}; "
-                  f"containers by pool: {[e['with_cache'].get('containers_by_pool') for e in t['epochs']]}; "
-                  f"warm-up after the announcement (s): {[e['warmup_s'] for e in t['epochs']]}", ""]
+            lines.append(
+                f"| {e['epoch']} | {w['calls']} | {w['hit_rate']:.0%} | {median_p95(w['call'])} | {median_p95(d['call'])} "
+                f"| {median_p95(w['hit'])} / {median_p95(w['miss'])} | {w['step_s']} / {d['step_s']} "
+                f"| {w.get('containers', '-')} / {d['containers']} | {w['error_count']} |"
+            )
+        lines += [
+            "",
+            f"Snapshots taken: {t['snapshots_taken']} (commit {median_p95(t['snapshot_commit'])} ms); "
+            f"leases granted {t['leases_granted']}, still open after every rollout ended "
+            f"{t['open_leases_after_rollouts_ended']}; "
+            f"hit rate per task and epoch: {[e['per_task_hit_rate'] for e in t['epochs']]}; "
+            f"containers by pool: {[e['with_cache'].get('containers_by_pool') for e in t['epochs']]}; "
+            f"warm-up after the announcement (s): {[e['warmup_s'] for e in t['epochs']]}",
+            "",
+        ]
     lines += [f"Cleanup: {figures.get('cleanup')}", ""]
     return "\n".join(lines)

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from django.core.management.base import BaseCommand
-from tvclient import FolderEnvironment, SnapshotStore, TVCacheClient, ToolCallExecutor
+
+from tvclient import FolderEnvironment, SnapshotStore, ToolCallExecutor, TVCacheClient
 
 TOOL_MS = {"write_file": 300, "read_file": 40, "list_dir": 20}
 DOCKER_TASK = "demo-docker"
@@ -27,8 +28,10 @@ class SlowFolderEnvironment(FolderEnvironment):
 
 def folder_calls(task: int, rng: random.Random) -> list[dict]:
     """Setup shared by most rollouts, then a branch: different fixes with inspections between."""
-    calls = [{"tool": "write_file", "args": {"path": "setup.cfg", "content": f"task={task}"}},
-             {"tool": "list_dir", "args": {"path": "."}}]
+    calls = [
+        {"tool": "write_file", "args": {"path": "setup.cfg", "content": f"task={task}"}},
+        {"tool": "list_dir", "args": {"path": "."}},
+    ]
     if rng.random() < 0.8:
         calls.append({"tool": "write_file", "args": {"path": "main.py", "content": "print('v1')"}})
     for step in range(rng.randint(2, 5)):
@@ -41,6 +44,7 @@ def folder_calls(task: int, rng: random.Random) -> list[dict]:
 
 def bash_calls(rng: random.Random) -> list[dict]:
     """A slow setup, then edits and inspections in a container."""
+
     def bash(command: str) -> dict:
         return {"tool": "bash", "args": {"command": command}}
 
@@ -67,9 +71,15 @@ class Command(BaseCommand):
         snapshots = SnapshotStore()
         task_ids = [f"demo-{index}" for index in range(tasks)]
         for task_id in task_ids:
-            client.put_task(task_id, env={"backend": "external", "demo": task_id},
-                            tools={"read_file": {"mutates_state": False, "cacheable": True},
-                                   "list_dir": {"mutates_state": False, "cacheable": True}}, sandbox_budget=8)
+            client.put_task(
+                task_id,
+                env={"backend": "external", "demo": task_id},
+                tools={
+                    "read_file": {"mutates_state": False, "cacheable": True},
+                    "list_dir": {"mutates_state": False, "cacheable": True},
+                },
+                sandbox_budget=8,
+            )
         if client.pools()["engine"]["ok"]:
             client.put_task(DOCKER_TASK, env={"backend": "docker"}, sandbox_budget=8)
             task_ids.append(DOCKER_TASK)
@@ -85,10 +95,13 @@ class Command(BaseCommand):
             jobs = [(task_id, r) for task_id in task_ids for r in range(rollouts)]
             with ThreadPoolExecutor(max_workers=rollouts) as pool:
                 list(pool.map(lambda job: self._rollout(client, snapshots, job, epoch, seed), jobs))
-            rates = [next(row["hit_rate"] for row in client.stats(t)["per_epoch"] if row["epoch"] == epoch)
-                     for t in task_ids]
-            self.stdout.write(f"epoch {epoch}: {time.perf_counter() - started:.1f}s, hit rate "
-                              + ", ".join(f"{t} {rate:.0%}" for t, rate in zip(task_ids, rates)))
+            rates = [
+                next(row["hit_rate"] for row in client.stats(t)["per_epoch"] if row["epoch"] == epoch) for t in task_ids
+            ]
+            self.stdout.write(
+                f"epoch {epoch}: {time.perf_counter() - started:.1f}s, hit rate "
+                + ", ".join(f"{t} {rate:.0%}" for t, rate in zip(task_ids, rates))
+            )
         snapshots.close()
 
     @staticmethod
@@ -101,7 +114,13 @@ class Command(BaseCommand):
                 client.call(task_id, rollout_id, call, epoch=epoch)
             client.end_rollout(task_id, rollout_id)
             return
-        with ToolCallExecutor(client, task_id, partial(SlowFolderEnvironment, None),
-                              rollout_id=rollout_id, epoch=epoch, snapshots=snapshots) as executor:
+        with ToolCallExecutor(
+            client,
+            task_id,
+            partial(SlowFolderEnvironment, None),
+            rollout_id=rollout_id,
+            epoch=epoch,
+            snapshots=snapshots,
+        ) as executor:
             for call in folder_calls(int(task_id.split("-")[1]), rng):
                 executor.execute(call)

@@ -23,5 +23,17 @@ from .replays import EXACT_KEYS, REPRODUCE_TRIES, ReplayReferee, call_keys
 from .scenarios import Oracle, Outcome, Referee, Step, StoredNode, StoredSnapshot
 from .verdict import Verdict, judge
 
-__all__ = ["EXACT_KEYS", "REPRODUCE_TRIES", "Oracle", "Outcome", "Referee", "ReplayReferee", "Step", "StoredNode",
-           "StoredSnapshot", "Verdict", "call_keys", "judge"]
+__all__ = [
+    "EXACT_KEYS",
+    "REPRODUCE_TRIES",
+    "Oracle",
+    "Outcome",
+    "Referee",
+    "ReplayReferee",
+    "Step",
+    "StoredNode",
+    "StoredSnapshot",
+    "Verdict",
+    "call_keys",
+    "judge",
+]

@@ -18,7 +18,6 @@ from ..samples import CallSample, EpochRun, digest
 from ..workload import Call, ReplayTask
 from .verdict import judge
 
-
 # A mismatch is checked against up to this many more fresh executions of the rollout's own
 # history, paced differently (a rollout's pacing is not part of its history: back to back, at the
 # replay's thinking time, and with up to 1.5 s between calls, in turn). An answer one of them gives
@@ -26,10 +25,19 @@ from .verdict import judge
 # rewrite lands in the second a bytecode cache recorded depends on how long the calls between
 # took), counted apart from the mismatches, which no fresh execution reproduced.
 REPRODUCE_TRIES = 8
-EXACT_KEYS = ("hits_checked", "hits_mismatches", "misses_checked", "misses_mismatches", "not_compared",
-              "hits_nondeterministic", "misses_nondeterministic",
-              "after_event_hits_checked", "after_event_hits_mismatches", "after_event_misses_checked",
-              "after_event_misses_mismatches")
+EXACT_KEYS = (
+    "hits_checked",
+    "hits_mismatches",
+    "misses_checked",
+    "misses_mismatches",
+    "not_compared",
+    "hits_nondeterministic",
+    "misses_nondeterministic",
+    "after_event_hits_checked",
+    "after_event_hits_mismatches",
+    "after_event_misses_checked",
+    "after_event_misses_mismatches",
+)
 
 
 def call_keys(task: ReplayTask, samples: list[CallSample], calls: list[Call]) -> list[tuple[str, str] | None]:
@@ -76,8 +84,12 @@ class ReplayReferee:
                     tally["not_compared"] += 1
                     continue
                 reference = fresh[(sample.task, sample.rollout, sample.position)]
-                verdict = judge(sample.result_digest, reference.result_digest, cached=sample.cached,
-                                reproduce=lambda: self._reproduced(sample, epoch))
+                verdict = judge(
+                    sample.result_digest,
+                    reference.result_digest,
+                    cached=sample.cached,
+                    reproduce=lambda: self._reproduced(sample, epoch),
+                )
                 # Also after an unknown-state event: the fresh execution met the same timeouts, and
                 # an environment fault or a dead sandbox came after its call had run.
                 prefixes = ("", "after_event_") if sample.unshared else ("",)
@@ -117,17 +129,34 @@ class ReplayReferee:
                 return attempt
         return None
 
-    def _keep_example(self, run: EpochRun, sample: CallSample, reference: CallSample,
-                      reproduced_after: int | None = None) -> None:
+    def _keep_example(
+        self, run: EpochRun, sample: CallSample, reference: CallSample, reproduced_after: int | None = None
+    ) -> None:
         if len(self.examples) >= self.keep_examples:
             return
         fault = self.plans.rollout_fault(sample.task, run.epoch, sample.rollout)
-        self.examples.append({
-            "arm": run.arm, "epoch": run.epoch, "task": sample.task, "rollout": sample.rollout,
-            "position": sample.position, "cached": sample.cached, "call": sample.tool,
-            "result": json.loads(json.dumps(sample.result)), "fresh": json.loads(json.dumps(reference.result)),
-            **({"reproduced_after_fresh_executions": reproduced_after} if reproduced_after is not None else {}),
-            **({"after_unknown_state": sample.unshared, "retries": sample.retries,
-                "rollout_fault": None if fault is None or not fault.applies(Arm.parse(run.arm).mode)
-                else {"kind": fault.kind, "position": fault.position}}
-               if self.plans.faults is not None else {})})
+        self.examples.append(
+            {
+                "arm": run.arm,
+                "epoch": run.epoch,
+                "task": sample.task,
+                "rollout": sample.rollout,
+                "position": sample.position,
+                "cached": sample.cached,
+                "call": sample.tool,
+                "result": json.loads(json.dumps(sample.result)),
+                "fresh": json.loads(json.dumps(reference.result)),
+                **({"reproduced_after_fresh_executions": reproduced_after} if reproduced_after is not None else {}),
+                **(
+                    {
+                        "after_unknown_state": sample.unshared,
+                        "retries": sample.retries,
+                        "rollout_fault": None
+                        if fault is None or not fault.applies(Arm.parse(run.arm).mode)
+                        else {"kind": fault.kind, "position": fault.position},
+                    }
+                    if self.plans.faults is not None
+                    else {}
+                ),
+            }
+        )

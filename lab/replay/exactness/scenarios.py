@@ -3,8 +3,9 @@ store (tests/cache/exactness.py drives them, in tool-server and client mode)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from cache.tcg import TaskPolicy, ToolCall, env_fingerprint, state_chain
 from cache.tcg.graph import Hit, ToolCallGraph
@@ -72,8 +73,9 @@ class _Rollout:
 
 def _recovered(outcome: Outcome) -> bool:
     """A struck call that was answered normally and recorded (a timed-out or unrecorded call is not)."""
-    return (outcome.failure is None and not outcome.cached and outcome.node_id is not None
-            and not timed_out(outcome.result))
+    return (
+        outcome.failure is None and not outcome.cached and outcome.node_id is not None and not timed_out(outcome.result)
+    )
 
 
 def _tool_call(data: dict) -> ToolCall:
@@ -101,8 +103,14 @@ class Referee:
     PROPERTIES = ("exact", "oracle", "isolation", "crash")
     GRAPH_FINGERPRINT = env_fingerprint({"props": 1})  # the graph's own: its keys are compared among themselves
 
-    def __init__(self, oracle_factory: Callable[[], Oracle], *, policy: TaskPolicy, nondeterministic: frozenset[str],
-                 retired: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        oracle_factory: Callable[[], Oracle],
+        *,
+        policy: TaskPolicy,
+        nondeterministic: frozenset[str],
+        retired: tuple[str, ...] = (),
+    ):
         """`retired`: fault kinds after which the sandbox is retired and the rollout goes on from
         its history (tool-server mode: a dead sandbox, an engine error once the call may have run)."""
         self._oracle_factory = oracle_factory
@@ -128,9 +136,12 @@ class Referee:
         rollout = self.rollouts.setdefault(step.rollout, _Rollout(oracle=self._oracle_factory()))
         if rollout.broken:
             return
-        if (outcome.failure is not None and not outcome.fired
-                and (rollout.tainted_at is not None or rollout.faulted_at is not None)
-                and "rollout_state_unknown" in outcome.failure):
+        if (
+            outcome.failure is not None
+            and not outcome.fired
+            and (rollout.tainted_at is not None or rollout.faulted_at is not None)
+            and "rollout_state_unknown" in outcome.failure
+        ):
             # The rollout left the shared graph in a sandbox of its own (after its fault, or a replay
             # of its nondeterministic write that could not reach the recorded state), and that
             # sandbox died since: its state is lost with it, and the service says so.
@@ -174,8 +185,12 @@ class Referee:
             expected, observed = rollout.oracle.execute_observed(step.call)
             verdict = judge(outcome.result, expected, cached=outcome.cached)
             if verdict.wrong:
-                self._flag("exact", index, step,
-                           f"{verdict.answer} answered {outcome.result!r}; fresh execution gives {expected!r}")
+                self._flag(
+                    "exact",
+                    index,
+                    step,
+                    f"{verdict.answer} answered {outcome.result!r}; fresh execution gives {expected!r}",
+                )
             self._check_oracle(index, step, outcome, answer, observed)
         self._follow(rollout, step, outcome, answer, observed, expected if exact else outcome.result)
         if self._taints(step.call["tool"]) and rollout.tainted_at is None:
@@ -187,12 +202,21 @@ class Referee:
             if not outcome.cached:
                 self._flag("oracle", index, step, "the graph holds this call, yet it was executed (a missed hit)")
             elif (outcome.result, outcome.mutates) != (answer.result, answer.mutates):
-                self._flag("oracle", index, step, f"hit {outcome.result!r} (mutates {outcome.mutates}); the graph "
-                                                  f"holds {answer.result!r} (mutates {answer.mutates})")
+                self._flag(
+                    "oracle",
+                    index,
+                    step,
+                    f"hit {outcome.result!r} (mutates {outcome.mutates}); the graph "
+                    f"holds {answer.result!r} (mutates {answer.mutates})",
+                )
             return
         if outcome.cached:
-            self._flag("oracle", index, step, f"hit node {outcome.node_id} ({outcome.result!r}), which no rollout "
-                                              "in the shared graph recorded")
+            self._flag(
+                "oracle",
+                index,
+                step,
+                f"hit node {outcome.node_id} ({outcome.result!r}), which no rollout in the shared graph recorded",
+            )
         elif outcome.mutates != self.policy.for_tool(step.call["tool"]).changes_state(observed):
             self._flag("oracle", index, step, f"joined the history: {outcome.mutates}; observed change: {observed}")
 
@@ -215,8 +239,13 @@ class Referee:
         for other_index, other in self.rollouts.items():
             if other_index != step.rollout and outcome.node_id in other.nodes_after_fault:
                 self.pressure["hits on nodes made after a fault"] += 1
-                self._flag("isolation", index, step, f"hit node {outcome.node_id}, created by r{other_index} at or "
-                                                     f"after its fault at step {other.faulted_at}")
+                self._flag(
+                    "isolation",
+                    index,
+                    step,
+                    f"hit node {outcome.node_id}, created by r{other_index} at or "
+                    f"after its fault at step {other.faulted_at}",
+                )
 
     def finish(self, snapshotted_nodes: set[int]) -> None:
         for index, rollout in self.rollouts.items():
@@ -224,7 +253,8 @@ class Referee:
             if taken:
                 self.violations["isolation"].append(
                     f"r{index}: nodes {sorted(taken)} created at or after its fault (step {rollout.faulted_at}) "
-                    "were snapshotted")
+                    "were snapshotted"
+                )
             self._stop_oracle(rollout)
 
     @staticmethod
@@ -237,9 +267,15 @@ class Referee:
         script = "\n".join(f"  {i}: r{s.rollout} {s.call} fault={s.fault}" for i, s in enumerate(steps))
         return f"{prop} violated:\n" + "\n".join(self.violations[prop]) + f"\nsteps:\n{script}"
 
-    def store_violations(self, *, fingerprint: str, histories: list[list[dict]], nodes: list[StoredNode],
-                         snapshots: list[StoredSnapshot],
-                         served: Callable[[list[dict], dict], Any | None]) -> list[str]:
+    def store_violations(
+        self,
+        *,
+        fingerprint: str,
+        histories: list[list[dict]],
+        nodes: list[StoredNode],
+        snapshots: list[StoredSnapshot],
+        served: Callable[[list[dict], dict], Any | None],
+    ) -> list[str]:
         """What the store would serve to any rollout, checked against fresh execution.
 
         A node reachable by a plain history (a prefix of a history the service or client keeps for a
@@ -266,16 +302,20 @@ class Referee:
                 continue
             expected = self._fresh(path, lambda oracle: oracle.execute_observed(node.call)[0])
             if judge(result, expected, cached=True).wrong:
-                found.append(f"node {node.node_id} serves {result!r} to every rollout that issues {node.call} after "
-                             f"{path}; fresh execution gives {expected!r}")
+                found.append(
+                    f"node {node.node_id} serves {result!r} to every rollout that issues {node.call} after "
+                    f"{path}; fresh execution gives {expected!r}"
+                )
         for snapshot in snapshots:
             path = paths.get(snapshot.state_key)
             if path is None or any(c["tool"] in self.nondeterministic for c in path):
                 continue
             expected = self._fresh(path, lambda oracle: oracle.files())
             if snapshot.files != expected:
-                found.append(f"the snapshot of node {snapshot.node_id} holds {snapshot.files!r}; its path {path} "
-                             f"leaves {expected!r}")
+                found.append(
+                    f"the snapshot of node {snapshot.node_id} holds {snapshot.files!r}; its path {path} "
+                    f"leaves {expected!r}"
+                )
         return found
 
     def _fresh(self, path: list[dict], then: Callable[[Oracle], Any]) -> Any:

@@ -132,7 +132,11 @@ class CallFrames:
             raise ProtocolError(f"data on stream {stream} after the call's end")
         pending = self._pending[stream]
         pending += data
-        if stream == 2 and not self.started and not (pending.startswith(self.prefix) or self.prefix.startswith(pending)):
+        if (
+            stream == 2
+            and not self.started
+            and not (pending.startswith(self.prefix) or self.prefix.startswith(pending))
+        ):
             raise ProtocolError("stderr did not open with the call's start")
         while pending:
             if self._ended[stream]:
@@ -243,8 +247,9 @@ class SessionAgent:
         if self.stream.pending():  # between calls nothing may come: the agent's end, or output out of protocol
             raise SessionUnavailable("the agent ended or wrote between calls")
         try:
-            request = encode_request(nonce := secrets.token_hex(_NONCE_BYTES), command,
-                                     None if self.holds == session else session)
+            request = encode_request(
+                nonce := secrets.token_hex(_NONCE_BYTES), command, None if self.holds == session else session
+            )
         except UnicodeEncodeError:  # lone surrogates: the engine's JSON decoding decides what an exec runs
             raise SessionUnavailable("the command is not UTF-8") from None
         self.holds = None  # until the call's end says what the agent holds
@@ -287,7 +292,6 @@ def _hang_up(raw: Any, stream: ExecStream) -> None:
         stream.close()
     except OSError:
         pass
-
 
 
 class ExecFrames:

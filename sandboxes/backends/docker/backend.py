@@ -71,8 +71,9 @@ class DockerBackend(SandboxBackend):
         self.storage_quota: bool | None = None
         self._base_layers = BaseLayers()
         # The engine whose images this one runs (DockerConfig.images_from), and the ids it gave.
-        self.images_from = (EngineConnection(dataclasses.replace(config, base_url=config.images_from))
-                            if config.images_from else None)
+        self.images_from = (
+            EngineConnection(dataclasses.replace(config, base_url=config.images_from)) if config.images_from else None
+        )
         self._image_ids: dict[str, str] = {}
         self._image_move = threading.Lock()
         self._facts = EngineFactsCache()
@@ -107,13 +108,16 @@ class DockerBackend(SandboxBackend):
             image = self._image(ref, missing=SnapshotMissing(f"snapshot {ref} does not exist"))
             checkpoint = checkpoint_of(image)
             if checkpoint is not None and (checkpoint[1] != runtime.name or not runtime.checkpoints):
-                raise SnapshotMissing(f"snapshot {ref} is a checkpoint of runtime {checkpoint[1]!r}, which cannot "
-                                      f"restore it under {runtime.name!r} here")
+                raise SnapshotMissing(
+                    f"snapshot {ref} is a checkpoint of runtime {checkpoint[1]!r}, which cannot "
+                    f"restore it under {runtime.name!r} here"
+                )
             with self.limiter.slot():
                 container_id = self._create(spec, image, labels, runtime, checkpoint=checkpoint and checkpoint[0])
         # The fork's own snapshots are measured against the snapshot image it runs from.
-        return DockerSandbox(self, container_id, shell=image["Config"]["Labels"][SHELL_LABEL], image_size=image["Size"],
-                             runtime=runtime)
+        return DockerSandbox(
+            self, container_id, shell=image["Config"]["Labels"][SHELL_LABEL], image_size=image["Size"], runtime=runtime
+        )
 
     def runtime_for(self, env: Mapping[str, Any], spec: DockerEnv) -> SandboxRuntime:
         """The runtime the env's sandboxes run under on this engine (checkpoint.py); refused with a
@@ -165,13 +169,23 @@ class DockerBackend(SandboxBackend):
         spec = DockerEnv.parse(env, self.config)
         with engine_errors():
             image = self._base_image(spec.image)
-        return {"backend": self.name, "tools_version": TOOLS_VERSION, "image_id": image["Id"], "limits": spec.limits(),
-                "confinement": spec.confinement(), **self.runtime_for(env, spec).fingerprint()}
+        return {
+            "backend": self.name,
+            "tools_version": TOOLS_VERSION,
+            "image_id": image["Id"],
+            "limits": spec.limits(),
+            "confinement": spec.confinement(),
+            **self.runtime_for(env, spec).fingerprint(),
+        }
 
     def health(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {"max_concurrent_starts": self.limiter.capacity, "starts_in_flight": self.limiter.in_flight,
-                                 # True: the engine enforces it (overlay size); False: the layer is watched
-                                 "disk_quota_mb": self.config.disk_mb, "storage_quota": self.storage_quota}
+        facts: dict[str, Any] = {
+            "max_concurrent_starts": self.limiter.capacity,
+            "starts_in_flight": self.limiter.in_flight,
+            # True: the engine enforces it (overlay size); False: the layer is watched
+            "disk_quota_mb": self.config.disk_mb,
+            "storage_quota": self.storage_quota,
+        }
         try:
             with engine_errors():
                 version = self.api.version()
@@ -253,8 +267,14 @@ class DockerBackend(SandboxBackend):
                         raise SandboxError(f"image {image_id[:19]} could not be loaded: {message['error']}")
             return self.api.inspect_image(image_id)
 
-    def _create(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str], runtime: SandboxRuntime,
-                checkpoint: str | None = None) -> str:
+    def _create(
+        self,
+        spec: DockerEnv,
+        image: dict[str, Any],
+        labels: Mapping[str, str],
+        runtime: SandboxRuntime,
+        checkpoint: str | None = None,
+    ) -> str:
         fresh = not is_snapshot(image)  # a fork's image has it all
         container_id = self._create_container(spec, image, labels, runtime)
         try:
@@ -284,8 +304,9 @@ class DockerBackend(SandboxBackend):
             raise SnapshotMissing(f"checkpoint {checkpoint} could not be restored: {exc}") from None
         checkpoint_delete(self.api, container_id, checkpoint)  # read by the runtime: the copy is done with
 
-    def _create_container(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str],
-                          runtime: SandboxRuntime) -> str:
+    def _create_container(
+        self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str], runtime: SandboxRuntime
+    ) -> str:
         """Created with an overlay size limit where the engine can enforce one (overlay2 on xfs
         with pquota); an engine that refuses it is asked once per backend, then no longer."""
         if spec.disk_mb and self.storage_quota is not False:
@@ -300,8 +321,14 @@ class DockerBackend(SandboxBackend):
                 return container_id
         return self._create_with(spec, image, labels, runtime, storage_opt=None)
 
-    def _create_with(self, spec: DockerEnv, image: dict[str, Any], labels: Mapping[str, str], runtime: SandboxRuntime,
-                     storage_opt: dict[str, str] | None) -> str:
+    def _create_with(
+        self,
+        spec: DockerEnv,
+        image: dict[str, Any],
+        labels: Mapping[str, str],
+        runtime: SandboxRuntime,
+        storage_opt: dict[str, str] | None,
+    ) -> str:
         return self.api.create_container(
             # By id: the image the caller inspected (and fingerprinted), even if the tag moved since.
             image=image["Id"],
@@ -311,8 +338,11 @@ class DockerBackend(SandboxBackend):
             working_dir=spec.workdir or (HOME if spec.non_root else None),
             environment={"HOME": HOME} if spec.non_root else None,
             labels=container_labels(image, check_labels(labels)),
-            host_config={**spec.host_config(self.api, storage_opt), "Runtime": runtime.name,
-                         "PidsLimit": runtime.engine_pids(spec.pids)},
+            host_config={
+                **spec.host_config(self.api, storage_opt),
+                "Runtime": runtime.name,
+                "PidsLimit": runtime.engine_pids(spec.pids),
+            },
         )["Id"]
 
     def _discard(self, container_id: str) -> None:

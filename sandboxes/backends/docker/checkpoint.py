@@ -40,9 +40,9 @@ import docker
 import docker.errors
 
 from .. import hostfs
-from ..procs import with_descendants
 from ..base import InvalidEnv, NotGranted, SandboxError
 from ..config import DockerConfig
+from ..procs import with_descendants
 from .engine import EngineFacts
 
 _RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -93,8 +93,10 @@ class SandboxRuntime:
             raise InvalidEnv('"keep_processes" must be a boolean')
         granted = (config.runtime, *config.runtimes)
         if named is not None and named not in granted:
-            raise RuntimeNotGranted(f"runtime {named!r} is not one this service runs (TVCACHE_DOCKER_RUNTIMES)",
-                                    details={"allowed": sorted(set(granted))})
+            raise RuntimeNotGranted(
+                f"runtime {named!r} is not one this service runs (TVCACHE_DOCKER_RUNTIMES)",
+                details={"allowed": sorted(set(granted))},
+            )
 
         def keeps(name: str) -> bool:
             return name in config.checkpoint_runtimes and (facts is None or facts.checkpoints)
@@ -103,8 +105,13 @@ class SandboxRuntime:
         if keep and not keeps(name):
             found = None if named is not None else next((r for r in granted if keeps(r)), None)
             if found is None:
-                raise ProcessesNotKept(_not_kept(named, config, facts), details={
-                    "runtime": named, "checkpoint_runtimes": sorted(set(granted) & set(config.checkpoint_runtimes))})
+                raise ProcessesNotKept(
+                    _not_kept(named, config, facts),
+                    details={
+                        "runtime": named,
+                        "checkpoint_runtimes": sorted(set(granted) & set(config.checkpoint_runtimes)),
+                    },
+                )
             name = found
         return cls(name=name, checkpoints=keeps(name))
 
@@ -112,11 +119,15 @@ class SandboxRuntime:
         """Refuses a runtime the engine lacks, or one it runs without a network the task asks for."""
         args = facts.runtimes.get(self.name)
         if args is None:
-            raise RuntimeUnavailable(f"the docker engine has no runtime {self.name!r} (docs/operations/runtimes.md)",
-                                     details={"runtime": self.name, "engine_runtimes": sorted(facts.runtimes)})
+            raise RuntimeUnavailable(
+                f"the docker engine has no runtime {self.name!r} (docs/operations/runtimes.md)",
+                details={"runtime": self.name, "engine_runtimes": sorted(facts.runtimes)},
+            )
         if network and "--network=none" in args:
-            raise RuntimeUnavailable(f"the engine runs {self.name!r} without a network, and the task asks for one",
-                                     details={"runtime": self.name})
+            raise RuntimeUnavailable(
+                f"the engine runs {self.name!r} without a network, and the task asks for one",
+                details={"runtime": self.name},
+            )
 
     def engine_pids(self, pids: int) -> int:
         """The engine's pids limit for a sandbox allowed `pids` processes. The limit counts host
@@ -167,7 +178,9 @@ class CheckpointStore:
         os.makedirs(self.root, mode=_DIR_MODE, exist_ok=True)
         target = os.path.join(self.root, name)
         try:
-            return _copy_tree(os.path.join(self._container_dir(container_id), "checkpoints", name), target, self.max_bytes)
+            return _copy_tree(
+                os.path.join(self._container_dir(container_id), "checkpoints", name), target, self.max_bytes
+            )
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
@@ -238,8 +251,9 @@ def _copy_file(root: str, relative: str, target: str, max_bytes: int) -> int:
 
 def checkpoint_create(api: docker.APIClient, container_id: str, name: str) -> None:
     """Checkpoints the container into its own folder; the container stops."""
-    response = api._post_json(api._url("/containers/{0}/checkpoints", container_id),
-                              data={"CheckpointID": name, "Exit": True})
+    response = api._post_json(
+        api._url("/containers/{0}/checkpoints", container_id), data={"CheckpointID": name, "Exit": True}
+    )
     api._raise_for_status(response)
 
 
@@ -256,8 +270,9 @@ def checkpoint_delete(api: docker.APIClient, container_id: str, name: str) -> No
         pass
 
 
-def checkpoint_commit(api: docker.APIClient, store: CheckpointStore, container_id: str, ref: str,
-                      labels: Mapping[str, str]) -> int:
+def checkpoint_commit(
+    api: docker.APIClient, store: CheckpointStore, container_id: str, ref: str, labels: Mapping[str, str]
+) -> int:
     """The checkpoint snapshot `ref` of a running container (the module's docstring): checkpoint,
     commit, restore, keep. Returns the checkpoint's bytes. The container is restored even when the
     commit fails; CheckpointFailed when it cannot be (it is stopped then), or when the checkpoint
@@ -270,7 +285,9 @@ def checkpoint_commit(api: docker.APIClient, store: CheckpointStore, container_i
         if exc.status_code in (404, 409):  # gone, or not running: the caller's to tell
             raise
         # CRIU that cannot run on this kernel (runc), a runtime that failed: the sandbox runs on.
-        raise CheckpointFailed(f"container {container_id[:12]} could not be checkpointed: {exc.explanation or exc}") from None
+        raise CheckpointFailed(
+            f"container {container_id[:12]} could not be checkpointed: {exc.explanation or exc}"
+        ) from None
     if runtime_state is not None:
         _clear_stale_state(*runtime_state, container_id)
     try:
@@ -280,8 +297,9 @@ def checkpoint_commit(api: docker.APIClient, store: CheckpointStore, container_i
             checkpoint_start(api, container_id, tag)
         except docker.errors.APIError as exc:
             _forget(api, ref, store, tag)
-            raise CheckpointFailed(f"container {container_id[:12]} could not be restored after its checkpoint: "
-                                   f"{exc.explanation or exc}") from None
+            raise CheckpointFailed(
+                f"container {container_id[:12]} could not be restored after its checkpoint: {exc.explanation or exc}"
+            ) from None
     try:
         return store.keep(container_id, tag)
     except (OSError, ValueError) as exc:
@@ -304,7 +322,7 @@ def _runtime_state_of(api: docker.APIClient, container_id: str) -> tuple[str, st
         return None
     for arg in args:
         if arg.startswith(b"--root="):
-            root = os.fsdecode(arg[len(b"--root="):])
+            root = os.fsdecode(arg[len(b"--root=") :])
             if os.path.isabs(root) and ".." not in root.split("/") and os.path.isdir(root):
                 return shutil.which(binary) or binary, root
     return None

@@ -77,8 +77,12 @@ class DockerEnv:
     def _check(self, config: DockerConfig) -> None:
         if not isinstance(self.image, str) or not isinstance(self.network, bool):
             raise InvalidEnv('"image" must be a string and "network" a boolean')
-        if self.workdir is not None and not (isinstance(self.workdir, str) and self.workdir.startswith("/")
-                                             and "\x00" not in self.workdir and len(self.workdir) <= 4096):
+        if self.workdir is not None and not (
+            isinstance(self.workdir, str)
+            and self.workdir.startswith("/")
+            and "\x00" not in self.workdir
+            and len(self.workdir) <= 4096
+        ):
             raise InvalidEnv('"workdir" must be an absolute path')
         for name in ("memory_mb", "cpus", "pids"):
             value = getattr(self, name)
@@ -88,14 +92,18 @@ class DockerEnv:
                 raise InvalidEnv(f"limits.{name} must be an integer")
             most = getattr(config, f"max_{name}")
             if not value <= most:
-                raise LimitExceeded(f"limits.{name} may be at most {most} on this service",
-                                    details={"limit": name, "requested": value, "max": most})
+                raise LimitExceeded(
+                    f"limits.{name} may be at most {most} on this service",
+                    details={"limit": name, "requested": value, "max": most},
+                )
         if self.network and not config.allow_network:
             raise NetworkNotGranted("network access is not granted on this service (TVCACHE_DOCKER_ALLOW_NETWORK)")
         allowed = allowed_images(config)
         if SNAPSHOT_REF.fullmatch(image_name(self.image)) or image_name(self.image) not in allowed:
-            raise ImageNotAllowed(f"image {self.image!r} is not one this service runs (TVCACHE_DOCKER_IMAGES)",
-                                  details={"allowed": sorted(allowed)})
+            raise ImageNotAllowed(
+                f"image {self.image!r} is not one this service runs (TVCACHE_DOCKER_IMAGES)",
+                details={"allowed": sorted(allowed)},
+            )
 
     def limits(self) -> dict[str, Any]:
         return {"memory_mb": self.memory_mb, "cpus": self.cpus, "pids": self.pids}
@@ -154,8 +162,9 @@ def _user(value: Any, config: DockerConfig) -> str:
         value = f"{int(uid)}:{int(gid if gid is not None else uid)}"
     floor = _USER.fullmatch(config.user)
     if floor and int(floor.group(1)) != 0 and (not value or value.startswith("0:")):
-        raise UserNotAllowed("this service runs sandboxes as a non-root user (TVCACHE_DOCKER_USER)",
-                             details={"user": config.user})
+        raise UserNotAllowed(
+            "this service runs sandboxes as a non-root user (TVCACHE_DOCKER_USER)", details={"user": config.user}
+        )
     return value
 
 

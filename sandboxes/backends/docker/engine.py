@@ -67,7 +67,11 @@ class EngineConnection:
     def client(self) -> docker.DockerClient:
         with self._lock:
             if self._client is None:
-                options = {"version": "auto", "timeout": self.config.api_timeout_s, "max_pool_size": self.config.api_pool_size}
+                options = {
+                    "version": "auto",
+                    "timeout": self.config.api_timeout_s,
+                    "max_pool_size": self.config.api_pool_size,
+                }
                 try:
                     if self.config.base_url:
                         self._client = docker.DockerClient(base_url=self.config.base_url, **options)
@@ -105,8 +109,15 @@ class EngineFactsCache:
     def get(self, api: docker.APIClient, *, wanted_runtime: str | None = None) -> EngineFacts:
         with self._lock:
             age = time.monotonic() - self._read_at
-            stale = self._facts is None or age > self.FACTS_TTL_S or (
-                wanted_runtime is not None and wanted_runtime not in self._facts.runtimes and age > self.FACTS_RETRY_S)
+            stale = (
+                self._facts is None
+                or age > self.FACTS_TTL_S
+                or (
+                    wanted_runtime is not None
+                    and wanted_runtime not in self._facts.runtimes
+                    and age > self.FACTS_RETRY_S
+                )
+            )
             if stale:
                 self._facts = _engine_facts(api)
                 self._read_at = time.monotonic()

@@ -57,8 +57,9 @@ class DiskQuota:
             if self._layer is None:
                 return False
             try:
-                usage = tree_usage(self._layer, stop_bytes=self.limit_bytes, stop_entries=self.max_files,
-                                   max_depth=_DISK_MAX_DEPTH)
+                usage = tree_usage(
+                    self._layer, stop_bytes=self.limit_bytes, stop_entries=self.max_files, max_depth=_DISK_MAX_DEPTH
+                )
             except FileNotFoundError:  # the container was removed
                 return False
             cost_s = time.monotonic() - started
@@ -77,8 +78,12 @@ class DiskQuota:
 
     def details(self) -> dict[str, Any]:
         usage = self.usage or TreeUsage(0, 0)
-        return {"disk_mb": self.limit_bytes // 2**20, "max_files": self.max_files, "layer_bytes": usage.bytes,
-                "layer_files": usage.entries}
+        return {
+            "disk_mb": self.limit_bytes // 2**20,
+            "max_files": self.max_files,
+            "layer_bytes": usage.bytes,
+            "layer_files": usage.entries,
+        }
 
 
 class DiskWatch:

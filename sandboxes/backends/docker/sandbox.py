@@ -89,8 +89,15 @@ _UNSET = object()
 
 
 class DockerSandbox(Sandbox):
-    def __init__(self, backend: DockerBackend, container_id: str, *, shell: str, image_size: int,
-                 runtime: SandboxRuntime = SandboxRuntime("runc", checkpoints=False)):
+    def __init__(
+        self,
+        backend: DockerBackend,
+        container_id: str,
+        *,
+        shell: str,
+        image_size: int,
+        runtime: SandboxRuntime = SandboxRuntime("runc", checkpoints=False),
+    ):
         self.sandbox_id = container_id
         self._backend = backend
         self.runtime = runtime  # its snapshots are checkpoints where runtime.checkpoints (checkpoint.py)
@@ -179,10 +186,13 @@ class DockerSandbox(Sandbox):
                     live = self._processes()
                 if live is None:  # processes out of view: a state is not vouched for without them
                     return None
-                digest = watch.fingerprint(self._backend.base_layers(self.sandbox_id),
-                                           max_bytes=self._backend.config.fingerprint_max_bytes,
-                                           changed_since_ns=since, session=session,
-                                           processes=tuple(p.line() for p in live))
+                digest = watch.fingerprint(
+                    self._backend.base_layers(self.sandbox_id),
+                    max_bytes=self._backend.config.fingerprint_max_bytes,
+                    changed_since_ns=since,
+                    session=session,
+                    processes=tuple(p.line() for p in live),
+                )
                 if live and self._layer is not None:
                     started = time.perf_counter()
                     now = watch.state(self._extra(session, live))
@@ -248,8 +258,9 @@ class DockerSandbox(Sandbox):
         does (procs.INSIDE_SCAN); None where none can tell."""
         if not self.runtime.host_sees_processes:
             try:
-                exec_id = self._gone_if_missing(self._backend.api.exec_create, self.sandbox_id,
-                                                [self._shell, "-c", INSIDE_SCAN])["Id"]
+                exec_id = self._gone_if_missing(
+                    self._backend.api.exec_create, self.sandbox_id, [self._shell, "-c", INSIDE_SCAN]
+                )["Id"]
                 out, _ = self._backend.api.exec_start(exec_id, demux=True)
             except (SandboxError, docker.errors.APIError):
                 return None
@@ -257,8 +268,10 @@ class DockerSandbox(Sandbox):
         if self.runtime.host_sees_processes:
             for _ in range(2):  # the container's init changes when it is restored from a checkpoint
                 if not self._init_pid:
-                    self._init_pid = self._gone_if_missing(self._backend.api.inspect_container,
-                                                           self.sandbox_id)["State"].get("Pid") or 0
+                    self._init_pid = (
+                        self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)["State"].get("Pid")
+                        or 0
+                    )
                 found = live_processes(self.sandbox_id, self._init_pid, tuple(KEEPALIVE)) if self._init_pid else None
                 if found is not None:
                     return found
@@ -304,8 +317,12 @@ class DockerSandbox(Sandbox):
         if self._session is None:
             return
         layer, live = self._layer, self._live
-        record = SessionRecord(self._session, layer.digest if layer else None, layer.newest_ns if layer else 0,
-                               len(live) if live is not None else 0)
+        record = SessionRecord(
+            self._session,
+            layer.digest if layer else None,
+            layer.newest_ns if layer else 0,
+            len(live) if live is not None else 0,
+        )
         self._stamp = sessions().put(self.sandbox_id, record)
 
     def _parse(self, tool: str, args: Mapping[str, Any]) -> tuple[str, float]:
@@ -406,8 +423,9 @@ class DockerSandbox(Sandbox):
         frames = agent.send(command, output, sent)
         try:
             # A healthy agent starts the call at once; one that does not is never waited for long.
-            started = self._pump(agent, frames, time.monotonic() + _SESSION_START_S, float("inf"),
-                                 until=lambda: frames.started)
+            started = self._pump(
+                agent, frames, time.monotonic() + _SESSION_START_S, float("inf"), until=lambda: frames.started
+            )
             if frames.unavailable:
                 self._agent_failures = _SESSION_MAX_FAILURES
                 raise SessionUnavailable("a tool the agent needs is gone")
@@ -444,8 +462,9 @@ class DockerSandbox(Sandbox):
                 self._agent_failures = _SESSION_MAX_FAILURES
                 raise SessionUnavailable("the container's processes are out of this host's view")
             try:
-                self._agent = self._gone_if_missing(SessionAgent.open, self._backend.api, self.sandbox_id, self._shell,
-                                                    CALL_SCRIPT)
+                self._agent = self._gone_if_missing(
+                    SessionAgent.open, self._backend.api, self.sandbox_id, self._shell, CALL_SCRIPT
+                )
             except ENGINE_DOWN as exc:  # nothing ran yet
                 raise EngineUnreachable(f"docker engine unreachable: {exc}") from exc
         return self._agent
@@ -455,11 +474,15 @@ class DockerSandbox(Sandbox):
         had started it after all (its start marker comes before the call's processes exist)."""
         if stop is Stop.DEADLINE:
             self._agent_kill(agent)
-            stop = self._pump(agent, frames, time.monotonic() + _KILL_GRACE_S, float("inf"), until=lambda: frames.started)
+            stop = self._pump(
+                agent, frames, time.monotonic() + _KILL_GRACE_S, float("inf"), until=lambda: frames.started
+            )
         self._agent_end()
         if frames.started or stop is not Stop.EOF:
             self._raise_if_gone()
-            raise SandboxError(f"container {self.sandbox_id[:12]}: its session agent was stuck; whether the call ran is unknown")
+            raise SandboxError(
+                f"container {self.sandbox_id[:12]}: its session agent was stuck; whether the call ran is unknown"
+            )
         raise SessionUnavailable("the agent ended before it started the call")
 
     def _pump(self, agent: SessionAgent, frames: Any, deadline: float, flood_bytes: float, until: Any = None) -> Stop:
@@ -521,8 +544,11 @@ class DockerSandbox(Sandbox):
         except SandboxGone:
             raise
         except (SandboxError, docker.errors.APIError) as exc:
-            log.warning("container %s: its call could not be killed inside (%s); killing the container",
-                        self.sandbox_id[:12], exc)
+            log.warning(
+                "container %s: its call could not be killed inside (%s); killing the container",
+                self.sandbox_id[:12],
+                exc,
+            )
             self._gone_if_missing(self._backend.api.kill, self.sandbox_id)
 
     def _host_sees(self) -> bool:
@@ -543,8 +569,10 @@ class DockerSandbox(Sandbox):
             if pid:
                 kill_call_tree(pid, self.sandbox_id)
             return
-        log.warning("container %s: its processes are out of this host's view; killing the container to end a call",
-                    self.sandbox_id[:12])
+        log.warning(
+            "container %s: its processes are out of this host's view; killing the container to end a call",
+            self.sandbox_id[:12],
+        )
         self._gone_if_missing(api.kill, self.sandbox_id)
 
     def _exec_pid(self, exec_id: str, deadline: float) -> int:
@@ -644,18 +672,27 @@ class DockerSandbox(Sandbox):
             started = time.perf_counter()
             checkpoint = self.runtime.checkpoints and self._backend.checkpoint_store().reachable(self.sandbox_id)
             if checkpoint:
-                kept = self._checkpoint(ref, {**snapshot_labels, CHECKPOINT_LABEL: tag, RUNTIME_LABEL: self.runtime.name})
+                kept = self._checkpoint(
+                    ref, {**snapshot_labels, CHECKPOINT_LABEL: tag, RUNTIME_LABEL: self.runtime.name}
+                )
             else:
                 kept = 0
                 # pause=False: the sandbox keeps running; calls are held off by the lock instead.
-                self._gone_if_missing(self._backend.api.commit, self.sandbox_id, repository=repository, tag=tag,
-                                      pause=False, conf={"Labels": snapshot_labels})
+                self._gone_if_missing(
+                    self._backend.api.commit,
+                    self.sandbox_id,
+                    repository=repository,
+                    tag=tag,
+                    pause=False,
+                    conf={"Labels": snapshot_labels},
+                )
             image = self._backend.api.inspect_image(ref)
             self._restore_file_times(image)
             create_ms = (time.perf_counter() - started) * 1000
             size = image["Size"]
-        return SnapshotInfo(ref=ref, size_bytes=max(size - self._image_size, 0) + kept, create_ms=create_ms,
-                            keeps_processes=checkpoint)
+        return SnapshotInfo(
+            ref=ref, size_bytes=max(size - self._image_size, 0) + kept, create_ms=create_ms, keeps_processes=checkpoint
+        )
 
     def _checkpoint(self, ref: str, labels: Mapping[str, str]) -> int:
         """A checkpoint snapshot (checkpoint.py); the sandbox goes on restored from it. Its session
@@ -669,8 +706,9 @@ class DockerSandbox(Sandbox):
         # unless it had changed since the last call already (that stays a drift).
         settled = self._layer is not None and getattr(self._layer_state(), "digest", None) == self._layer.digest
         try:
-            kept = self._gone_if_missing(checkpoint_commit, self._backend.api, self._backend.checkpoint_store(),
-                                         self.sandbox_id, ref, labels)
+            kept = self._gone_if_missing(
+                checkpoint_commit, self._backend.api, self._backend.checkpoint_store(), self.sandbox_id, ref, labels
+            )
         except CheckpointFailed as exc:
             if not self.alive():
                 raise SandboxGone(exc.message) from None

@@ -96,7 +96,9 @@ def exec_argv(shell: str, nonce: str, command: str, session: bytes) -> list[str]
     try:
         chunks = [chunk.decode("utf-8") for chunk in session_chunks(session)]
     except UnicodeDecodeError:
-        raise SandboxError("the shell session holds bytes that are not UTF-8, which a docker exec cannot carry") from None
+        raise SandboxError(
+            "the shell session holds bytes that are not UTF-8, which a docker exec cannot carry"
+        ) from None
     return [shell, "-c", EXEC_SCRIPT, shell, CALL_SCRIPT, nonce, command, *chunks]
 
 
@@ -240,6 +242,7 @@ def sessions() -> SessionStore:
     global _store
     if _store is None:
         root = os.environ.get("TVCACHE_DOCKER_SESSION_DIR") or os.path.join(
-            tempfile.gettempdir(), f"tvcache-sessions-{os.getuid()}")
+            tempfile.gettempdir(), f"tvcache-sessions-{os.getuid()}"
+        )
         _store = SessionStore(root)
     return _store

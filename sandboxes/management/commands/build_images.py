@@ -13,8 +13,10 @@ from sandboxes.services.runtime import backend_named
 
 
 class Command(BaseCommand):
-    help = ("Build the tvcache base images (tvcache/busybox, tvcache/debian) from Debian packages, on the first "
-            "docker engine (the others take its images on first use).")
+    help = (
+        "Build the tvcache base images (tvcache/busybox, tvcache/debian) from Debian packages, on the first "
+        "docker engine (the others take its images on first use)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--only", choices=["busybox", "debian"], help="build just this image")

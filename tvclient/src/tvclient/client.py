@@ -10,12 +10,14 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
 from . import operations
+from .errors import TVCacheUnavailable
 from .operations import Operation
 from .results import (
     Call,
@@ -25,7 +27,6 @@ from .results import (
     SnapshotRegistration,
     ToolResult,
 )
-from .errors import TVCacheUnavailable
 from .retry import Availability, RetryPolicy
 from .transport import Connections, Reply, TransportFailure, server_ms
 
@@ -45,8 +46,9 @@ class TaskSpec:
     audit_rate: float | None = None
 
     def key(self, task_id: str) -> str:
-        return json.dumps([task_id, self.env, self.tools, self.sandbox_budget, self.audit_rate],
-                          sort_keys=True, default=repr)
+        return json.dumps(
+            [task_id, self.env, self.tools, self.sandbox_budget, self.audit_rate], sort_keys=True, default=repr
+        )
 
 
 def _headers(token: str) -> dict[str, str]:
@@ -66,8 +68,7 @@ class TVCacheClient:
     """The REST API over keep-alive connections, one per calling thread (tvclient.transport):
     share one client between the rollouts of a process."""
 
-    def __init__(self, base_url: str, token: str, timeout: float = 30.0,
-                 retry: RetryPolicy | None = None) -> None:
+    def __init__(self, base_url: str, token: str, timeout: float = 30.0, retry: RetryPolicy | None = None) -> None:
         self._http = Connections(base_url, _headers(token), timeout)
         self.availability = Availability(retry or RetryPolicy.from_environment())
         self._registered: set[str] = set()  # TaskSpec keys put by this client
@@ -90,9 +91,7 @@ class TVCacheClient:
 
     def _send_once(self, operation: Operation[T]) -> T:
         try:
-            reply = self._http.request(
-                operation.method, operation.path, operation.body, operation.params
-            )
+            reply = self._http.request(operation.method, operation.path, operation.body, operation.params)
         except TransportFailure as exc:
             raise operations.unavailable(operation, exc) from exc
         return operations.read_response(operation, reply)
@@ -157,9 +156,7 @@ class TVCacheClient:
         """`claim` (needs rollout_id): on a miss, claim the call for this rollout; see
         LookupResult.claim. `resume=False`: the caller's environment already follows the
         history, so a miss offers (and leases) no snapshot to fork."""
-        return self._send(
-            operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume)
-        )
+        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume))
 
     def record(
         self,
@@ -179,9 +176,7 @@ class TVCacheClient:
         back after each later replay of it (ToolExecutionEnvironment.file_times). `replay`: the
         call ran again only to rebuild a sandbox's state (its time was not saved)."""
         return self._send(
-            operations.record(
-                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay
-            )
+            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay)
         )
 
     def register_snapshot(
@@ -194,13 +189,9 @@ class TVCacheClient:
         size_bytes: int | None = None,
         create_ms: float | None = None,
     ) -> SnapshotRegistration:
-        return self._send(
-            operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms)
-        )
+        return self._send(operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms))
 
-    def report_audit(
-        self, task_id: str, node_id: int, result: ToolResult, *, rollout_id: str | None = None
-    ) -> bool:
+    def report_audit(self, task_id: str, node_id: int, result: ToolResult, *, rollout_id: str | None = None) -> bool:
         """Report a hit's call re-executed at the hit's parent state (determinism audit).
         True: the result differs from the node's, which the service no longer serves."""
         return self._send(operations.report_audit(task_id, node_id, result, rollout_id))
@@ -208,9 +199,7 @@ class TVCacheClient:
     def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
         self._send(operations.release_lease(lease_id, restore_ms))
 
-    def release_claim(
-        self, task_id: str, history: list[Call], call: Call, *, rollout_id: str
-    ) -> bool:
+    def release_claim(self, task_id: str, history: list[Call], call: Call, *, rollout_id: str) -> bool:
         """Give up the claim a lookup took on the call (its execution failed)."""
         return self._send(operations.release_claim(task_id, history, call, rollout_id))
 
@@ -222,9 +211,7 @@ class TVCacheClient:
         where they were not kept: restore none from there on)."""
         return self._send(operations.replay_file_times(task_id, history, call, replay))
 
-    def call(
-        self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None
-    ) -> CallResult:
+    def call(self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None) -> CallResult:
         return self._send(operations.rollout_call(task_id, rollout_id, call, epoch))
 
     def end_rollout(self, task_id: str, rollout_id: str) -> None:
@@ -285,8 +272,13 @@ class AsyncTVCacheClient:
             response = await self._http.request(**_request(operation))
         except httpx.TransportError as exc:
             raise operations.unavailable(operation, exc) from exc
-        reply = Reply(response.status_code, response.content, response.reason_phrase,
-                      server_ms(response.headers.get("Server-Timing")), response.headers.get("Retry-After"))
+        reply = Reply(
+            response.status_code,
+            response.content,
+            response.reason_phrase,
+            server_ms(response.headers.get("Server-Timing")),
+            response.headers.get("Retry-After"),
+        )
         return operations.read_response(operation, reply)
 
     async def aclose(self) -> None:
@@ -306,9 +298,7 @@ class AsyncTVCacheClient:
         sandbox_budget: int | None = None,
         audit_rate: float | None = None,
     ) -> dict[str, Any]:
-        return await self._send(
-            operations.put_task(task_id, env, tools, sandbox_budget, audit_rate)
-        )
+        return await self._send(operations.put_task(task_id, env, tools, sandbox_budget, audit_rate))
 
     async def get_task(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.get_task(task_id))
@@ -333,9 +323,7 @@ class AsyncTVCacheClient:
         claim: bool = False,
         resume: bool = True,
     ) -> LookupResult:
-        return await self._send(
-            operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume)
-        )
+        return await self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume))
 
     async def record(
         self,
@@ -352,9 +340,7 @@ class AsyncTVCacheClient:
         replay: bool = False,
     ) -> RecordResult:
         return await self._send(
-            operations.record(
-                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay
-            )
+            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay)
         )
 
     async def register_snapshot(
@@ -367,9 +353,7 @@ class AsyncTVCacheClient:
         size_bytes: int | None = None,
         create_ms: float | None = None,
     ) -> SnapshotRegistration:
-        return await self._send(
-            operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms)
-        )
+        return await self._send(operations.register_snapshot(task_id, node_id, ref, backend, size_bytes, create_ms))
 
     async def report_audit(
         self, task_id: str, node_id: int, result: ToolResult, *, rollout_id: str | None = None
@@ -379,9 +363,7 @@ class AsyncTVCacheClient:
     async def release_lease(self, lease_id: int | str, *, restore_ms: float | None = None) -> None:
         await self._send(operations.release_lease(lease_id, restore_ms))
 
-    async def release_claim(
-        self, task_id: str, history: list[Call], call: Call, *, rollout_id: str
-    ) -> bool:
+    async def release_claim(self, task_id: str, history: list[Call], call: Call, *, rollout_id: str) -> bool:
         return await self._send(operations.release_claim(task_id, history, call, rollout_id))
 
     async def replay_file_times(
@@ -389,17 +371,13 @@ class AsyncTVCacheClient:
     ) -> list[dict[str, int] | None]:
         return await self._send(operations.replay_file_times(task_id, history, call, replay))
 
-    async def call(
-        self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None
-    ) -> CallResult:
+    async def call(self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None) -> CallResult:
         return await self._send(operations.rollout_call(task_id, rollout_id, call, epoch))
 
     async def end_rollout(self, task_id: str, rollout_id: str) -> None:
         await self._send(operations.end_rollout(task_id, rollout_id))
 
-    async def announce_step(
-        self, tasks: list[str], rollouts_per_task: int, epoch: int
-    ) -> dict[str, Any]:
+    async def announce_step(self, tasks: list[str], rollouts_per_task: int, epoch: int) -> dict[str, Any]:
         return await self._send(operations.announce_step(tasks, rollouts_per_task, epoch))
 
     async def graph(self, task_id: str) -> dict[str, Any]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any
 
 from .environment import ToolExecutionEnvironment
 from .results import Call, ToolResult
@@ -176,9 +177,7 @@ class FolderEnvironment(ToolExecutionEnvironment):
         return {"output": f"wrote {len(content)} characters to {path}", "ok": True}
 
     def _list_dir(self, target: Path, path: str) -> ToolResult:
-        entries = sorted(
-            f"{entry.name}/" if entry.is_dir() else entry.name for entry in target.iterdir()
-        )
+        entries = sorted(f"{entry.name}/" if entry.is_dir() else entry.name for entry in target.iterdir())
         return {"output": "\n".join(entries), "ok": True}
 
 

@@ -27,7 +27,8 @@ class TVCacheUnavailable(TVCacheError):
     error but never on a rejected request. `retry_after_s`: what the answer's Retry-After said.
     """
 
-    def __init__(self, status: int | None, code: str, message: str, details: Any = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, status: int | None, code: str, message: str, details: Any = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(status, code, message, details)
         self.retry_after_s = retry_after_s

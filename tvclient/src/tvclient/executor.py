@@ -8,11 +8,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from .client import TaskSpec, TVCacheClient
 from .environment import ToolExecutionEnvironment
@@ -108,9 +108,7 @@ def _write_positions(history: list[Call], writes: tuple[Call, ...]) -> list[int]
         try:
             positions.append(history.index(write, start))
         except ValueError:
-            raise TVCacheError(
-                200, "bad_response", f"replay call {write!r} is not in the rollout's history"
-            ) from None
+            raise TVCacheError(200, "bad_response", f"replay call {write!r} is not in the rollout's history") from None
     return positions
 
 
@@ -468,8 +466,9 @@ class ToolCallExecutor:
             restoring = True  # up to the first call whose times were not kept: later ones' are
             for position, left in zip(replay, times):  # older than this replay's own writes
                 restoring = restoring and left is not None
-                self._replay_one(position, lambda: self._run(position, self._history[position],
-                                                             left if restoring else None))
+                self._replay_one(
+                    position, lambda: self._run(position, self._history[position], left if restoring else None)
+                )
             executed = self._execute(list(self._history), call)
             self.executed += 1
         except BaseException as exc:
@@ -493,8 +492,11 @@ class ToolCallExecutor:
         background = _Background(call)
         # Likely to be asked for a snapshot: freeze it before the record rather than after (the
         # freeze itself checks that a fork would keep the environment's processes).
-        early = (lookup.snapshot_after_ms is not None and executed.mutated is not False
-                 and executed.exec_ms > lookup.snapshot_after_ms)
+        early = (
+            lookup.snapshot_after_ms is not None
+            and executed.mutated is not False
+            and executed.exec_ms > lookup.snapshot_after_ms
+        )
         background.run(
             lambda: self._record_in_background(
                 env, recorded, claimed, lease_id, restore_ms, background, previous, early
@@ -620,8 +622,12 @@ class ToolCallExecutor:
 
     def _go_offline(self, error: TVCacheError) -> None:
         """The service failed this rollout: go on uncached from here (class docstring, outages)."""
-        logger.warning("tvcache is unavailable to rollout %s of task %s (%s): it goes on uncached",
-                       self.rollout_id, self.task_id, error)
+        logger.warning(
+            "tvcache is unavailable to rollout %s of task %s (%s): it goes on uncached",
+            self.rollout_id,
+            self.task_id,
+            error,
+        )
         self.offline = True
         pending = self._pending
         self._detach(f"the service failed: {error}")
@@ -632,8 +638,9 @@ class ToolCallExecutor:
         tool = str(call.get("tool"))
         if (self.task_id, tool) not in _warned_uncacheable:
             _warned_uncacheable.add((self.task_id, tool))
-            logger.warning("%s of task %s ran uncached: %s, which the cache cannot give back as it is",
-                           tool, self.task_id, why)
+            logger.warning(
+                "%s of task %s ran uncached: %s, which the cache cannot give back as it is", tool, self.task_id, why
+            )
         if may_have_changed:
             self._detach(f"{tool} may have changed the state uncached ({why})")
 

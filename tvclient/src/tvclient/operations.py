@@ -6,8 +6,9 @@ The clients only move an `Operation` over HTTP; everything about the REST contra
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generic, Mapping, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 from .errors import TVCacheError, TVCacheUnavailable
@@ -153,9 +154,7 @@ def register_snapshot(
     return Operation("POST", path, _parse_with(SnapshotRegistration), body=body)
 
 
-def report_audit(
-    task_id: str, node_id: int, result: ToolResult, rollout_id: str | None
-) -> Operation[bool]:
+def report_audit(task_id: str, node_id: int, result: ToolResult, rollout_id: str | None) -> Operation[bool]:
     body = _without_none(result=result, rollout_id=rollout_id)
     return Operation(
         "POST",
@@ -170,9 +169,7 @@ def release_lease(lease_id: int | str, restore_ms: float | None) -> Operation[No
     return Operation("DELETE", f"{API}/leases/{_segment(lease_id)}", _nothing, params=params)
 
 
-def release_claim(
-    task_id: str, history: list[Call], call: Call, rollout_id: str
-) -> Operation[bool]:
+def release_claim(task_id: str, history: list[Call], call: Call, rollout_id: str) -> Operation[bool]:
     body = {"history": history, "call": call, "rollout_id": rollout_id}
     return Operation(
         "POST",
@@ -196,9 +193,7 @@ def replay_file_times(
     return Operation("POST", f"{_task_path(task_id)}/file-times", parse, body=body)
 
 
-def rollout_call(
-    task_id: str, rollout_id: str, call: Call, epoch: int | None
-) -> Operation[CallResult]:
+def rollout_call(task_id: str, rollout_id: str, call: Call, epoch: int | None) -> Operation[CallResult]:
     path = f"{_task_path(task_id)}/rollouts/{_segment(rollout_id)}/calls"
     body = _without_none(call=call, epoch=epoch)
     return Operation("POST", path, _parse_with(CallResult), body=body)
@@ -208,9 +203,7 @@ def end_rollout(task_id: str, rollout_id: str) -> Operation[None]:
     return Operation("DELETE", f"{_task_path(task_id)}/rollouts/{_segment(rollout_id)}", _nothing)
 
 
-def announce_step(
-    tasks: list[str], rollouts_per_task: int, epoch: int
-) -> Operation[dict[str, Any]]:
+def announce_step(tasks: list[str], rollouts_per_task: int, epoch: int) -> Operation[dict[str, Any]]:
     body = {"tasks": list(tasks), "rollouts_per_task": rollouts_per_task, "epoch": epoch}
     return Operation("POST", f"{API}/steps", _object_or_empty, body=body)
 

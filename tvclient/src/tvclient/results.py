@@ -8,8 +8,9 @@ pools) are returned as plain dicts: they are read by people and grow with the se
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 Call = dict[str, Any]  # {"tool": str, "args": {...}}
 ToolResult = dict[str, Any]  # whatever the tool answered; a JSON object
@@ -106,8 +107,13 @@ class LookupResult:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LookupResult:
         if data["hit"]:
-            return cls(hit=True, node_id=data["node_id"], result=data["result"],
-                       mutates=bool(data.get("mutates", True)), audit=bool(data.get("audit", False)))
+            return cls(
+                hit=True,
+                node_id=data["node_id"],
+                result=data["result"],
+                mutates=bool(data.get("mutates", True)),
+                audit=bool(data.get("audit", False)),
+            )
         resume = data.get("resume")
         return cls(
             hit=False,

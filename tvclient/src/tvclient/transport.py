@@ -14,8 +14,9 @@ import json
 import select
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 # What failing to reach the service or to read its answer raises.
@@ -71,9 +72,7 @@ class Connections:
         # Weakly: a thread's connection goes (and its socket closes) with the thread.
         self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
-    def request(
-        self, method: str, path: str, body: Any = None, params: Mapping[str, Any] | None = None
-    ) -> Reply:
+    def request(self, method: str, path: str, body: Any = None, params: Mapping[str, Any] | None = None) -> Reply:
         """The service's answer; raises one of TransportFailure when there is none."""
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
         headers = self._headers
@@ -91,8 +90,13 @@ class Connections:
             raise
         if response.will_close:
             connection.close()
-        return Reply(response.status, content, response.reason, server_ms(response.getheader("Server-Timing")),
-                     response.getheader("Retry-After"))
+        return Reply(
+            response.status,
+            content,
+            response.reason,
+            server_ms(response.getheader("Server-Timing")),
+            response.getheader("Retry-After"),
+        )
 
     def close(self) -> None:
         with self._lock:

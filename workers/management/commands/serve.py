@@ -52,15 +52,51 @@ class Command(BaseCommand):
     def _started(host: str, port: int, workers: int) -> list[subprocess.Popen]:
         # The pool: the tool-run lane's threads hold a connection each while a tool runs, plus the
         # other lanes' threads and Django's own.
-        env = {**os.environ, "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", str(settings.TVCACHE["TOOLSERVER_THREADS"] + 12))}
-        commands = [[sys.executable, "-m", "uvicorn", "tvcache_site.asgi:application", "--host", host, "--port", str(port),
-                     "--workers", str(workers), "--log-level", "warning", "--no-access-log",
-                     "--timeout-graceful-shutdown", "10"]]
+        env = {
+            **os.environ,
+            "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", str(settings.TVCACHE["TOOLSERVER_THREADS"] + 12)),
+        }
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "tvcache_site.asgi:application",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+                "--timeout-graceful-shutdown",
+                "10",
+            ]
+        ]
         if settings.REDIS_URL:
             schedule = settings.VAR_DIR / "celerybeat-schedule"
             schedule.parent.mkdir(parents=True, exist_ok=True)
-            commands.append([sys.executable, "-m", "celery", "-A", "tvcache_site", "worker", "-B", "-s", str(schedule),
-                             "-Q", settings.CELERY_TASK_DEFAULT_QUEUE, "--concurrency", "2", "-l", "warning"])
+            commands.append(
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "tvcache_site",
+                    "worker",
+                    "-B",
+                    "-s",
+                    str(schedule),
+                    "-Q",
+                    settings.CELERY_TASK_DEFAULT_QUEUE,
+                    "--concurrency",
+                    "2",
+                    "-l",
+                    "warning",
+                ]
+            )
         return [subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, start_new_session=True) for argv in commands]
 
 

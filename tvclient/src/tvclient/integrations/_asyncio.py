@@ -13,8 +13,9 @@ import logging
 import os
 import threading
 from abc import abstractmethod
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 from ..environment import ToolExecutionEnvironment
 from ..executor import ToolCallExecutor
@@ -174,7 +175,5 @@ class LoopEnvironment(ToolExecutionEnvironment):
         if running is self._loop:
             coroutine.close()
             raise RuntimeError("a LoopEnvironment must not be driven from its own loop's thread")
-        submitted = contextvars.Context().run(
-            asyncio.run_coroutine_threadsafe, coroutine, self._loop
-        )
+        submitted = contextvars.Context().run(asyncio.run_coroutine_threadsafe, coroutine, self._loop)
         return submitted.result()

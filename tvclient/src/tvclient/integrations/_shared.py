@@ -8,9 +8,10 @@ import json
 import os
 import re
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from ..client import TVCacheClient, Tools
+from ..client import Tools, TVCacheClient
 from ..snapshots import SnapshotStore
 
 URL_VARIABLE = "TVCACHE_URL"
@@ -33,9 +34,7 @@ def shared_client(url: str | None = None, token: str | None = None) -> TVCacheCl
     url = url or os.environ.get(URL_VARIABLE)
     token = token or os.environ.get(TOKEN_VARIABLE)
     if not url or not token:
-        raise ValueError(
-            f"tvcache needs a service: pass a client, or set {URL_VARIABLE} and {TOKEN_VARIABLE}"
-        )
+        raise ValueError(f"tvcache needs a service: pass a client, or set {URL_VARIABLE} and {TOKEN_VARIABLE}")
     with _lock:
         client = _clients.get((url, token))
         if client is None:

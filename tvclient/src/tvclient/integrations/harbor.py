@@ -73,8 +73,12 @@ logger = logging.getLogger(__name__)
 
 READS = frozenset({"is_dir", "is_file"})
 # Reads of the sandbox into the trainer's files, served as archives: name -> its target argument.
-DOWNLOADS = {"download_file": "target_path", "download_dir": "target_dir",
-             "download_dir_with_exclusions": "target_dir", "download_dir_filtered": "target_dir"}
+DOWNLOADS = {
+    "download_file": "target_path",
+    "download_dir": "target_dir",
+    "download_dir_with_exclusions": "target_dir",
+    "download_dir_filtered": "target_dir",
+}
 LIVE = "download_live"  # a download the archive cannot carry: run in the sandbox, never served
 RESULT_LIMIT_VARIABLE = "TVCACHE_MAX_RESULT_BYTES"  # the service's limit on a result's JSON
 RESULT_LIMIT_DEFAULT = 1 << 20
@@ -97,14 +101,24 @@ class _Trial:
 
     def _open_executor(self, calls: AsyncRollout) -> ToolCallExecutor:
         environment: Any = self.environment  # a TVCacheEnvironment that is a BaseEnvironment
-        spec = TaskSpec(env={"backend": "external", "harbor_environment": environment.environment_name,
-                             "definition": _definition(environment)},
-                        tools=_shared.declared_tools(READS | frozenset(DOWNLOADS), frozenset({LIVE})),
-                        sandbox_budget=0)
+        spec = TaskSpec(
+            env={
+                "backend": "external",
+                "harbor_environment": environment.environment_name,
+                "definition": _definition(environment),
+            },
+            tools=_shared.declared_tools(READS | frozenset(DOWNLOADS), frozenset({LIVE})),
+            sandbox_budget=0,
+        )
         return ToolCallExecutor(
-            environment.tvcache_client or _shared.shared_client(), environment.tvcache_task_id(),
-            lambda: _Sandbox(self), rollout_id=f"{environment.session_id}-{uuid.uuid4().hex[:8]}",
-            epoch=environment.tvcache_epoch, snapshots=_shared.snapshots, task=spec)
+            environment.tvcache_client or _shared.shared_client(),
+            environment.tvcache_task_id(),
+            lambda: _Sandbox(self),
+            rollout_id=f"{environment.session_id}-{uuid.uuid4().hex[:8]}",
+            epoch=environment.tvcache_epoch,
+            snapshots=_shared.snapshots,
+            task=spec,
+        )
 
     def keep(self, source: Path) -> str:
         """Copy an upload's source (file or tree) under its content digest, for replays."""
@@ -193,8 +207,7 @@ class TVCacheEnvironment:
         if getattr(self, "_host_mounts", None):
             # What a command writes under a host mount lands in the trainer's files, which a
             # hit would not reproduce.
-            logger.warning("%s: tvcache is off for this environment: it mounts host paths",
-                           self.session_id)  # type: ignore[attr-defined]
+            logger.warning("%s: tvcache is off for this environment: it mounts host paths", self.session_id)  # type: ignore[attr-defined]
             return
         self._tvcache_trial = _Trial(self)
 
@@ -221,8 +234,13 @@ class TVCacheEnvironment:
         variables = merge(env) if merge else env
         kept = _shared.digest(variables)
         trial.variables[kept] = None if variables is None else dict(variables)
-        args = {"command": command, "cwd": cwd, "env_sha256": kept, "timeout_sec": timeout_sec,
-                "user": user if user is not None else getattr(self, "default_user", None)}
+        args = {
+            "command": command,
+            "cwd": cwd,
+            "env_sha256": kept,
+            "timeout_sec": timeout_sec,
+            "user": user if user is not None else getattr(self, "default_user", None),
+        }
         result = await trial.calls.execute({"tool": "exec", "args": args})
         return ExecResult(**result)
 
@@ -231,16 +249,14 @@ class TVCacheEnvironment:
         if trial is None:
             return await super().upload_file(source_path, target_path)  # type: ignore[misc]
         kept = trial.keep(Path(source_path))
-        await trial.calls.execute({"tool": "upload_file",
-                                   "args": {"sha256": kept, "target_path": target_path}})
+        await trial.calls.execute({"tool": "upload_file", "args": {"sha256": kept, "target_path": target_path}})
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         trial = self._tvcache_live()
         if trial is None:
             return await super().upload_dir(source_dir, target_dir)  # type: ignore[misc]
         kept = trial.keep(Path(source_dir))
-        await trial.calls.execute({"tool": "upload_dir",
-                                   "args": {"sha256": kept, "target_dir": target_dir}})
+        await trial.calls.execute({"tool": "upload_dir", "args": {"sha256": kept, "target_dir": target_dir}})
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         await self._download("download_file", Path(target_path), source_path=source_path)
@@ -251,13 +267,21 @@ class TVCacheEnvironment:
     async def download_dir_with_exclusions(
         self, *, source_dir: str, target_dir: Path | str, exclude: list[str]
     ) -> None:
-        await self._download("download_dir_with_exclusions", Path(target_dir), source_dir=source_dir,
-                             exclude=list(exclude))
+        await self._download(
+            "download_dir_with_exclusions", Path(target_dir), source_dir=source_dir, exclude=list(exclude)
+        )
 
-    async def download_dir_filtered(self, *, source_dir: str, target_dir: Path | str,
-                                    include: Any = None, exclude: Any = None, protect: Any = None) -> None:
-        await self._download("download_dir_filtered", Path(target_dir), source_dir=source_dir,
-                             include=_listed(include), exclude=_listed(exclude), protect=_listed(protect))
+    async def download_dir_filtered(
+        self, *, source_dir: str, target_dir: Path | str, include: Any = None, exclude: Any = None, protect: Any = None
+    ) -> None:
+        await self._download(
+            "download_dir_filtered",
+            Path(target_dir),
+            source_dir=source_dir,
+            include=_listed(include),
+            exclude=_listed(exclude),
+            protect=_listed(protect),
+        )
 
     async def is_dir(self, path: str, user: str | int | None = None) -> bool:
         return await self._check("is_dir", super().is_dir, path, user)  # type: ignore[misc]
@@ -288,8 +312,7 @@ class TVCacheEnvironment:
             _unpack(result["archive"], target, file=file)
         except _Unservable as exc:
             logger.info("%s of %s runs live: %s", name, args, exc)
-            await trial.calls.execute({"tool": LIVE, "args": {"method": name, **args,
-                                                              DOWNLOADS[name]: str(target)}})
+            await trial.calls.execute({"tool": LIVE, "args": {"method": name, **args, DOWNLOADS[name]: str(target)}})
 
     def _tvcache_live(self) -> _Trial | None:
         """The trial, when calls should go through the cache: started, and not the wrapper's own."""
@@ -298,8 +321,11 @@ class TVCacheEnvironment:
 
 def cached(environment_class: type[BaseEnvironment]) -> type[BaseEnvironment]:
     """`environment_class` with its calls going through tvcache."""
-    return type(f"Cached{environment_class.__name__}", (TVCacheEnvironment, environment_class),
-                {"__module__": __name__, "__qualname__": f"Cached{environment_class.__name__}"})
+    return type(
+        f"Cached{environment_class.__name__}",
+        (TVCacheEnvironment, environment_class),
+        {"__module__": __name__, "__qualname__": f"Cached{environment_class.__name__}"},
+    )
 
 
 def __getattr__(name: str) -> type[BaseEnvironment]:
@@ -310,11 +336,11 @@ def __getattr__(name: str) -> type[BaseEnvironment]:
     from harbor.models.environment_type import EnvironmentType
 
     for member in EnvironmentType:
-        if "".join(part.capitalize() for part in member.name.split("_")) == name[len("Cached"):]:
+        if "".join(part.capitalize() for part in member.name.split("_")) == name[len("Cached") :]:
             environment_class = cached(_environment_class(member))
             globals()[name] = environment_class  # one class per name, as an import would give
             return environment_class
-    raise AttributeError(f"{name}: no Harbor environment type {name[len('Cached'):]!r}")
+    raise AttributeError(f"{name}: no Harbor environment type {name[len('Cached') :]!r}")
 
 
 def _environment_class(member: Any) -> type[BaseEnvironment]:
@@ -444,8 +470,9 @@ def _entries(root: Path, *, file: bool, max_bytes: int) -> list[_Entry]:
 def _archive(entries: list[_Entry]) -> bytes:
     """The entries as a gzip tar with no times or owners: one state, one archive."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8",
-                      errors="surrogateescape") as tar:
+    with tarfile.open(
+        fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape"
+    ) as tar:
         for entry in entries:
             info = tarfile.TarInfo(entry.name)
             info.mode, info.mtime, info.uid, info.gid = entry.mode, 0, 0, 0
@@ -463,8 +490,7 @@ def _read_archive(archive: str) -> list[_Entry]:
     try:
         raw = gzip.decompress(base64.b64decode(archive, validate=True))
         entries = []
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:", encoding="utf-8",
-                          errors="surrogateescape") as tar:
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:", encoding="utf-8", errors="surrogateescape") as tar:
             for member in tar:
                 if member.type in (tarfile.REGTYPE, tarfile.AREGTYPE):
                     extracted = tar.extractfile(member)
@@ -497,8 +523,12 @@ def _check_entries(entries: list[_Entry], *, file: bool) -> None:
                 raise _Unservable("the archive's root is not first or not of the download's kind")
         else:
             parts = entry.name.split("/")
-            if file or "\0" in entry.name or any(part in ("", ".", "..") for part in parts) \
-                    or _parent(entry.name) not in folders:
+            if (
+                file
+                or "\0" in entry.name
+                or any(part in ("", ".", "..") for part in parts)
+                or _parent(entry.name) not in folders
+            ):
                 raise _Unservable(f"the archive holds a name it may not: {entry.name!r}")
         if entry.kind == "dir":
             folders.add(entry.name)

@@ -38,8 +38,9 @@ import copy
 import functools
 import importlib
 import uuid
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 from skyrl_gym.tools.core import ToolGroup

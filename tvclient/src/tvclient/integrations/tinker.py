@@ -69,13 +69,9 @@ class _Group:
 
 _group: contextvars.ContextVar[_Group | None] = contextvars.ContextVar("tvcache_group", default=None)
 # The rollouts an env's step has called, so that its episode_done ends them.
-_episode: contextvars.ContextVar[set[TVCacheRollout] | None] = contextvars.ContextVar(
-    "tvcache_episode", default=None
-)
+_episode: contextvars.ContextVar[set[TVCacheRollout] | None] = contextvars.ContextVar("tvcache_episode", default=None)
 # The rollout whose tool is running live: that tool's sandbox calls go to the real sandbox.
-_running: contextvars.ContextVar[TVCacheRollout | None] = contextvars.ContextVar(
-    "tvcache_tinker_running", default=None
-)
+_running: contextvars.ContextVar[TVCacheRollout | None] = contextvars.ContextVar("tvcache_tinker_running", default=None)
 
 
 @dataclass(eq=False)
@@ -125,15 +121,21 @@ class _Sandbox(LoopEnvironment):
                 args["path"], content, executable=args["executable"], timeout=args["timeout"]
             )
         timed_out = time.monotonic() - started >= args["timeout"] or done.exit_code == FAILED_EXIT_CODE
-        return {"stdout": done.stdout, "stderr": done.stderr, "exit_code": done.exit_code,
-                "metrics": done.metrics, "timed_out": timed_out}
+        return {
+            "stdout": done.stdout,
+            "stderr": done.stderr,
+            "exit_code": done.exit_code,
+            "metrics": done.metrics,
+            "timed_out": timed_out,
+        }
 
     async def _run_tool(self, name: str, call: Call) -> RecordedResult:
         call_id = self._rollout.live_call_id(call)
         token = _running.set(self._rollout)
         try:
             result = await self._rollout.tools[name].run(
-                ToolInput(arguments=call["args"]["arguments"], call_id=call_id))
+                ToolInput(arguments=call["args"]["arguments"], call_id=call_id)
+            )
         finally:
             _running.reset(token)
         return _recorded_tool_result(result, call_id)
@@ -164,8 +166,10 @@ class TVCacheRollout:
     ) -> None:
         group = _group.get()
         if task_id is None and group is None:
-            raise ValueError("a tvcache rollout needs a task: pass task_id=, or make it while a "
-                             "TVCacheEnvGroupBuilder makes its envs")
+            raise ValueError(
+                "a tvcache rollout needs a task: pass task_id=, or make it while a "
+                "TVCacheEnvGroupBuilder makes its envs"
+            )
         self.task_id = _shared.task_slug(task_id if task_id is not None else group.task_id)  # type: ignore[union-attr]
         self.client = client or (group.client if group is not None else _shared.shared_client())
         self.task_env = dict(task_env if task_env is not None else group.task_env if group else {})
@@ -197,9 +201,10 @@ class TVCacheRollout:
         return await self.calls.execute(call)
 
     async def call_tool(self, name: str, input: ToolInput) -> RecordedResult:
-        made = _ToolCallInFlight({"tool": name, "args": {"arguments": input.arguments,
-                                                         "call_id": _call_id_kind(input.call_id)}},
-                                 input.call_id)
+        made = _ToolCallInFlight(
+            {"tool": name, "args": {"arguments": input.arguments, "call_id": _call_id_kind(input.call_id)}},
+            input.call_id,
+        )
         self.tool_calls.append(made)
         try:
             return await self.call(made.call)
@@ -223,11 +228,20 @@ class TVCacheRollout:
     def _open_executor(self, calls: AsyncRollout) -> ToolCallExecutor:
         # One spec for every rollout of the task (a changed one would drop the task's graph):
         # tools declared read-only are observed so, call by call (_Sandbox.execute_observed).
-        task = TaskSpec(env={"backend": "external", **self.task_env},
-                        tools=_shared.declared_tools(READ_ONLY_SANDBOX_CALLS), sandbox_budget=0)
-        return ToolCallExecutor(self.client, self.task_id, lambda: _Sandbox(self),
-                                rollout_id=self.rollout_id, epoch=self.epoch,
-                                snapshots=_shared.snapshots, task=task)
+        task = TaskSpec(
+            env={"backend": "external", **self.task_env},
+            tools=_shared.declared_tools(READ_ONLY_SANDBOX_CALLS),
+            sandbox_budget=0,
+        )
+        return ToolCallExecutor(
+            self.client,
+            self.task_id,
+            lambda: _Sandbox(self),
+            rollout_id=self.rollout_id,
+            epoch=self.epoch,
+            snapshots=_shared.snapshots,
+            task=task,
+        )
 
 
 class TVCacheSandbox:
@@ -255,8 +269,10 @@ class TVCacheSandbox:
     ) -> SandboxResult:
         if self.rollout.running_live:
             return await self._live.run_command(command, workdir, timeout, max_output_bytes)
-        return await self._call("run_command", {"command": command, "workdir": workdir,
-                                                "timeout": timeout, "max_output_bytes": max_output_bytes})
+        return await self._call(
+            "run_command",
+            {"command": command, "workdir": workdir, "timeout": timeout, "max_output_bytes": max_output_bytes},
+        )
 
     async def read_file(self, path: str, max_bytes: int | None = None, timeout: int = 60) -> SandboxResult:
         if self.rollout.running_live:
@@ -268,10 +284,12 @@ class TVCacheSandbox:
     ) -> SandboxResult:
         if self.rollout.running_live:
             return await self._live.write_file(path, content, executable, timeout)
-        body = ({"content_b64": base64.b64encode(content).decode("ascii")}
-                if isinstance(content, bytes) else {"content": content})
-        return await self._call("write_file", {"path": path, **body, "executable": executable,
-                                               "timeout": timeout})
+        body = (
+            {"content_b64": base64.b64encode(content).decode("ascii")}
+            if isinstance(content, bytes)
+            else {"content": content}
+        )
+        return await self._call("write_file", {"path": path, **body, "executable": executable, "timeout": timeout})
 
     async def cleanup(self) -> None:
         await self.rollout.end()
@@ -285,8 +303,9 @@ class TVCacheSandbox:
 
     async def _call(self, name: str, args: dict[str, Any]) -> SandboxResult:
         result = await self.rollout.call({"tool": name, "args": args})
-        return SandboxResult(stdout=result["stdout"], stderr=result["stderr"],
-                             exit_code=result["exit_code"], metrics=result["metrics"])
+        return SandboxResult(
+            stdout=result["stdout"], stderr=result["stderr"], exit_code=result["exit_code"], metrics=result["metrics"]
+        )
 
 
 def tvcache_sandbox_factory(
@@ -316,8 +335,9 @@ class TVCacheTool:
     declares that the tool changes nothing.
     """
 
-    def __init__(self, tool: Tool, *, rollout: TVCacheRollout | None = None, read_only: bool = False,
-                 **rollout_options: Any) -> None:
+    def __init__(
+        self, tool: Tool, *, rollout: TVCacheRollout | None = None, read_only: bool = False, **rollout_options: Any
+    ) -> None:
         if tool.name in SANDBOX_CALLS:
             raise ValueError(f"a tool named {tool.name!r} would be taken for the sandbox's own call")
         self.tool = tool
@@ -346,8 +366,9 @@ class TVCacheTool:
         messages = list(result["messages"])
         for index in result["call_id_at"]:
             messages[index] = {**messages[index], "tool_call_id": input.call_id}
-        return ToolResult(messages=messages, should_stop=result["should_stop"],
-                          metrics=result["metrics"], metadata=result["metadata"])
+        return ToolResult(
+            messages=messages, should_stop=result["should_stop"], metrics=result["metrics"], metadata=result["metadata"]
+        )
 
 
 def _call_id_kind(call_id: str | None) -> str:
@@ -365,8 +386,13 @@ def _recorded_tool_result(result: ToolResult, call_id: str | None) -> RecordedRe
             if isinstance(message, dict) and message.get("tool_call_id") == call_id:
                 messages[index] = {**message, "tool_call_id": ""}
                 call_id_at.append(index)
-    return {"messages": messages, "call_id_at": call_id_at, "should_stop": result.should_stop,
-            "metrics": result.metrics, "metadata": result.metadata}
+    return {
+        "messages": messages,
+        "call_id_at": call_id_at,
+        "should_stop": result.should_stop,
+        "metrics": result.metrics,
+        "metadata": result.metadata,
+    }
 
 
 class _EpisodeEnv(Env):
@@ -431,8 +457,7 @@ class TVCacheEnvGroupBuilder(EnvGroupBuilder):
         return tuple(self._current.rollouts) if self._current is not None else ()
 
     async def make_envs(self) -> Sequence[Env]:
-        group = _Group(self.task_id, _shared.shared_client(self.url, self.token), self.task_env,
-                       self.epoch)
+        group = _Group(self.task_id, _shared.shared_client(self.url, self.token), self.task_env, self.epoch)
         self._current = group
         token = _group.set(group)
         try:

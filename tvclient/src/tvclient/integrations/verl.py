@@ -37,8 +37,9 @@ import json
 import time
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from verl.tools.base_tool import BaseTool
 from verl.tools.function_tool import (
@@ -56,8 +57,16 @@ from ..results import Call, ToolResult, inexact_json
 from . import _shared
 from ._asyncio import AsyncRollout, LoopEnvironment
 
-OWN_KEYS = ("wrapped_class", "wrapped_function", "tvcache_read_only", "tvcache_task_key",
-            "tvcache_rollout_ttl_s", "tvcache_url", "tvcache_token", "tvcache_epoch")
+OWN_KEYS = (
+    "wrapped_class",
+    "wrapped_function",
+    "tvcache_read_only",
+    "tvcache_task_key",
+    "tvcache_rollout_ttl_s",
+    "tvcache_url",
+    "tvcache_token",
+    "tvcache_epoch",
+)
 DEFAULT_TTL_S = 600.0
 
 # The wrapped tools of this process by name, and the trajectories in flight.
@@ -237,7 +246,8 @@ class _Sandbox(LoopEnvironment):
         if tool.read_only and _changed(change):
             raise SideEffectNotKept(
                 f"{name} is declared tvcache_read_only but changed agent_data.extra_fields: a tool "
-                "that keeps session data there changes state (remove tvcache_read_only)")
+                "that keeps session data there changes state (remove tvcache_read_only)"
+            )
         return {**result, "extra_fields": change}
 
     def _view(self, agent_data: Any) -> Any:
@@ -254,12 +264,16 @@ class _Sandbox(LoopEnvironment):
 
     def _change(self, name: str, view: Any, attributes: dict[str, Any], before: dict[Any, Any]) -> dict[str, list[Any]]:
         now = vars(view)
-        others = [key for key in now.keys() | attributes.keys()
-                  if key != "extra_fields" and now.get(key, view) is not attributes.get(key, view)]
+        others = [
+            key
+            for key in now.keys() | attributes.keys()
+            if key != "extra_fields" and now.get(key, view) is not attributes.get(key, view)
+        ]
         if others:
             raise SideEffectNotKept(
                 f"{name} set agent_data.{', '.join(sorted(others))}: a cached call keeps only what a "
-                "tool changes in agent_data.extra_fields (keep tool session data there)")
+                "tool changes in agent_data.extra_fields (keep tool session data there)"
+            )
         if view.extra_fields is not self._fields:  # replaced, not changed
             self._fields = view.extra_fields
             return {"replace": [[key, copy.deepcopy(value)] for key, value in self._fields.items()]}
@@ -289,8 +303,9 @@ class _Trajectory:
     """One rollout: its executor, what its calls need (create and execute kwargs), and the
     order in which their changes reach the trajectory's extra_fields."""
 
-    def __init__(self, tool: TVCacheTool, task_id: str, tools_kwargs: Any, ttl_s: float,
-                 agent_data: Any = None) -> None:
+    def __init__(
+        self, tool: TVCacheTool, task_id: str, tools_kwargs: Any, ttl_s: float, agent_data: Any = None
+    ) -> None:
         self.keeps_instances = agent_data is None
         task_id = _shared.task_slug(task_id)
         self.tools_kwargs: Mapping[str, Any] = tools_kwargs if isinstance(tools_kwargs, Mapping) else {}
@@ -320,9 +335,15 @@ class _Trajectory:
         client, epoch = tool.client, tool.epoch
 
         def open_executor(rollout: AsyncRollout) -> ToolCallExecutor:
-            return ToolCallExecutor(client, task_id, lambda: _Sandbox(self),
-                                    rollout_id=uuid.uuid4().hex, epoch=epoch,
-                                    snapshots=_shared.snapshots, task=spec)
+            return ToolCallExecutor(
+                client,
+                task_id,
+                lambda: _Sandbox(self),
+                rollout_id=uuid.uuid4().hex,
+                epoch=epoch,
+                snapshots=_shared.snapshots,
+                task=spec,
+            )
 
         self.rollout = AsyncRollout(open_executor)
 
@@ -384,9 +405,7 @@ class TVCacheTool(BaseTool):
         self.task_key: str | None = config.get("tvcache_task_key")
         self.ttl_s = float(config.get("tvcache_rollout_ttl_s", DEFAULT_TTL_S))
         self.epoch: int | None = config.get("tvcache_epoch")
-        self.client: TVCacheClient = _shared.shared_client(
-            config.get("tvcache_url"), config.get("tvcache_token")
-        )
+        self.client: TVCacheClient = _shared.shared_client(config.get("tvcache_url"), config.get("tvcache_token"))
         self._instances: dict[str, _Instance] = {}
         _tools[self.name] = self
 
@@ -403,8 +422,10 @@ class TVCacheTool(BaseTool):
         agent_data = kwargs.get("agent_data")
         instance = self._instances.setdefault(instance_id, _Instance({}))
         if agent_data is not None and instance.executed:
-            raise ValueError(f"{self.name}: tvcache runs one call per instance when the agent loop passes "
-                             "agent_data (as ToolAgentLoop does); create an instance per call")
+            raise ValueError(
+                f"{self.name}: tvcache runs one call per instance when the agent loop passes "
+                "agent_data (as ToolAgentLoop does); create an instance per call"
+            )
         trajectory = self._trajectory(instance_id, agent_data)
         trajectory.create_kwargs[self.name] = instance.create_kwargs
         number = trajectory.note_call(kwargs)
@@ -413,8 +434,9 @@ class TVCacheTool(BaseTool):
         try:
             result = await trajectory.rollout.execute({"tool": self.name, "args": parameters})
         finally:
-            trajectory.deliver(number, result.get("extra_fields") if result else None,
-                               fields if isinstance(fields, dict) else None)
+            trajectory.deliver(
+                number, result.get("extra_fields") if result else None, fields if isinstance(fields, dict) else None
+            )
         instance.executed = True
         if "calc_reward" in result:
             instance.reward = (self._calc_reward_kwargs(trajectory), result["calc_reward"])
@@ -428,8 +450,10 @@ class TVCacheTool(BaseTool):
             return await self._fresh_reward(instance, kwargs)
         expected, reward = instance.reward
         if kwargs != expected:
-            raise ValueError(f"{self.name}: calc_reward was evaluated after the call with {expected!r} "
-                             f"(tools_kwargs[{self.name!r}]['calc_reward_kwargs']), not {kwargs!r}")
+            raise ValueError(
+                f"{self.name}: calc_reward was evaluated after the call with {expected!r} "
+                f"(tools_kwargs[{self.name!r}]['calc_reward_kwargs']), not {kwargs!r}"
+            )
         if isinstance(reward, _Raised):
             raise reward.error
         return reward
@@ -462,7 +486,8 @@ class TVCacheTool(BaseTool):
                 create_kwargs = self._instances[instance_id].create_kwargs
                 tools_kwargs = {self.name: {"create_kwargs": create_kwargs}}
                 trajectory = _by_instance[instance_id] = _Trajectory(
-                    self, self._task_id(tools_kwargs), tools_kwargs, self.ttl_s)
+                    self, self._task_id(tools_kwargs), tools_kwargs, self.ttl_s
+                )
             return trajectory
         trajectory = _by_agent_data.get(agent_data)
         if trajectory is None:
@@ -487,14 +512,16 @@ class TVCacheTool(BaseTool):
 # -- configuration -------------------------------------------------------------------------
 
 
-def _wrapped(config: Mapping[str, Any], wrapped_config: dict[str, Any],
-             tool_schema: OpenAIFunctionToolSchema | None) -> _WrappedClass | _WrappedFunction:
+def _wrapped(
+    config: Mapping[str, Any], wrapped_config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None
+) -> _WrappedClass | _WrappedFunction:
     """The tool the config names, checked here so that a wrong config fails when veRL builds
     the tools, not at the first call."""
     class_path, function_path = config.get("wrapped_class"), config.get("wrapped_function")
     if (class_path is None) == (function_path is None):
-        raise ValueError("TVCacheTool needs one of config.wrapped_class (a BaseTool) and "
-                         "config.wrapped_function (a @function_tool)")
+        raise ValueError(
+            "TVCacheTool needs one of config.wrapped_class (a BaseTool) and config.wrapped_function (a @function_tool)"
+        )
     if function_path is not None:
         return _WrappedFunction(_function_tool(str(function_path)))
     if ".py:" in str(class_path):
