@@ -1,5 +1,5 @@
 """Live events: what dashboard pages are told, in which groups, as which messages. The in-process
-ledger (`cache.services.ledger`) collects them from every app and sends them; the dashboard's
+ledger (`cache.ledger`) collects them from every app and sends them; the dashboard's
 websocket consumer joins these groups and only forwards. Nothing else touches the channel layer.
 
 Groups: "dash.overview", "dash.pools" and "dash.task.<task key>" (hashed when too long for a group name);

@@ -63,7 +63,7 @@ class Membership(models.Model):
 
 
 class ProjectRequests(models.Model):
-    """API requests of a project per minute, written with the lookup counters (services/ledger.py): the
+    """API requests of a project per minute, written with the lookup counters (ledger.py): the
     request rate the project page shows against the grant. Rows older than a day are deleted."""
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="request_minutes")

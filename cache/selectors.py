@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import connection
 from django.db.models import Count, Max, Q, Sum
 
-from cache.inputs import CallContext
+from cache.ledger import ledger_flush
 from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
 from cache.projects import unknown_node, unknown_task
-from cache.services.ledger import ledger_flush
-from cache.services.lookup import task_chain
-from cache.services.tasks import task_handle
-from cache.tcg import ToolCall, call_digest
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
@@ -218,23 +213,3 @@ def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None
     with connection.cursor() as cursor:
         cursor.execute(SUBTREE_SQL, [task_id, node_id, max_depth, max_depth])
         return [row[0] for row in cursor.fetchall()]
-
-
-def replay_file_times(
-    *, task_id: str, context: CallContext, calls: Sequence[ToolCall]
-) -> list[Mapping[str, int] | None]:
-    """For a replay of `calls`, the last state-changing calls of the context's history: the file
-    times each left when it first ran (Node.file_times), in order; None where they were not kept
-    (or the call was recorded as read-only: a replay of it that writes is not the live run)."""
-    if not calls:
-        return []
-    writes = [step for step in task_chain(task_handle(task_id=task_id), context).steps[:-1] if step.mutates]
-    tail = writes[len(writes) - len(calls) :] if len(calls) <= len(writes) else []
-    if len(tail) != len(calls) or any(step.digest != call_digest(call) for step, call in zip(tail, calls)):
-        return [None for _ in calls]  # not the history's last writes: nothing known to restore
-    times = dict(
-        Node.objects.filter(task_id=task_id, mutates=True, state_key__in=[s.state_key for s in tail]).values_list(
-            "state_key", "file_times"
-        )
-    )
-    return [times.get(step.state_key) for step in tail]

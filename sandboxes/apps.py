@@ -8,7 +8,7 @@ class SandboxesConfig(AppConfig):
     def ready(self) -> None:
         from cache.hooks import SandboxHooks, sandbox_hooks_register
 
-        from .services.runtime import env_check_project, env_fingerprint_material, service_images
+        from .handles import env_check_project, env_fingerprint_material, service_images
 
         sandbox_hooks_register(
             SandboxHooks(

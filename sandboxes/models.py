@@ -21,7 +21,7 @@ class Sandbox(models.Model):
 
     task = models.ForeignKey("cache.Task", on_delete=models.CASCADE, related_name="sandboxes")
     backend = models.CharField(max_length=40)
-    # The docker engine that holds it (services/engines.py: its URL; "" for the one engine of a
+    # The docker engine that holds it (sandboxes/engines.py: its URL; "" for the one engine of a
     # deployment that names none, and for the backends that run on this host).
     engine = models.CharField(max_length=200, blank=True, default="")
     ref = models.CharField(max_length=200, blank=True, default="")  # the backend's sandbox id

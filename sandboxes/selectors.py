@@ -14,8 +14,8 @@ from cache.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 
-from .services.engines import Engine, engines, live_per_engine
-from .services.runtime import engine_backend
+from .engines import Engine, engines, live_per_engine
+from .handles import engine_backend
 
 HEALTH_TTL_S = 10.0
 _health: TTLCache[str, dict] = TTLCache()

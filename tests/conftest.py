@@ -9,8 +9,8 @@ import pytest
 from django.db import connection
 from rest_framework.test import APIClient
 
+from cache import ledger
 from cache.api.auth import token_create
-from cache.services import ledger
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -215,7 +215,7 @@ TVCACHE = {
     "DOCKER_URL": env("TVCACHE_DOCKER_URL", default=""),  # empty: DOCKER_HOST or the local socket
     # Several engines, comma-separated "URL=CAPACITY" (the sandboxes each is sized for), e.g.
     # "unix:///var/run/docker.sock=16,tcp://10.0.0.2:2376=8"; empty: the one engine above.
-    # sandboxes/services/engines.py: placement by load, per-engine Celery queues.
+    # sandboxes/engines.py: placement by load, per-engine Celery queues.
     "DOCKER_ENGINES": env.list("TVCACHE_DOCKER_ENGINES", default=[]),
     "DOCKER_MAX_CONCURRENT_STARTS": env.int("TVCACHE_DOCKER_MAX_CONCURRENT_STARTS", default=2),
     "DOCKER_MEMORY_MB": env.int("TVCACHE_DOCKER_MEMORY_MB", default=512),

@@ -157,7 +157,7 @@ def admit(principal: Principal) -> None:
     """Count the request against its project's rate limit; RateLimited (429) over it. Each
     server process keeps its own buckets: with TVCACHE_RATE_LIMIT_PROCESSES = N (the number of
     server processes), each admits 1/N of the project's rate."""
-    from cache.services.ledger import request_add
+    from cache.ledger import request_add
 
     rate = principal.rate_limit
     if rate is None:

@@ -247,7 +247,7 @@ class FileTimesView(APIView):
         query = parse_file_times_query(request.data)
         key = task_key(request, task_id)
         selectors.task_get(task_id=key)
-        times = selectors.replay_file_times(task_id=key, context=query.context, calls=query.replay)
+        times = services.replay_file_times(task_id=key, context=query.context, calls=query.replay)
         return Response({"file_times": times})
 
 

@@ -2,7 +2,16 @@
 
 from .audit import divergence_record, node_audit
 from .flight import Flight, single_flight
-from .lookup import LookupHit, LookupMiss, claim_release, history_catch_up, lease_grant, lookup_count, tcg_lookup
+from .lookup import (
+    LookupHit,
+    LookupMiss,
+    claim_release,
+    history_catch_up,
+    lease_grant,
+    lookup_count,
+    replay_file_times,
+    tcg_lookup,
+)
 from .maintenance import claims_clear, project_requests_prune, tables_vacuum
 from .record import RecordOutcome, node_record
 from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
@@ -40,6 +49,7 @@ __all__ = [
     "project_requests_prune",
     "claims_clear",
     "tcg_lookup",
+    "replay_file_times",
 ]
 
 # Staff actions, each audited (dashboard controls and Django admin actions call these).

@@ -19,12 +19,14 @@ from typing import Any
 
 from django.db import transaction
 
-from cache import selectors  # a module, not its names: cache.selectors imports this package
+from cache import (
+    ledger,
+    selectors,  # a module, not its names: cache.selectors imports this package
+)
 from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound
 from cache.models import AuditEntry, Lease, Node, Project, Snapshot, Task
 from cache.projects import key_project, role_check, task_public_id, unknown_node, unknown_task
 
-from . import ledger
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush, task_version_move
 

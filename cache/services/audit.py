@@ -19,11 +19,11 @@ import orjson
 from django.conf import settings
 from django.db import transaction
 
+from cache import ledger
 from cache.models import AuditEntry, Divergence, Node, Task
 from cache.projects import unknown_node, unknown_task
 from cache.tcg import same_result
 
-from . import ledger
 from .admin import system_entry
 from .tasks import task_version_move
 

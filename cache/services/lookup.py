@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,15 +16,26 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
+from cache import ledger
 from cache.inputs import CallContext
+from cache.models import Node
+from cache.prepared import prepared_cursor
 from cache.projects import unknown_task
-from cache.tcg import CatchUp, Match, NodeRef, StateChain, ToolCall, catch_up, longest_prefix_match, state_chain
+from cache.tcg import (
+    CatchUp,
+    Match,
+    NodeRef,
+    StateChain,
+    ToolCall,
+    call_digest,
+    catch_up,
+    longest_prefix_match,
+    state_chain,
+)
 from cache.tcg.snapshots import snapshot_after_ms
 from observability import metrics
 
-from . import ledger
 from .hitcache import CachedHit, TaskStamp, hit_cache
-from .prepared import prepared_cursor
 from .snapshots import backend_costs
 from .tasks import TaskHandle, task_handle
 
@@ -375,6 +387,26 @@ def history_catch_up(*, task_id: str, history: tuple[ToolCall, ...], applied: in
 
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
     return state_chain(task.fingerprint, [*context.history, context.call], task.policy)
+
+
+def replay_file_times(
+    *, task_id: str, context: CallContext, calls: Sequence[ToolCall]
+) -> list[Mapping[str, int] | None]:
+    """For a replay of `calls`, the last state-changing calls of the context's history: the file
+    times each left when it first ran (Node.file_times), in order; None where they were not kept
+    (or the call was recorded as read-only: a replay of it that writes is not the live run)."""
+    if not calls:
+        return []
+    writes = [step for step in task_chain(task_handle(task_id=task_id), context).steps[:-1] if step.mutates]
+    tail = writes[len(writes) - len(calls) :] if len(calls) <= len(writes) else []
+    if len(tail) != len(calls) or any(step.digest != call_digest(call) for step, call in zip(tail, calls)):
+        return [None for _ in calls]  # not the history's last writes: nothing known to restore
+    times = dict(
+        Node.objects.filter(task_id=task_id, mutates=True, state_key__in=[s.state_key for s in tail]).values_list(
+            "state_key", "file_times"
+        )
+    )
+    return [times.get(step.state_key) for step in tail]
 
 
 def _node_refs(rows) -> dict[str, NodeRef]:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import connection
 
+from cache import ledger
 from cache.errors import PayloadTooLarge
 from cache.inputs import RecordInput
 from cache.tcg import canonical_call, record_plan, result_json
 from cache.tcg.snapshots import snapshot_wanted
 
-from . import ledger
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs
 from .tasks import task_handle

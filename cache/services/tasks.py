@@ -10,13 +10,13 @@ import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
+from cache import ledger
 from cache.errors import Conflict, InvalidInput, NotFound
 from cache.hooks import sandbox_hooks
 from cache.models import Divergence, Node, Project, Snapshot, Task
 from cache.projects import key_project, role_check, task_public_id, unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 
-from . import ledger
 from .hitcache import TaskStamp, hit_cache, version_move_wait_s
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}

@@ -145,7 +145,7 @@ def kill_rollout_sandbox(client: TVCacheClient, task_id: str, rollout_id: str) -
     sandbox and this installation's database is touched: never another run's or another agent's."""
     import docker
 
-    from sandboxes.services.runtime import SANDBOX_LABEL, TASK_LABEL, instance_selector
+    from sandboxes.handles import SANDBOX_LABEL, TASK_LABEL, instance_selector
 
     leased = [
         row

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sandboxes.backends import backend_for
-from sandboxes.services.runtime import sandbox_config
+from sandboxes.handles import sandbox_config
 from tvclient import ToolExecutionEnvironment
 
 from .workload import VERIFY_STEP, Call, ReplayTask, Workload

@@ -19,18 +19,17 @@ from django.utils import timezone
 
 from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Task
-from cache.selectors import replay_file_times
-from cache.services import divergence_record, task_handle
+from cache.services import divergence_record, replay_file_times, task_handle
 from cache.services.background import job_offer
 from cache.services.lookup import task_chain
 from cache.tcg import ToolCall, canonical_json
 from sandboxes.backends.base import SandboxBackend, SandboxError
+from sandboxes.engines import engine_queue, engines_for
+from sandboxes.handles import backend_named
 from sandboxes.models import Sandbox
 
-from .engines import engine_queue, engines_for
 from .materialize import replay_restoring_times
 from .pools import idle_deadline, sandbox_launch, sandbox_stop, set_state
-from .runtime import backend_named
 
 log = logging.getLogger("tvcache.audit")
 

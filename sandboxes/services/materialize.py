@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from cache.inputs import CallContext
+from cache.ledger import materialized_add, replay_add
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task
-from cache.selectors import replay_file_times
 from cache.services import (
     LookupMiss,
     backend_costs,
@@ -33,20 +33,20 @@ from cache.services import (
     history_catch_up,
     lease_grant,
     lease_release,
+    replay_file_times,
     task_handle,
     tcg_lookup,
 )
-from cache.services.ledger import materialized_add, replay_add
 from cache.tcg import Match, TaskPolicy, ToolCall
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
+from sandboxes.engines import engines_for
+from sandboxes.handles import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 from sandboxes.models import Sandbox
 
-from .engines import engines_for
 from .pools import idle_deadline, prefork_if_room, sandbox_acquire, sandbox_launch, sandbox_row, sandbox_stop, set_state
 from .reserved import run_reserved, snapshot_pending, wait_snapshot, wait_unreserved
-from .runtime import as_application_error, forget, remember, sandbox_backend, sandbox_handle
 
 # How long a miss waits for the work on its rollout's sandbox after the previous answer (a snapshot,
 # a catch-up: reserved.py); past it the work is stuck, and the sandbox is retired rather than
@@ -418,7 +418,7 @@ def replay_restoring_times(
     sandbox: SandboxHandle, calls, times, ran=lambda call, result: not result.get("timed_out"), spent=None
 ) -> bool:
     """Execute `calls` again, each followed by the file times its live run left (`times`, from
-    cache.selectors.replay_file_times), up to the first call whose times were not kept: from there
+    cache.services.replay_file_times), up to the first call whose times were not kept: from there
     on the replay's own times stand (later than every restored one, so the order between calls
     stays the live one). False if a call did not run as recorded (`ran`: it timed out; the
     replay stops there). `spent(call, ms)` is told each call's time: a replay is work the cache

@@ -48,13 +48,13 @@ from sandboxes.backends.base import (
     SandboxTampered,
     ToolNotFound,
 )
+from sandboxes.engines import engine_queue
+from sandboxes.handles import as_application_error, labels
 from sandboxes.models import Sandbox
 
-from .engines import engine_queue
 from .materialize import Phases, Run, retire, rollout_sandbox
 from .pools import idle_deadline, prefork_if_room
 from .reserved import run_reserved
-from .runtime import as_application_error, labels
 
 log = logging.getLogger("tvcache.toolserver")
 

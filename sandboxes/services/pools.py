@@ -16,19 +16,18 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from cache import ledger
 from cache.errors import NotFound, TooManyRequests
 from cache.models import AuditEntry, Project, Snapshot, Task
 from cache.projects import key_project
-from cache.services import ledger
 from cache.services.admin import action_audited
 from cache.services.background import job_enqueue
 from observability import metrics
 from sandboxes.backends.base import EngineUnavailable, SandboxError, SnapshotMissing
 from sandboxes.backends.base import Sandbox as SandboxHandle
+from sandboxes.engines import engine_lost, engine_queue, engines_for, engines_placed
+from sandboxes.handles import env_check_granted, forget, is_managed, labels, remember, sandbox_backend, sandbox_config
 from sandboxes.models import Sandbox
-
-from .engines import engine_lost, engine_queue, engines_for, engines_placed
-from .runtime import env_check_granted, forget, is_managed, labels, remember, sandbox_backend, sandbox_config
 
 log = logging.getLogger("tvcache.sandboxes")
 

@@ -16,11 +16,11 @@ from cache.models import Lease, Snapshot
 from cache.services import snapshot_evict, task_enforce_budget
 from sandboxes.backends import BACKEND_NAMES
 from sandboxes.backends.base import SandboxError
+from sandboxes.engines import engines
+from sandboxes.handles import engine_backend, instance_selector, sandbox_backend
 from sandboxes.models import Sandbox
 
-from .engines import engines
 from .pools import sandbox_stop, set_state
-from .runtime import engine_backend, instance_selector, sandbox_backend
 
 log = logging.getLogger("tvcache.reaper")
 ORPHAN_GRACE_S = 120.0  # a sandbox this young may still be on its way into the database

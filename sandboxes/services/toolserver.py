@@ -40,13 +40,13 @@ from cache.services import (
 )
 from cache.tcg import ToolCall
 from sandboxes.backends.base import SandboxError, SandboxGone
+from sandboxes.handles import as_application_error, backend_named, env_check_granted, sandbox_handle
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
 from .materialize import Phases, catch_up_after_answer, resume_snapshotted, retire
 from .misses import serve_miss
 from .pools import idle_deadline, sandbox_stop
-from .runtime import as_application_error, backend_named, env_check_granted, sandbox_handle
 
 # The rollout_claim column of tool-server mode: the rollout has a sandbox of its own, which it
 # brings up to date rather than fork a snapshot (its lookups then lease none).

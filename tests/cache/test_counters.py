@@ -7,8 +7,8 @@ import pytest
 from django.conf import settings
 from django.db import OperationalError, connection
 
+from cache import ledger
 from cache.models import Node, Rollout, ToolStat
-from cache.services import ledger
 from lab.server import database_url
 from tests.support.api import call, lookup, record
 

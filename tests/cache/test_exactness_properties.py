@@ -28,7 +28,7 @@ from cache.tcg.snapshots import SnapshotCosts
 from lab.replay.exactness import Outcome, Referee, Step
 from sandboxes.backends.base import EngineUnavailable, SandboxGone, ToolSpec
 from sandboxes.backends.directory import DirectoryBackend, DirectorySandbox
-from sandboxes.services.runtime import sandbox_config
+from sandboxes.handles import sandbox_config
 
 from .exactness import (
     FAULTS,

@@ -120,7 +120,7 @@ def docker_engine():
 
 @pytest.mark.docker
 def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_work_runs_in_process(docker_engine, token):
-    from sandboxes.services.runtime import backend_named, labels
+    from sandboxes.handles import backend_named, labels
 
     nowhere = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     task = "redis-down"

@@ -23,9 +23,9 @@ from rest_framework.test import APIClient
 
 from cache.api import auth
 from cache.api.auth import TOKEN_CACHE_TTL_S, principal_for_key, token_create
+from cache.ledger import ledger_flush
 from cache.models import ApiToken, AuditEntry, Membership, Node, Project, Snapshot, Task
 from cache.projects import task_key
-from cache.services.ledger import ledger_flush
 from tests.support.api import call, lookup, project_clients, record
 
 pytestmark = pytest.mark.django_db

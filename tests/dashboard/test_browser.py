@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import connection
 from playwright.sync_api import expect, sync_playwright
 
-from cache.services.ledger import ledger_flush
+from cache.ledger import ledger_flush
 from lab.browser import chromium, collect_static, log_in
 from lab.server import service_running
 from tests.support.api import call

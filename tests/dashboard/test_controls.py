@@ -144,8 +144,8 @@ def test_pin_budget_and_flush(staff_client, api, tree, toy_task):
 
 
 def test_stop_sandbox_stops_a_real_sandbox(staff_client, toy_task):
+    from sandboxes.handles import backend_named, labels
     from sandboxes.models import Sandbox
-    from sandboxes.services.runtime import backend_named, labels
 
     backend = backend_named("directory")
     sandbox = backend.start({"backend": "directory", "files": {}}, labels=labels(toy_task))

@@ -15,7 +15,7 @@ from channels.testing import WebsocketCommunicator
 from django.db import transaction
 from django.test import Client
 
-from cache.services import ledger
+from cache import ledger
 from tvcache_site.asgi import application
 
 # A prefix of the run's own: another tvcache on the same Redis (a replay, a demo) sends its events too.

@@ -15,8 +15,8 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from cache import ledger
 from cache.models import AuditEntry, Membership, Node, Project
-from cache.services import ledger
 from cache.services.projects import project_named
 from sandboxes.models import Sandbox
 from tests.support.api import project_clients

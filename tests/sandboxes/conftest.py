@@ -5,8 +5,8 @@ from __future__ import annotations
 import docker
 import pytest
 
+from sandboxes.handles import backend_named, labels
 from sandboxes.images import build_busybox_image
-from sandboxes.services.runtime import backend_named, labels
 from tests.support.toolserver import worker_on
 from tvcache_site.celery import app as celery_app
 

@@ -88,8 +88,8 @@ def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, do
     tools (cache/lanes.py): it is one request of its project, admitted once."""
     from django.db.models import Sum
 
+    from cache.ledger import ledger_flush
     from cache.models import ProjectRequests
-    from cache.services.ledger import ledger_flush
 
     def admitted() -> int:
         return ProjectRequests.objects.aggregate(n=Sum("admitted"))["n"] or 0

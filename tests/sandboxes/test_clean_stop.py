@@ -17,8 +17,8 @@ from django.conf import settings
 
 from cache.api.auth import token_create
 from lab.server import ROOT, _queue_delete, answers, database_url, free_port, process_tree, wait_until
+from sandboxes.handles import backend_named, labels
 from sandboxes.models import Sandbox
-from sandboxes.services.runtime import backend_named, labels
 from tests.support.toolserver import bash
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandboxes.services import runtime
+from sandboxes import handles as runtime
 from tests.support.toolserver import bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)

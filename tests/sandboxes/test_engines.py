@@ -13,10 +13,10 @@ import pytest
 
 from cache.models import Snapshot
 from cache.services.background import job_queue
+from sandboxes import handles as runtime
 from sandboxes import selectors, services
+from sandboxes.engines import engine_named
 from sandboxes.models import Sandbox
-from sandboxes.services import runtime
-from sandboxes.services.engines import engine_named
 from tests.support.toolserver import bash, run, wait_for, worker_on
 from workers.tasks import sandbox_warm
 

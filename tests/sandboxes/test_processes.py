@@ -11,9 +11,9 @@ import time
 import docker
 import pytest
 
+from cache.ledger import ledger_flush
 from cache.models import BackendCost, Divergence, MaterializationStat, Node, Rollout, Snapshot
 from cache.services import snapshots as snapshot_costs
-from cache.services.ledger import ledger_flush
 from dashboard.selectors import task_processes
 from sandboxes.images import DEBIAN_TAG
 from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from cache.models import Project
+from sandboxes.handles import sandbox_config
 from sandboxes.models import Sandbox
-from sandboxes.services.runtime import sandbox_config
 from tests.support.api import project_clients
 from tests.support.toolserver import run
 

@@ -13,8 +13,8 @@ from django.utils import timezone
 from cache.models import Lease, Snapshot, Task
 from sandboxes import services
 from sandboxes.backends.base import SandboxGone
+from sandboxes.handles import backend_named, labels
 from sandboxes.models import Sandbox
-from sandboxes.services.runtime import backend_named, labels
 from tests.support.toolserver import bash, run, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -105,8 +105,8 @@ def test_a_killed_workers_sandboxes_are_reaped(api, docker_task, busybox, settin
 
 
 def test_an_unreachable_engine_fails_its_tasks_clearly_and_the_rest_keeps_serving(api, toy_task, settings):
+    from sandboxes import handles as runtime
     from sandboxes import selectors
-    from sandboxes.services import runtime
 
     selectors._health.clear()
     settings.TVCACHE = {**settings.TVCACHE, "DOCKER_URL": "unix:///tmp/tvcache-no-engine.sock"}

@@ -42,10 +42,10 @@ from lab.server import service_running
 from sandboxes import services
 from sandboxes.backends.config import DockerConfig
 from sandboxes.backends.docker import DockerBackend
+from sandboxes.handles import TASK_LABEL, backend_named, forget, labels
+from sandboxes.handles import handle as sandbox_handle
 from sandboxes.images import BUSYBOX_TAG, DEBIAN_TAG
 from sandboxes.models import Sandbox
-from sandboxes.services.runtime import TASK_LABEL, backend_named, forget, labels
-from sandboxes.services.runtime import handle as sandbox_handle
 
 # Slow enough for the snapshot policy (learned docker commit cost + restore cost) to snapshot after it.
 SETUP = "sleep 3; echo ready > /f"

@@ -8,8 +8,8 @@ import docker.errors
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from sandboxes.handles import backend_named
 from sandboxes.images import BuiltImage, build_busybox_image, build_debian_image
-from sandboxes.services.runtime import backend_named
 
 
 class Command(BaseCommand):

@@ -39,9 +39,8 @@ from django.db import connection, transaction
 
 from cache import events
 from cache.inputs import INT32, MAX_ID_LENGTH
+from cache.prepared import prepared_cursor
 from cache.projects import MAX_TASK_KEY
-
-from .prepared import prepared_cursor
 
 log = logging.getLogger("tvcache.ledger")
 

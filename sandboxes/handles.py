@@ -33,8 +33,7 @@ from sandboxes.backends.base import (
 )
 from sandboxes.backends.docker import DockerEnv, allowed_images
 from sandboxes.backends.hostfs import StateDigest
-
-from .engines import engine_lost, engine_named, engines
+from sandboxes.engines import engine_lost, engine_named, engines
 
 TASK_LABEL = "tvcache.task"
 SANDBOX_LABEL = "tvcache.sandbox"
