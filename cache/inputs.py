@@ -33,9 +33,9 @@ MAX_ID_LENGTH = 200  # Task.id, Rollout.rollout_id, Node.tool
 # overflow: each is capped far above what a tool call or snapshot takes (116 days, 1 TiB).
 MAX_MS = 1e10
 MAX_SNAPSHOT_BYTES = 2**40
-# A record's file times (client mode): as many entries and path bytes as the service keeps of a
-# call of its own (sandboxes.backends.hostfs.MAX_CHANGED_TIMES, MAX_CHANGED_PATH_BYTES), each path
-# at most PATH_MAX characters.
+# A record's file times: at most this many entries and path characters, each path at most PATH_MAX
+# characters. The one home of these limits: the service's own sandboxes keep as many of a call
+# (sandboxes.handles passes them to the backends), and tvclient mirrors them.
 MAX_FILE_TIMES = 20_000
 MAX_FILE_TIMES_PATHS = 4 << 20
 MAX_PATH_LENGTH = 4096

@@ -12,6 +12,7 @@ from typing import Any
 
 from django.conf import settings
 
+from cache import inputs
 from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
 from sandboxes.backends.base import (
@@ -72,6 +73,7 @@ def sandbox_config() -> SandboxConfig:
             observe_writes=conf["DOCKER_OBSERVE_WRITES"],
             observe_max_entries=conf["DOCKER_OBSERVE_MAX_ENTRIES"],
             session=conf["DOCKER_SESSION"],
+            file_times_max=(inputs.MAX_FILE_TIMES, inputs.MAX_FILE_TIMES_PATHS),  # what a record may carry
             runtime=conf["DOCKER_RUNTIME"],
             runtimes=tuple(conf["DOCKER_RUNTIMES"]),
             checkpoint_runtimes=tuple(conf["DOCKER_CHECKPOINT_RUNTIMES"]),

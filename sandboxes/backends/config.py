@@ -57,6 +57,9 @@ class DockerConfig:
     observe_writes: bool = True
     observe_max_entries: int = 20_000  # past this many files in a sandbox's layer, stop (overlay.py)
     fingerprint_max_bytes: int = 512 << 20  # past this much changed content, a state is not fingerprinted
+    # (entries, path bytes): the most file times a call keeps for its node; the service passes the
+    # REST contract's (cache.inputs.MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS). None: no cap.
+    file_times_max: tuple[int, int] | None = None
     # Run bash calls through one session agent per container (docker/agent.py) rather than a
     # `docker exec` each. A caller that stands for a trainer's own `docker exec` asks for False.
     session: bool = True

@@ -16,10 +16,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-# At most this many changed entries' times, and paths of this many bytes, are kept for a node
-# (a call that wrote more, an install, keeps none: replays restore times only up to such a call).
-MAX_CHANGED_TIMES = 20_000  # as many as a layer listing observes (DockerConfig.observe_max_entries)
-MAX_CHANGED_PATH_BYTES = 4 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOATIME", 0)
 _CHUNK = 1 << 20
@@ -167,7 +163,7 @@ class StateDigest:
     # The modification times (ns) of the entries the last call changed, by path: what a replay
     # of that call writes back after it runs (overlay.set_file_times), so that the replayed
     # state carries the times the live one did. None when not asked for or not kept (more than
-    # MAX_CHANGED_TIMES entries or MAX_CHANGED_PATH_BYTES of paths, a name that is not UTF-8).
+    # `max_changed`'s entries or path bytes, a name that is not UTF-8).
     times: Mapping[str, int] | None = field(default=None, compare=False)
     # How many processes the sandbox keeps running (its own: not the service's), part of all three
     # digests. A filesystem snapshot never stands in for a state that has some (docs/design/state.md).
@@ -190,9 +186,13 @@ class StateFingerprint:
         max_bytes: int,
         times: bool = True,
         changed_since_ns: int | None = None,
+        max_changed: tuple[int, int] | None = None,
         unordered: frozenset[str] = frozenset(),
     ):
         self.max_bytes, self.times, self.changed_since_ns = max_bytes, times, changed_since_ns
+        # (entries, path bytes): the most of the changed entries' times kept (None: no cap). A call
+        # that wrote more, an install, keeps none: replays restore times only up to such a call.
+        self.max_changed = max_changed
         self.unordered = unordered  # paths whose time `order` leaves out: the engine's, set at start
         self._entries: list[tuple[str, str, str, int]] = []  # (path, line, content digest, mtime or -1)
         self._changed: dict[str, int] = {}  # mtimes of the entries changed since `changed_since_ns` (ctime)
@@ -258,10 +258,11 @@ class StateFingerprint:
     def _kept_times(self) -> dict[str, int] | None:
         """The changed entries' times by path, each path's bytes as Latin-1 text (any name, also one
         that is not UTF-8, is JSON text so: `time_path` reads it back)."""
-        if self.changed_since_ns is None or len(self._changed) > MAX_CHANGED_TIMES:
+        max_entries, max_path_bytes = self.max_changed or (len(self._changed), None)
+        if self.changed_since_ns is None or len(self._changed) > max_entries:
             return None
         kept = {os.fsencode(path).decode("latin-1"): mtime for path, mtime in self._changed.items()}
-        return kept if sum(map(len, kept)) <= MAX_CHANGED_PATH_BYTES else None
+        return kept if max_path_bytes is None or sum(map(len, kept)) <= max_path_bytes else None
 
     def _add(self, fd: int, path: str, name: str) -> None:
         try:

@@ -134,6 +134,7 @@ class LayerWatch:
         *,
         max_bytes: int,
         changed_since_ns: int | None = None,
+        max_changed: tuple[int, int] | None = None,
         session: bytes = b"",
         processes: tuple[bytes, ...] = (),
     ) -> hostfs.StateDigest:
@@ -149,7 +150,7 @@ class LayerWatch:
                 paths |= _layer_paths(layer, self.max_entries)
         paths |= _listed_paths(self.upper, self.max_entries)
         fingerprint = hostfs.StateFingerprint(
-            max_bytes=max_bytes, changed_since_ns=changed_since_ns, unordered=ENGINE_PATHS
+            max_bytes=max_bytes, changed_since_ns=changed_since_ns, max_changed=max_changed, unordered=ENGINE_PATHS
         )
         fingerprint.add_tree(self.merged, paths)
         fingerprint.add_session("session", session)

@@ -9,8 +9,9 @@ from rest_framework.test import APIClient
 
 from cache.inputs import MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS
 from cache.models import Lease, Node, ToolStat
-from sandboxes.backends.hostfs import MAX_CHANGED_PATH_BYTES, MAX_CHANGED_TIMES
+from sandboxes.handles import sandbox_config
 from tests.support.api import call
+from tvclient import executor as tvclient_executor
 
 W = call("write", path="f", content="1")
 
@@ -416,8 +417,10 @@ def test_a_record_with_more_than_4_mib_of_file_times_paths_is_refused(api, toy_t
 
 
 def test_a_record_with_file_times_at_their_limits_is_stored(api, toy_task):
-    # what the service keeps of its own sandboxes' calls
-    assert (MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS) == (MAX_CHANGED_TIMES, MAX_CHANGED_PATH_BYTES) == (20_000, 4 << 20)
+    # what the service keeps of its own sandboxes' calls, and what tvclient sends at most
+    limits = (MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS)
+    assert limits == sandbox_config().docker.file_times_max == (20_000, 4 << 20)
+    assert limits == (tvclient_executor.MAX_FILE_TIMES, tvclient_executor.MAX_FILE_TIMES_PATHS)
     times = {f"p{i}": 2**63 - 1 for i in range(19_999)} | {"x" * 4096: 0}
     body = {"history": [], "call": W, "result": {}, "exec_ms": 1, "file_times": times}
     assert api.post("/api/v1/tasks/toy/record", body, format="json").status_code == 200

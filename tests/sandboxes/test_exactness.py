@@ -8,8 +8,10 @@ import time
 
 import pytest
 
+from cache import inputs
 from cache.models import Divergence, Node, Rollout
 from sandboxes.backends import hostfs
+from sandboxes.handles import sandbox_config
 from sandboxes.models import Sandbox
 from tests.support.toolserver import bash, run
 
@@ -103,12 +105,14 @@ EDIT = bash("echo new > /w/src")
 CHECK = "[ /w/src -nt /w/obj ] && echo rebuild || echo up-to-date"  # busybox: whole seconds
 
 
-def test_a_replay_that_cannot_restore_every_time_is_verified_and_never_recorded(api, docker_task, monkeypatch):
+def test_a_replay_that_cannot_restore_every_time_is_verified_and_never_recorded(api, docker_task, monkeypatch, request):
     # BIG changes more entries than a node keeps times of (the limit lowered here). The replay
     # restores no time from there on (restoring EDIT's live time after BIG's replayed one put the
     # source behind the object: an order no live run has); BIG and EDIT then land in one second,
     # and the check of the times' order (by whole second too) finds the state is not the live one.
-    monkeypatch.setattr(hostfs, "MAX_CHANGED_TIMES", 20)
+    monkeypatch.setattr(inputs, "MAX_FILE_TIMES", 20)
+    sandbox_config.cache_clear()  # the backends take the limit from the configuration
+    request.addfinalizer(sandbox_config.cache_clear)  # (run before monkeypatch's undo: rebuilt after it)
     task = docker_task("holes", sandbox_budget=0)  # no snapshots: r2 catches up by replay
     run(api, task, "r1", BIG)
     time.sleep(1.1)

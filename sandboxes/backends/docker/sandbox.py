@@ -190,6 +190,7 @@ class DockerSandbox(Sandbox):
                     self._backend.base_layers(self.sandbox_id),
                     max_bytes=self._backend.config.fingerprint_max_bytes,
                     changed_since_ns=since,
+                    max_changed=self._backend.config.file_times_max,
                     session=session,
                     processes=tuple(p.line() for p in live),
                 )

@@ -28,8 +28,9 @@ EnvFactory = Callable[[], ToolExecutionEnvironment]
 # up to the cap (a call that runs for seconds costs a few lookups a second, a quick one ~10 ms).
 FLIGHT_POLL_FIRST_S = 0.01
 FLIGHT_POLL_MAX_S = 0.1
-# A record carries the file times of at most this many changed paths and path characters (the
-# service's limits); a call that changed more records none, and replays restore no times from it on.
+# A record carries the file times of at most this many changed paths and path characters: the
+# service's limits (cache/inputs.py, MAX_FILE_TIMES and MAX_FILE_TIMES_PATHS; a record over them is
+# refused). A call that changed more records none, and replays restore no times from it on.
 MAX_FILE_TIMES = 20_000
 MAX_FILE_TIMES_PATHS = 4 << 20
 # (task, tool) pairs whose uncacheable results were logged: once per process is enough to say why.
