@@ -26,6 +26,7 @@ from cache.inputs import (
     parse_task,
 )
 from cache.projects import task_public_id
+from cache.tcg import RecordedState
 from observability import metrics
 
 from . import serializers as s
@@ -214,7 +215,9 @@ class RecordView(LeanPostView):
     @staticmethod
     def answer(*, principal, task_id: str, payload) -> bytes:
         record = parse_record(payload)
-        outcome = services.node_record(task_id=principal.task_key(task_id), record=record, file_times=record.file_times)
+        outcome = services.node_record(
+            task_id=principal.task_key(task_id), record=record, state=RecordedState(file_times=record.file_times)
+        )
         return orjson.dumps(
             {
                 "node_id": outcome.node_id,

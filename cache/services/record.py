@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -12,7 +11,7 @@ from django.db import connection
 from cache import ledger
 from cache.errors import PayloadTooLarge
 from cache.inputs import RecordInput
-from cache.tcg import canonical_call, record_plan, result_json
+from cache.tcg import RecordedState, canonical_call, record_plan, result_json
 from cache.tcg.snapshots import snapshot_wanted
 
 from .lookup import task_chain
@@ -79,16 +78,11 @@ def node_record(
     *,
     task_id: str,
     record: RecordInput,
-    state: tuple[str, str, str] = ("", "", ""),
-    file_times: Mapping[str, int] | None = None,
-    processes: int = 0,
+    state: RecordedState = RecordedState(),
     keeps_processes: bool = False,
 ) -> RecordOutcome:
-    """`state`: the sandbox's state fingerprint after the call, (full, shape, order), where the service
-    ran it: what a sandbox materialized for this node is checked against. `file_times`: the
-    modification times of what the call changed there, written back after each replay of it.
-    `processes`: how many processes the sandbox kept running after it; a snapshot of such a state
-    is wanted only where it would keep them (`keeps_processes`)."""
+    """`state`: what the node keeps of the sandbox after the call (RecordedState). A snapshot of a
+    state with live processes is wanted only where it would keep them (`keeps_processes`)."""
     task = task_handle(task_id=task_id)
     context = record.context
     task.check_fingerprint(context.env_fingerprint)
@@ -118,11 +112,11 @@ def node_record(
         "own_cost": record.exec_ms if plan.mutates else 0.0,
         "rollout": context.rollout_id,
         "epoch": context.epoch,
-        "fingerprint": state[0],
-        "shape": state[1],
-        "order": state[2],
-        "file_times": json.dumps(dict(file_times)) if file_times is not None else None,
-        "processes": processes if plan.mutates else 0,
+        "fingerprint": state.full,
+        "shape": state.shape,
+        "order": state.order,
+        "file_times": json.dumps(dict(state.file_times)) if state.file_times is not None else None,
+        "processes": state.processes if plan.mutates else 0,
     }
     with connection.cursor() as cursor:
         cursor.execute(INSERT_SQL, params)
@@ -147,7 +141,7 @@ def node_record(
                 mutates=True,
                 replay_cost_ms=cum_exec_ms - nearest_cum,
                 costs=backend_costs(task.backend),
-                live_processes=processes,
+                live_processes=state.processes,
                 keeps_processes=keeps_processes,
             )
     return RecordOutcome(

@@ -28,8 +28,10 @@ from .match import (
     state_chain,
 )
 from .policy import TaskPolicy, ToolPolicy
+from .state import RecordedState
 
 __all__ = [
+    "RecordedState",
     "CatchUp",
     "ChainStep",
     "StateChain",

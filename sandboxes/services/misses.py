@@ -37,7 +37,7 @@ from cache.services import (
     snapshot_register,
 )
 from cache.services.background import job_enqueue
-from cache.tcg import ToolCall
+from cache.tcg import RecordedState, ToolCall
 from observability import metrics
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
@@ -123,9 +123,9 @@ def serve_miss(
             outcome = node_record(
                 task_id=task.pk,
                 record=RecordInput(context, result, exec_ms, observed),
-                state=(state.full, state.shape, state.order) if state else ("", "", ""),
-                file_times=state.times if state else None,
-                processes=state.processes if state else 0,
+                state=RecordedState(state.full, state.shape, state.order, state.times, state.processes)
+                if state
+                else RecordedState(),
                 keeps_processes=run.sandbox.keeps_processes,
             )
             _executed(run, applied=len(context.history) + int(mutates))
