@@ -24,6 +24,7 @@ from django.conf import settings
 
 from cache.errors import InvalidInput, PayloadTooLarge
 from cache.tcg import ToolCall
+from cache.tcg.records import CallContext, CallRecord
 
 INT32 = (-(2**31), 2**31 - 1)  # an integer column (epoch)
 INT64 = (-(2**63), 2**63 - 1)  # a bigint column (node ids, sizes)
@@ -171,15 +172,6 @@ def parse_node_id(value: int) -> int:
             details={"field": "node_id", "min": 1, "max": INT64[1]},
         )
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class CallContext:
-    history: tuple[ToolCall, ...]
-    call: ToolCall
-    rollout_id: str
-    epoch: int
-    env_fingerprint: str | None
 
 
 def _object(data: Any) -> dict:
@@ -364,23 +356,7 @@ def _audit_rate(audit_rate: Any) -> float | None:
     return float(audit_rate)
 
 
-@dataclass(frozen=True, slots=True)
-class RecordInput:
-    context: CallContext
-    result: Any
-    exec_ms: float
-    # Whether the call changed the sandbox, as the executor observed it; None: not observed. Only
-    # False matters: the call then counts as read-only, whatever its tool declares.
-    mutated: bool | None = None
-    # The modification times (ns, by path) of what the call changed in the client's sandbox: what
-    # a replay of the call there writes back (Node.file_times). None: not kept (a replay then
-    # restores no time from this call on); {}: the call changed no entry's time.
-    file_times: dict[str, int] | None = None
-    # The call ran again only to rebuild the sandbox's state (a replay): its time was not saved.
-    replay: bool = False
-
-
-def parse_record(data: Any) -> RecordInput:
+def parse_record(data: Any) -> CallRecord:
     context = parse_call_context(data)
     result = _required(data, "result")
     check_json(result, "result", storable=False)  # stored as JSON text, where NUL is escaped
@@ -392,7 +368,7 @@ def parse_record(data: Any) -> RecordInput:
             details={"field": "exec_ms", "min": 0, "max": MAX_MS},
         )
     mutated = _optional(data, "mutated", bool, None)
-    return RecordInput(
+    return CallRecord(
         context=context,
         result=result,
         exec_ms=float(exec_ms),

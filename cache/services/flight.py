@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import connection
 
-from cache.inputs import CallContext
 from cache.lanes import ClaimAwaited, SlowWork, lane_current
+from cache.tcg.records import CallContext
 
 from .lookup import CLAIM_INSERT, CLAIM_RELEASE_SQL, LookupHit, LookupMiss, tcg_lookup
 from .snapshots import lease_release

@@ -17,7 +17,6 @@ from django.db import connection
 from django.utils import timezone
 
 from cache import ledger
-from cache.inputs import CallContext
 from cache.models import Node
 from cache.prepared import prepared_cursor
 from cache.projects import unknown_task
@@ -32,6 +31,7 @@ from cache.tcg import (
     longest_prefix_match,
     state_chain,
 )
+from cache.tcg.records import CallContext
 from cache.tcg.snapshots import snapshot_after_ms
 from observability import metrics
 

@@ -10,8 +10,8 @@ from django.db import connection
 
 from cache import ledger
 from cache.errors import PayloadTooLarge
-from cache.inputs import RecordInput
 from cache.tcg import RecordedState, canonical_call, record_plan, result_json
+from cache.tcg.records import CallRecord
 from cache.tcg.snapshots import snapshot_wanted
 
 from .lookup import task_chain
@@ -77,7 +77,7 @@ class RecordOutcome:
 def node_record(
     *,
     task_id: str,
-    record: RecordInput,
+    record: CallRecord,
     state: RecordedState = RecordedState(),
     keeps_processes: bool = False,
 ) -> RecordOutcome:

@@ -28,7 +28,7 @@ from .match import (
     state_chain,
 )
 from .policy import TaskPolicy, ToolPolicy
-from .state import RecordedState
+from .records import RecordedState
 
 __all__ = [
     "RecordedState",

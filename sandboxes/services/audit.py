@@ -17,12 +17,12 @@ from typing import Any
 import orjson
 from django.utils import timezone
 
-from cache.inputs import CallContext
 from cache.models import Divergence, Node, Rollout, Task
 from cache.services import divergence_record, replay_file_times, task_handle
 from cache.services.background import job_offer
 from cache.services.lookup import task_chain
 from cache.tcg import ToolCall, canonical_json
+from cache.tcg.records import CallContext
 from sandboxes.backends.base import SandboxBackend, SandboxError
 from sandboxes.engines import engine_queue, engines_for
 from sandboxes.handles import backend_named

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from cache.inputs import CallContext
 from cache.ledger import materialized_add, replay_add
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task
 from cache.services import (
@@ -38,6 +37,7 @@ from cache.services import (
     tcg_lookup,
 )
 from cache.tcg import Match, TaskPolicy, ToolCall
+from cache.tcg.records import CallContext
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing

@@ -26,7 +26,6 @@ from typing import Any
 from django.db import transaction
 
 from cache.errors import Conflict, Forbidden
-from cache.inputs import CallContext, RecordInput
 from cache.models import Divergence, Node, Snapshot
 from cache.services import (
     divergence_record,
@@ -38,6 +37,7 @@ from cache.services import (
 )
 from cache.services.background import job_enqueue
 from cache.tcg import RecordedState, ToolCall
+from cache.tcg.records import CallContext, CallRecord
 from observability import metrics
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
@@ -122,7 +122,7 @@ def serve_miss(
         with phases.timed("record"), transaction.atomic():
             outcome = node_record(
                 task_id=task.pk,
-                record=RecordInput(context, result, exec_ms, observed),
+                record=CallRecord(context, result, exec_ms, observed),
                 state=RecordedState(state.full, state.shape, state.order, state.times, state.processes)
                 if state
                 else RecordedState(),

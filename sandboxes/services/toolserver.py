@@ -24,7 +24,6 @@ import orjson
 from django.utils import timezone
 
 from cache.errors import Conflict, NotFound
-from cache.inputs import CallContext
 from cache.lanes import on_fast_lane, slow_lane_needed
 from cache.models import Rollout, Task
 from cache.projects import task_public_id, unknown_task
@@ -39,6 +38,7 @@ from cache.services import (
     tcg_lookup,
 )
 from cache.tcg import ToolCall
+from cache.tcg.records import CallContext
 from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.handles import as_application_error, backend_named, env_check_granted, sandbox_handle
 from sandboxes.models import Sandbox

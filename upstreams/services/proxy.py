@@ -32,7 +32,6 @@ from django.db.models import F
 from django.utils import timezone
 
 from cache.errors import Conflict, NotFound, PayloadTooLarge
-from cache.inputs import CallContext, RecordInput
 from cache.models import Rollout
 from cache.services import (
     Flight,
@@ -49,6 +48,7 @@ from cache.services import (
     tcg_lookup,
 )
 from cache.tcg import ToolCall
+from cache.tcg.records import CallContext, CallRecord
 from upstreams.models import Trajectory, Upstream
 
 from .calls import action_call, passthrough_call, task_ensure, task_id_for, task_values
@@ -364,7 +364,7 @@ class _Batch:
         context = CallContext(slot.history, call, slot.item.trajectory_id, 0, None)
         try:
             mutates = node_record(
-                task_id=slot.task.task_id, record=RecordInput(context, answer.to_result(), exec_ms)
+                task_id=slot.task.task_id, record=CallRecord(context, answer.to_result(), exec_ms)
             ).mutates
         except PayloadTooLarge:  # answered, not cached; the history still has it
             mutates = slot.task.policy.for_tool(call.tool).mutates_state

@@ -21,10 +21,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from cache.api.auth import token_create
-from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken
 from cache.services import node_record, task_flush, task_put
 from cache.tcg import ToolCall
+from cache.tcg.records import CallContext, CallRecord
 from lab.figures import percentile
 from lab.server import SERVERS, service_running
 
@@ -54,7 +54,7 @@ def build_graph(nodes: int, max_depth: int, seed: int) -> list[tuple[list[ToolCa
             if key not in seen and len(paths) < nodes:
                 seen.add(key)
                 context = CallContext(tuple(history), call, "bench", 0, None)
-                node_record(task_id=TASK, record=RecordInput(context, {"stdout": "x" * 200, "exit_code": 0}, 100.0))
+                node_record(task_id=TASK, record=CallRecord(context, {"stdout": "x" * 200, "exit_code": 0}, 100.0))
                 paths.append((list(history), call))
             history.append(call)
     return paths

@@ -32,10 +32,10 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count
 
 from cache.api.auth import token_create
-from cache.inputs import CallContext, RecordInput
 from cache.models import ApiToken, Lease, Rollout, Snapshot, Task
 from cache.services import node_record, snapshot_register, task_put
 from cache.tcg import ToolCall
+from cache.tcg.records import CallContext, CallRecord
 from lab.bench import sandboxes as bench
 from lab.figures import median_p95
 from lab.server import service_running
@@ -207,7 +207,7 @@ class Command(BaseCommand):
         with backend.start(Task.objects.get(pk=task_id).env, labels=labels(task_id)) as source:
             exec_ms, result = bench.timed_ms(lambda: source.execute("bash", {"command": SETUP}))
             context = CallContext((), ToolCall("bash", {"command": SETUP}), "setup", 0, None)
-            outcome = node_record(task_id=task_id, record=RecordInput(context, result, exec_ms))
+            outcome = node_record(task_id=task_id, record=CallRecord(context, result, exec_ms))
             info = source.snapshot(labels=labels(task_id))
         snapshot, _ = snapshot_register(
             task_id=task_id,
