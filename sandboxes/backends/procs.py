@@ -181,7 +181,7 @@ _cgroup_files: dict[str, str] = {}  # container id -> its cgroup.procs on this h
 class LiveProcess:
     """A process of the sandbox's own, as later calls can observe it (the module's notes above)."""
 
-    argv: bytes  # NUL-separated, as /proc/<pid>/cmdline holds it
+    argv: bytes  # NUL-terminated words, as /proc/<pid>/cmdline holds them
     cwd: bytes  # as the sandbox names it; b"" where unknown
     uid: int
     gid: int
@@ -489,40 +489,65 @@ def _address(hexed: str) -> str:
 # Under a runtime with a kernel of its own (gVisor) the host sees none of the sandbox's processes
 # (and `docker top` lists the host's): one exec lists them from the sandbox's own /proc. Its shell
 # could be a tampered one that lies; what it could hide is only the sandbox's own state, whose
-# snapshots under such a runtime keep processes anyway (docs/design/state.md). Records end with a
-# NUL: "pid ppid start state" \1 cwd \1 argv (its words \1-separated).
+# snapshots under such a runtime keep processes anyway (docs/design/state.md). The same listing
+# serves the fingerprint and the kill of a timed-out call (docker/checkpoint.py). Records end with
+# a NUL: "pid ppid pgid sid start state" \1 cwd \1 argv (its words \1-separated).
 INSIDE_SCAN = r"""for d in /proc/[0-9]*; do
 p=${d#/proc/}
 [ "$p" = "$$" ] && continue
 IFS= read -r s 2>/dev/null <"$d/stat" || continue
 s=${s##*) }; set -- $s
 c=; cd -P "$d/cwd" 2>/dev/null && c=$PWD; cd /
-printf '%s %s %s %s\1%s\1' "$p" "$2" "${20}" "$1" "$c"
+printf '%s %s %s %s %s %s\1%s\1' "$p" "$2" "$3" "$4" "${20}" "$1" "$c"
 while IFS= read -r -d '' w; do printf '%s\1' "$w"; done 2>/dev/null <"$d/cmdline"
 printf '\0'
 done
 """
 
 
-def inside_processes(listing: bytes, keepalive: tuple[str, ...]) -> tuple[LiveProcess, ...] | None:
-    """The sandbox's own live processes from INSIDE_SCAN's output (its init is pid 1; execs, the
-    scan's own included, have no parent in the sandbox)."""
-    stats: dict[int, tuple[str, int, int]] = {}
-    rest: dict[int, tuple[bytes, bytes]] = {}
+@dataclass(frozen=True)
+class InsideProcess:
+    """A process as INSIDE_SCAN lists it from the sandbox's own /proc."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    start: int
+    state: str
+    cwd: bytes
+    argv: bytes  # NUL-terminated words, as /proc/<pid>/cmdline holds them
+
+
+def inside_listing(listing: bytes) -> tuple[list[InsideProcess], bool]:
+    """INSIDE_SCAN's processes, and whether every record was whole (a process that exited mid-scan
+    is simply absent; a record out of format is left out and makes it False)."""
+    found, whole = [], True
     for record in listing.split(b"\0"):
         if not record:
             continue
         head, _, tail = record.partition(b"\1")
         cwd, _, argv = tail.partition(b"\1")
         fields = head.split()
-        if len(fields) != 4 or not all(f.isdigit() for f in fields[:3]):
-            return None
-        pid, ppid, start = int(fields[0]), int(fields[1]), int(fields[2])
-        stats[pid] = (fields[3].decode("ascii", "replace"), ppid, start)
-        rest[pid] = (cwd, argv.replace(b"\1", b"\0"))
-    if 1 not in stats:
+        if len(fields) != 6 or not all(f.isdigit() for f in fields[:5]):
+            whole = False
+            continue
+        pid, ppid, pgid, sid, start = map(int, fields[:5])
+        state = fields[5].decode("ascii", "replace")
+        found.append(InsideProcess(pid, ppid, pgid, sid, start, state, cwd, argv.replace(b"\1", b"\0")))
+    return found, whole
+
+
+def inside_processes(listing: bytes, keepalive: tuple[str, ...]) -> tuple[LiveProcess, ...] | None:
+    """The sandbox's own live processes from INSIDE_SCAN's output (its init is pid 1; execs, the
+    scan's own included, have no parent in the sandbox)."""
+    listed, whole = inside_listing(listing)
+    by_pid = {p.pid: p for p in listed}
+    if not whole or 1 not in by_pid:
         return None
-    found = _theirs(stats, 1, keepalive, lambda pid: rest[pid][1])
+    stats = {p.pid: (p.state, p.ppid, p.start) for p in listed}
+    found = _theirs(stats, 1, keepalive, lambda pid: by_pid[pid].argv)
     return tuple(
-        LiveProcess(rest[root][1], rest[root][0], -1, -1, (), stats[root][2]) for root in _trees(stats, 1, found)
+        LiveProcess(by_pid[root].argv, by_pid[root].cwd, -1, -1, (), by_pid[root].start)
+        for root in _trees(stats, 1, found)
     )

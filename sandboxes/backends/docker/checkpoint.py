@@ -42,7 +42,8 @@ import docker.errors
 from .. import hostfs
 from ..base import InvalidEnv, NotGranted, SandboxError
 from ..config import DockerConfig
-from ..procs import with_descendants
+from ..procs import INSIDE_SCAN, InsideProcess, inside_listing, with_descendants
+from .agent import AGENT_NAME
 from .engine import EngineFacts
 
 _RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -361,29 +362,9 @@ def _forget(api: docker.APIClient, ref: str, store: CheckpointStore, tag: str) -
 # this sandbox's processes, whose state is unknown after a timeout anyway), the host picks the
 # call's as procs.py does, and another exec kills them, round after round until none is left (this
 # runsc build dies of SIGKILL sent to processes it stopped, so they are not frozen first).
-AGENT_ARG = "tvcache-session"  # agent.AGENT_NAME: argv[3] of the session agent and its subshells
-_SCAN = r"""a=tvcache; a=$a-session
-for d in /proc/[0-9]*; do
-p=${d#/proc/}
-[ "$p" = "$$" ] && continue
-IFS= read -r s 2>/dev/null <"$d/stat" || continue
-s=${s##*) }; set -- $s
-g=0
-while IFS= read -r -d '' w; do [ "$w" = "$a" ] && g=1; done 2>/dev/null <"$d/cmdline"
-echo "$p $2 $3 $4 $g"
-done
-"""
+_AGENT_WORD = AGENT_NAME.encode()  # argv[3] of the session agent and its subshells
 _SIGNAL = 'sig=$1; shift; kill -s "$sig" "$@" 2>/dev/null; exit 0'
 _KILL_ROUNDS = 20
-
-
-@dataclass(frozen=True)
-class _InsideProc:
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    agent: bool
 
 
 def kill_calls_inside(api: docker.APIClient, container_id: str, shell: str, *, agent: bool) -> int:
@@ -401,31 +382,26 @@ def kill_calls_inside(api: docker.APIClient, container_id: str, shell: str, *, a
     return len(killed)
 
 
-def _call_members(procs: list[_InsideProc], *, agent: bool) -> set[int]:
+def _call_members(procs: list[InsideProcess], *, agent: bool) -> set[int]:
     by_pid = {p.pid: p for p in procs}
+    agents = {p.pid for p in procs if _AGENT_WORD in p.argv.split(b"\0")}
     # Started by the engine: an exec, or the agent (with `agent`).
-    roots = {p.pid for p in procs if p.ppid == 0 and p.pid != 1 and (agent or not p.agent)}
+    roots = {p.pid for p in procs if p.ppid == 0 and p.pid != 1 and (agent or p.pid not in agents)}
     for p in procs:  # the topmost sessions below an agent: its calls
         parent = by_pid.get(p.ppid)
-        if p.sid == p.pid and parent is not None and parent.agent and parent.sid != p.sid:
+        if p.sid == p.pid and parent is not None and parent.pid in agents and parent.sid != p.sid:
             roots.add(p.pid)
     return with_descendants({p.pid for p in procs if p.pid in roots or p.sid in roots or p.pgid in roots}, procs)
 
 
-def _scan_inside(api: docker.APIClient, container_id: str, shell: str) -> list[_InsideProc]:
-    found = []
-    for line in _exec(api, container_id, [shell, "-c", _SCAN]).splitlines():
-        fields = line.split()
-        if len(fields) == 5 and all(f.isdigit() for f in fields):
-            pid, ppid, pgid, sid, agent = map(int, fields)
-            found.append(_InsideProc(pid, ppid, pgid, sid, bool(agent)))
-    return found
+def _scan_inside(api: docker.APIClient, container_id: str, shell: str) -> list[InsideProcess]:
+    return inside_listing(_exec(api, container_id, [shell, "-c", INSIDE_SCAN]))[0]
 
 
 def _signal_inside(api: docker.APIClient, container_id: str, shell: str, signal: str, pids: list[int]) -> None:
     _exec(api, container_id, [shell, "-c", _SIGNAL, "kill", signal, *map(str, pids)])
 
 
-def _exec(api: docker.APIClient, container_id: str, argv: list[str]) -> str:
+def _exec(api: docker.APIClient, container_id: str, argv: list[str]) -> bytes:
     exec_id = api.exec_create(container_id, argv)["Id"]
-    return api.exec_start(exec_id).decode("utf-8", errors="replace")
+    return api.exec_start(exec_id)
