@@ -188,12 +188,11 @@ TVCACHE = {
     # count is flushed before it is read).
     "COUNTER_FLUSH_S": env.float("TVCACHE_COUNTER_FLUSH_S", default=0.3),
     # Threads per ASGI process that answer lookups. One: more threads per process fight over the
-    # GIL (bench_lookup: 2 processes x 4 threads saturated at 585 lookups/s; 3 x 1 served 1,024/s
-    # at P95 7 ms); run more processes instead.
+    # GIL; run more processes instead (figures: docs/design/hot-path.md).
     "HOT_PATH_THREADS": env.int("TVCACHE_HOT_PATH_THREADS", default=1),
     # Threads per ASGI process that answer records, apart from lookups: a record mostly waits for
-    # its commit to reach the disk, and a lookup queued behind it waited as long (sql replay, 8
-    # rollouts in flight: lookup P95 14 to 33 ms on one shared thread).
+    # its commit to reach the disk, and a lookup queued behind it waited as long
+    # (docs/design/hot-path.md).
     "RECORD_THREADS": env.int("TVCACHE_RECORD_THREADS", default=2),
     # Threads per ASGI process that run tool-server calls' tools (misses): the calls of this many
     # rollouts run at once (each holds a database connection while it runs: keep DB_POOL_SIZE above
@@ -251,8 +250,8 @@ TVCACHE = {
     "DOCKER_OBSERVE_WRITES": env.bool("TVCACHE_DOCKER_OBSERVE_WRITES", default=True),
     # ... until the container's layer holds this many files (listing it costs ~10 us per file).
     "DOCKER_OBSERVE_MAX_ENTRIES": env.int("TVCACHE_DOCKER_OBSERVE_MAX_ENTRIES", default=20_000),
-    # Bash calls run through one session agent per container (sandboxes/backends/docker/agent.py):
-    # about 6 to 14 ms a call against 53 to 60 ms by `docker exec` (bench_sandboxes --only calls).
+    # Bash calls run through one session agent per container (sandboxes/backends/docker/agent.py),
+    # several times cheaper than a `docker exec` each (docs/results/bench/sandboxes-calls.md).
     "DOCKER_SESSION": env.bool("TVCACHE_DOCKER_SESSION", default=True),
     # The OCI runtime of docker sandboxes whose task names none, the runtimes a task may name
     # (`"runtime": "runsc"`), and those whose snapshots are checkpoints keeping processes and memory

@@ -130,8 +130,7 @@ STAMP_SQL = "SELECT version, created_at FROM cache_task WHERE id = %s"
 # A lease is only granted on a snapshot that is still live (FOR SHARE orders it against eviction).
 # Its commit does not wait for the WAL to reach the disk (synchronous_commit off for this one
 # statement's transaction): a lease is coordination with a TTL, not data, and that wait sits on a
-# miss's critical path (a durable commit took 8.7 ms against 0.16 ms asynchronous here, with the
-# disk busy as sandboxes' snapshots make it). A PostgreSQL crash can lose the leases of its last
+# miss's critical path (docs/design/exactness.md has the figures). A PostgreSQL crash can lose the leases of its last
 # few hundred ms; such a snapshot may then be evicted while its rollout forks it, which fails
 # that call like any fork of a vanished snapshot and never returns a wrong result.
 LEASE_SQL = """
