@@ -12,25 +12,12 @@ import docker
 import pytest
 
 from cache.ledger import ledger_flush
-from cache.models import BackendCost, Divergence, MaterializationStat, Node, Rollout, Snapshot
-from cache.services import snapshots as snapshot_costs
+from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot
 from dashboard.selectors import task_processes
 from sandboxes.images import DEBIAN_TAG
 from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def snapshot_every_call():
-    """Snapshots and restores measured as nearly free: the graph wants a snapshot after every
-    state-changing call, as it would after a slow one."""
-    BackendCost.objects.update_or_create(
-        backend="docker", defaults={"snapshot_ms": 0.5, "restore_ms": 0.5, "snapshot_samples": 1, "restore_samples": 1}
-    )
-    snapshot_costs._costs.clear()
-    yield
-    snapshot_costs._costs.clear()
 
 
 @pytest.mark.parametrize("case", [BACKGROUND, DAEMON, WRITER], ids=["background", "daemon", "writer"])

@@ -12,8 +12,6 @@ from __future__ import annotations
 import pytest
 
 from cache.models import Snapshot
-from cache.services import record
-from cache.tcg.snapshots import SnapshotCosts
 from sandboxes.images import DEBIAN_TAG
 from sandboxes.models import Sandbox
 from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
@@ -21,13 +19,6 @@ from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_o
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 RUNSC = {"backend": "docker", "runtime": "runsc"}
-
-
-@pytest.fixture
-def snapshot_every_call(monkeypatch):
-    """Every state-changing call is worth a snapshot: the graph snapshots the state after the
-    first call without making that call slow."""
-    monkeypatch.setattr(record, "backend_costs", lambda backend: SnapshotCosts(snapshot_ms=0.0, restore_ms=0.0))
 
 
 def _forked_probes(api, task: str, first: dict, probe: str, rollouts: int = 3) -> list[str]:

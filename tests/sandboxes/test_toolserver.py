@@ -53,9 +53,9 @@ def test_hits_need_no_sandbox(api, docker_task):
     assert Sandbox.objects.filter(rollout__rollout_id="r2").count() == 0
 
 
-def test_cwd_and_exports_survive_calls_and_forks(api, docker_task):
+def test_cwd_and_exports_survive_calls_and_forks(api, docker_task, snapshot_every_call):
     task = docker_task("session")
-    setup = bash("sleep 1; mkdir -p /work && cd /work && export GREETING='hello there'")  # slow: snapshotted
+    setup = bash("mkdir -p /work && cd /work && export GREETING='hello there'")  # snapshotted
     run(api, task, "r1", setup)
     assert run(api, task, "r1", bash('echo "$PWD $GREETING"'))["result"]["stdout"] == "/work hello there\n"
     run(api, task, "r2", setup)  # a hit: r2 has no sandbox yet
@@ -190,11 +190,11 @@ def test_a_second_call_of_a_busy_rollout_is_refused_and_the_history_stays_exact(
     assert run(api, task, "r", bash("cat /f"))["result"]["stdout"] == "1\n"
 
 
-def test_every_lease_a_miss_takes_is_released(api, docker_task):
+def test_every_lease_a_miss_takes_is_released(api, docker_task, snapshot_every_call):
     from cache.models import Lease
 
     task = docker_task("leases")
-    setup = bash("sleep 1; echo s > /s")
+    setup = bash("echo s > /s")  # snapshotted
     run(api, task, "r1", setup)
     run(api, task, "r2", setup)
     for command in ("echo 1", "echo 2", "echo 3"):  # misses below a snapshot
