@@ -118,6 +118,7 @@ def docker_engine():
     return client
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_work_runs_in_process(docker_engine, token):
     from sandboxes.handles import backend_named, labels
@@ -187,6 +188,7 @@ def test_without_a_secret_key_production_settings_refuse_to_start():
     assert with_key.returncode == 0, with_key.stderr
 
 
+@pytest.mark.slow
 def test_with_redis_down_lookups_records_and_tool_server_calls_keep_answering(api, toy_task, token):
     """A served instance whose broker and channel layer point where nothing listens. Every answer
     within the client's 10 s (a publish to a dead broker took 6.6 s when it was on the path)."""

@@ -255,6 +255,7 @@ class Hammer:
         self.pool.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_no_process_serves_a_hit_that_a_change_answered_before_made_unservable():
     """Two server processes serve a stream of hits from their caches (the default window) while

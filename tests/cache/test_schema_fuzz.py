@@ -24,6 +24,7 @@ FUZZ_S = 50  # schemathesis's budget; with the server's start, the test stays wi
 WORKERS = 1
 
 
+@pytest.mark.slow
 def test_the_whole_schema_fuzzed_finds_no_server_error(api, toy_task, token, tmp_path):
     # Ids that exist, drawn half of the time, so that operations get past their 404s.
     write = call("write", path="f", content="1")

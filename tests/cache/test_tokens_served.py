@@ -21,6 +21,7 @@ W = call("write", path="f", content="1")
 REFUSED_WITHIN_S = 5.0
 
 
+@pytest.mark.slow
 def test_a_revoked_token_is_refused_within_five_seconds_by_every_process(api):
     assert TOKEN_CACHE_TTL_S < REFUSED_WITHIN_S
     key = token_create(name="doomed", project="alpha", role="trainer")

@@ -50,6 +50,7 @@ def node_point(page, node_id: int) -> tuple[float, float]:
     return box["x"] + pos[0], box["y"] + pos[1]
 
 
+@pytest.mark.slow
 @pytest.mark.browser
 def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
     tree = build_tree(api, toy_task)

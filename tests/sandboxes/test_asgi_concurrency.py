@@ -18,6 +18,7 @@ from tests.support.toolserver import bash
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.slow
 def test_hits_are_answered_while_another_rollouts_long_miss_runs(busybox, docker_task):
     docker_task("busy")  # made here so that its sandboxes are removed afterwards; the server serves it
     token = token_create(name="asgi")
@@ -43,6 +44,7 @@ def test_hits_are_answered_while_another_rollouts_long_miss_runs(busybox, docker
         slow.join()
 
 
+@pytest.mark.slow
 def test_rollouts_waiting_for_another_ones_run_hold_no_thread(busybox, docker_task, monkeypatch):
     """Single flight under load: rollouts that wait for a leader's run of the same call wait on the
     event loop. With two threads for tool runs, a leader and six waiters still leave one thread for

@@ -138,6 +138,7 @@ def test_pre_forks_are_capped_per_task_and_unused_ready_sandboxes_are_stopped(ap
     assert Sandbox.objects.get(pk=waiting.pk).state == "stopped"
 
 
+@pytest.mark.slow
 def test_without_redis_the_service_runs_the_periodic_jobs_itself_one_process_at_a_time(
     api, docker_task, busybox, monkeypatch
 ):
