@@ -1,4 +1,4 @@
-"""How a request's work gives its thread back to the ASGI front door (cache/api/lean.py).
+"""How a request's work gives its thread back to the ASGI front door (cache/api/frontdoor.py).
 
 The front door answers hot requests on lanes: a few threads each, with bounded queues. A thread of
 a fast lane must never run a tool for minutes, nor sleep while another request executes what this

@@ -6,7 +6,7 @@ records with structlog's ProcessorFormatter, and `structlog.get_logger()` logger
 same handler. A request's id comes from its X-Request-ID header when that is a sane token (else a
 new one is made), is bound to the log context while the request runs and is echoed in the
 response's X-Request-ID header: by `RequestIdMiddleware` for Django, and by the hot path's front
-doors (`cache.api.lean`) for the requests they answer before Django.
+doors (`cache.api.frontdoor`) for the requests they answer before Django.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from cache.api.lean import LeanPostView
+from cache.api.frontdoor import FrontDoorView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
 from cache.inputs import INT32, parse_id, parse_rollout_call
 from cache.projects import task_public_id
@@ -74,7 +74,7 @@ class TaskSandboxesSerializer(serializers.Serializer):
         summary="Tool-server mode: run a rollout's next call (answered from the cache when it can be)",
     )
 )
-class RolloutCallView(LeanPostView):
+class RolloutCallView(FrontDoorView):
     route = "/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls"
     lane = "tool"  # a miss executes the tool
 

@@ -1,5 +1,5 @@
 """ASGI entry point (HTTP and websockets). Lookup, record and tool-server call POSTs are answered
-before Django's handler and middleware, on threads of their own (cache/api/lean.py, HotPathASGI)."""
+before Django's handler and middleware, on threads of their own (cache/api/frontdoor.py, FrontDoorASGI)."""
 
 import os
 
@@ -11,14 +11,14 @@ django_asgi = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs Django set up)
 from django.conf import settings  # noqa: E402
 
-from cache.api.lean import HotPathASGI  # noqa: E402
+from cache.api.frontdoor import FrontDoorASGI  # noqa: E402
 from cache.api.views import LookupView, RecordView  # noqa: E402
 from dashboard.routing import websocket_application  # noqa: E402
 from sandboxes.api import RolloutCallView  # noqa: E402
 from workers.periodic import periodic_jobs_start  # noqa: E402
 
 conf = settings.TVCACHE
-http_application = HotPathASGI(
+http_application = FrontDoorASGI(
     django_asgi,
     [LookupView, RecordView, RolloutCallView],
     threads={

@@ -12,7 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from cache.api.errors import application_error, error_response
-from cache.api.lean import json_response
+from cache.api.frontdoor import json_response
 from cache.api.serializers import ErrorSerializer
 from cache.errors import InvalidInput
 from upstreams import selectors, services

@@ -30,7 +30,7 @@ from cache.tcg import RecordedState
 from observability import metrics
 
 from . import serializers as s
-from .lean import LeanPostView
+from .frontdoor import FrontDoorView
 
 ERRORS = {code: s.ErrorSerializer for code in (400, 401, 403, 404, 409, 413, 429, 503)}
 TASK_PAGE = 100  # tasks per answer of the task list unless ?limit= says otherwise
@@ -146,7 +146,7 @@ _TEST = {"tool": "bash", "args": {"command": "cd /repo && make test", "timeout_s
         ],
     )
 )
-class LookupView(LeanPostView):
+class LookupView(FrontDoorView):
     route = "/api/v1/tasks/{task_id}/lookup"
 
     @staticmethod
@@ -208,7 +208,7 @@ class LookupView(LeanPostView):
         ],
     )
 )
-class RecordView(LeanPostView):
+class RecordView(FrontDoorView):
     route = "/api/v1/tasks/{task_id}/record"
     lane = "write"
 

@@ -1,5 +1,5 @@
 """The deployed application answers lookup and record before Django's handler and middleware
-(cache/api/lean.py: HotPathASGI): every answer must be the one Django gives, byte for byte,
+(cache/api/frontdoor.py: FrontDoorASGI): every answer must be the one Django gives, byte for byte,
 headers included, and whatever the hot path is unsure of must still reach Django."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from django.db import connections
 from django.test import override_settings
 
-from cache.api.lean import HotPath, HotPathASGI
+from cache.api.frontdoor import FrontDoor, FrontDoorASGI
 from cache.api.views import LookupView, RecordView
 from sandboxes.api import RolloutCallView
 from tests.support.api import call
@@ -90,7 +90,7 @@ def door():
     made = []
 
     def make(views):
-        made.append(HotPathASGI(asgi_module.django_asgi, views, threads={"read": 1, "write": 1, "tool": 1}))
+        made.append(FrontDoorASGI(asgi_module.django_asgi, views, threads={"read": 1, "write": 1, "tool": 1}))
         return made[-1]
 
     yield asgi, make([LookupView, RecordView, RolloutCallView]), asgi_module.django_asgi, make
@@ -193,7 +193,7 @@ def test_a_route_that_moved_is_left_to_django(door):
 def in_thread(path: str, content: bytes, token: str) -> tuple[int, bytes]:
     """What the front door's lane thread does for a request, done on this thread: its statements
     count in django_assert_num_queries."""
-    hot = HotPath([LookupView, RecordView, RolloutCallView])
+    hot = FrontDoor([LookupView, RecordView, RolloutCallView])
     path_kwargs, view = hot.route("POST", path, "http", "127.0.0.1:8000", str(len(content)))
     answer = hot.respond(
         view,

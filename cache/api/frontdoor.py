@@ -1,18 +1,18 @@
-"""Lean dispatch for the hot endpoints (lookup, record, tool-server calls), inside Django and in
-front of it.
+"""The front door: how the hot endpoints (lookup, record, tool-server calls) are answered, inside
+Django and in front of it.
 
 Lookup and record run at thousands of requests per second; content negotiation, parser and
 renderer selection, permission and throttle classes cost more than the lookup itself. These
-views check the token and parse the JSON body themselves, and answer errors as the exception
-handler does (cache/api/errors.py). The OpenAPI schema still describes them like any DRF view.
+views (`FrontDoorView`) check the token and parse the JSON body themselves, and answer errors as
+the exception handler does (cache/api/errors.py). The OpenAPI schema still describes them like
+any DRF view.
 
-The front door goes one step further: `HotPathASGI` (the deployed ASGI application) answers POSTs
-to these endpoints with the same `lean_answer` before Django's request handler, URL resolver and
-middleware chain run, and adds the headers that middleware would have added. Django's handler
-is most of a lookup's time otherwise: it gives every request a thread of its own and runs the
-sync middleware through thread hops, about 6 ms of CPU per lookup against 0.7 ms here. Anything
-else, and any request it is not sure about (another host, no Content-Length, moved routes), goes
-to Django unchanged."""
+`FrontDoorASGI` (the deployed ASGI application) goes one step further: it answers POSTs to these
+endpoints with the same `front_door_answer` on its lanes (cache/lanes.py) before Django's request
+handler, URL resolver and middleware chain run, and adds the headers that middleware would have
+added; Django's handler would otherwise be most of a lookup's time (docs/design/hot-path.md).
+Anything else, and any request it is not sure about (another host, no Content-Length, moved
+routes), goes to Django unchanged."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class TokenRequired(NotAuthenticated):
     challenge = "Token"  # the scheme TrainerTokenAuthentication names to DRF
 
 
-def lean_principal(authorization: str) -> Principal:
+def front_door_principal(authorization: str) -> Principal:
     """The request's principal (its token's project and role); TokenRequired (401) for a token
     that is missing or invalid."""
     parts = authorization.split()
@@ -77,12 +77,12 @@ def lean_principal(authorization: str) -> Principal:
     return principal
 
 
-def lean_refusal(authorization: str) -> Reply | None:
+def front_door_refusal(authorization: str) -> Reply | None:
     """The answer refusing a request whose token is missing or invalid; None for a valid one.
     Runs before the body is read."""
 
     def check() -> None:
-        lean_principal(authorization)
+        front_door_principal(authorization)
 
     return _answered(check)
 
@@ -94,14 +94,14 @@ def token_verified(authorization: str) -> bool:
     return len(parts) == 2 and parts[0].lower() == "token" and principal_cached(parts[1])
 
 
-def lean_answer(
+def front_door_answer(
     answer: Answer, *, path_kwargs: dict[str, str], authorization: str, read_body: Callable[[], bytes]
 ) -> Reply:
     """The answer to a POST to a hot endpoint: token, its project's rate limit, then body, then
     the answer (which gets the principal: the task id resolves in its project)."""
 
     def work() -> Reply:
-        principal = lean_principal(authorization)
+        principal = front_door_principal(authorization)
         lane = lane_current()
         if lane is None or not lane.rerun:  # a request handed back and run again counts once
             admit(principal)
@@ -129,7 +129,7 @@ def _answered(work: Callable[[], Reply | None]) -> Reply | None:
 # so tool-server hits never queue behind tool runs either (cache/lanes.py).
 # Subclasses document `post` with extend_schema_view. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as the operation's description.)
-class LeanPostView(APIView):
+class FrontDoorView(APIView):
     answer: Answer
     route: str
     lane: Lane = "read"
@@ -141,7 +141,7 @@ class LeanPostView(APIView):
         return self.post(request, *args, **kwargs)
 
     def post(self, request, **kwargs):
-        status, body, headers = lean_answer(
+        status, body, headers = front_door_answer(
             type(self).answer,
             path_kwargs=kwargs,
             authorization=request.META.get("HTTP_AUTHORIZATION", ""),
@@ -189,11 +189,11 @@ def _check_connection(db, *, keep: bool) -> None:
 _ARGUMENT = {"task_id": "[-a-zA-Z0-9_]+", "rollout_id": "[^/]+"}
 
 
-class HotPath:
+class FrontDoor:
     """What the front door answers itself: which requests, and the answer with its headers.
     A view whose route no longer resolves to it is left to Django."""
 
-    def __init__(self, views: list[type[LeanPostView]]):
+    def __init__(self, views: list[type[FrontDoorView]]):
         self.routes = [(self._pattern(view.route), view) for view in views if self._routed(view)]
         # Requests this path cannot answer like the middleware would: let Django do it.
         self.enabled = bool(self.routes) and not settings.SECURE_SSL_REDIRECT and not settings.DEBUG
@@ -206,7 +206,7 @@ class HotPath:
         return re.compile(re.sub(r"\{(\w+)\}", lambda m: f"(?P<{m[1]}>{_ARGUMENT[m[1]]})", route) + r"\Z")
 
     @staticmethod
-    def _routed(view: type[LeanPostView]) -> bool:
+    def _routed(view: type[FrontDoorView]) -> bool:
         probe = re.sub(r"\{\w+\}", "probe", view.route)
         try:
             match = resolve(probe)
@@ -219,7 +219,7 @@ class HotPath:
 
     def route(
         self, method: str, path: str, scheme: str, host: str, content_length: str
-    ) -> tuple[dict[str, str], type[LeanPostView]] | None:
+    ) -> tuple[dict[str, str], type[FrontDoorView]] | None:
         """(path arguments, view) for a request this path answers, else None. It answers a POST
         the middleware would pass untouched: an allowed host, over plain HTTP (no HSTS), with a
         Content-Length (a chunked body is left to Django)."""
@@ -245,7 +245,7 @@ class HotPath:
 
     def respond(
         self,
-        view: type[LeanPostView],
+        view: type[FrontDoorView],
         *,
         path_kwargs: dict[str, str],
         authorization: str,
@@ -262,7 +262,9 @@ class HotPath:
         instead (cache/lanes.py): then the HandBack is returned."""
         return self._run(
             lane or view.lane,
-            lambda: lean_answer(view.answer, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body),
+            lambda: front_door_answer(
+                view.answer, path_kwargs=path_kwargs, authorization=authorization, read_body=read_body
+            ),
             request,
             incoming_id,
             context,
@@ -270,7 +272,7 @@ class HotPath:
 
     def refuse(
         self,
-        view: type[LeanPostView],
+        view: type[FrontDoorView],
         *,
         authorization: str,
         request: Callable[[], object],
@@ -279,7 +281,7 @@ class HotPath:
     ) -> Answered | None:
         """The answer that refuses the request's token, or None if the token is valid: the check
         that runs before the body is read (the token is then cached, see `token_verified`)."""
-        return self._run(lane or view.lane, lambda: lean_refusal(authorization), request, incoming_id)
+        return self._run(lane or view.lane, lambda: front_door_refusal(authorization), request, incoming_id)
 
     def plain(self, reply: Reply, rid: str) -> Answered:
         """An answer made without a thread or the database (a refusal on the event loop)."""
@@ -387,8 +389,8 @@ class _Clock:
         )
 
 
-class HotPathASGI:
-    """ASGI application: the same requests answered by `HotPath` on threads of its own (no thread
+class FrontDoorASGI:
+    """ASGI application: the same requests answered by `FrontDoor` on threads of its own (no thread
     per request, no hop through sync middleware), the rest by `inner`. Each lane has its threads
     (`threads`: lane -> count), which keep their connections but for the "exec" lane's; so a
     lookup never waits for a record's commit nor for a tool that runs for minutes. The body is
@@ -404,14 +406,14 @@ class HotPathASGI:
     def __init__(
         self,
         inner,
-        views: list[type[LeanPostView]],
+        views: list[type[FrontDoorView]],
         *,
         threads: dict[Lane, int],
         queue: dict[Lane, int] | None = None,
         waiters: int = 1024,
     ):
         self.inner = inner
-        self.hot = HotPath(views)
+        self.hot = FrontDoor(views)
         threads = {"auth": 1, "exec": threads.get("tool", 1), **threads}
         self.executors = {
             lane: ThreadPoolExecutor(max_workers=count, thread_name_prefix=f"tvcache-{lane}")
@@ -460,12 +462,12 @@ class HotPathASGI:
         return answer
 
     async def _refusal(
-        self, view: type[LeanPostView], scope, authorization: str, rid: str, clock: _Clock
+        self, view: type[FrontDoorView], scope, authorization: str, rid: str, clock: _Clock
     ) -> Answered | None:
         """The answer refusing the request's token (None: valid), before the body is read."""
         parts = authorization.split()
         if len(parts) != 2 or parts[0].lower() != "token":  # malformed: no database needed
-            return self.hot.plain(lean_refusal(authorization), rid)
+            return self.hot.plain(front_door_refusal(authorization), rid)
         return await self._in_lane(
             "auth",
             partial(
@@ -481,7 +483,7 @@ class HotPathASGI:
         )
 
     async def _answer(
-        self, scope, receive, send, headers: dict[bytes, bytes], path_kwargs: dict[str, str], view: type[LeanPostView]
+        self, scope, receive, send, headers: dict[bytes, bytes], path_kwargs: dict[str, str], view: type[FrontDoorView]
     ):
         clock = _Clock()
         authorization = headers.get(b"authorization", b"").decode("latin-1")
@@ -518,7 +520,7 @@ class HotPathASGI:
         await self._send(send, answer, clock.header(answer), unread=body is None and length > 0)
 
     async def _handed_on(
-        self, view: type[LeanPostView], respond: Callable[..., Answered | HandBack], clock: _Clock, rid: str
+        self, view: type[FrontDoorView], respond: Callable[..., Answered | HandBack], clock: _Clock, rid: str
     ) -> Answered:
         """The answer of `respond` on the view's lane, following the work where it hands the
         request back (cache/lanes.py): on to the "exec" lane, or back to the view's lane once the
