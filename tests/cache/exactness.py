@@ -34,7 +34,7 @@ TOOLS = {
     "sample": {"mutates_state": False},
 }
 POLICY = TaskPolicy.from_json(TOOLS)
-# The determinism audit (issue 15) re-executes sampled hits at random: off here, so that what the
+# The determinism audit re-executes sampled hits at random: off here, so that what the
 # store answers is a function of the scenario (the audit's own tests sample it).
 TASK_SETTINGS = {"tools": TOOLS, "sandbox_budget": 64, "audit_rate": 0}
 # Nondeterministic tools: `stamp` writes a fresh random token to a file, `sample` answers one.

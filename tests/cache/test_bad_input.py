@@ -191,7 +191,7 @@ def test_claim_release_refuses_bad_input(api, toy_task):
     assert error(api.post("/api/v1/tasks/toy/lookup", body, format="json"), 400) == "invalid_payload"
 
 
-# --- input validated at the edge (issue 16): NUL, lone surrogates, nesting, ranges, id lengths ---
+# --- input validated at the edge: NUL, lone surrogates, nesting, ranges, id lengths ---
 
 
 def nested(levels: int) -> str:

@@ -215,7 +215,7 @@ def _call(api, task: str, step: Step) -> Outcome:
 
 deterministic = scenarios(deterministic_calls(patches=True), KINDS)
 
-# Minimal failing examples hypothesis found on the code of issue 15's start (shrunk, then cut by hand).
+# Minimal failing examples hypothesis found on earlier code (shrunk, then cut by hand).
 # A write times out after writing half its content; the service appends it to the history as if it
 # had completed, and the read after it is recorded under the completed write's state.
 TIMEOUT_MIDWAY = [Step(0, WRITE_A, Fault("timeout", "partial", "call")), Step(0, READ_A, None)]

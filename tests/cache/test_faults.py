@@ -1,4 +1,4 @@
-"""Faults degrade, never break (issue 16): a served instance (lab/server.py, production
+"""Faults degrade, never break: a served instance (lab/server.py, production
 settings, the deployed ASGI application) against the real PostgreSQL, Redis and Docker engine.
 Nothing shared is stopped: PostgreSQL "restarts" by having the served instance's connections
 terminated, Redis is "down" for an instance pointed at a port where nothing listens."""

@@ -1,4 +1,4 @@
-"""Moving to projects keeps what exists working (issue 18): tasks and tokens made before become the
+"""Moving to projects keeps what exists working: tasks and tokens made before become the
 default project's, tasks keep their ids as keys, and tokens become maintainers (every token could
 do everything before)."""
 

@@ -1,4 +1,4 @@
-"""Overload answers 503, never a pile-up (issue 16): a served instance (production settings, the
+"""Overload answers 503, never a pile-up: a served instance (production settings, the
 deployed ASGI application) whose lanes are made to stall by a table lock held by the test, the way
 a slow disk or a saturated database would stall them."""
 

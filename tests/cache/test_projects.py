@@ -1,4 +1,4 @@
-"""Projects and scoped tokens (issue 18), over the REST API: two projects, both roles, every route.
+"""Projects and scoped tokens, over the REST API: two projects, both roles, every route.
 
 - isolation: another project's task, node, lease or rollout answers 404 (never 403) to both roles;
 - the same task id in two projects holds two separate graphs;

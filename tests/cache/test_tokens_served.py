@@ -1,4 +1,4 @@
-"""A revoked token is refused within 5 s by every process of a served instance (issue 18), on the
+"""A revoked token is refused within 5 s by every process of a served instance, on the
 hot path (the front door's lookup) and on Django's routes alike; and a served lookup resolves task
 ids inside the token's project."""
 

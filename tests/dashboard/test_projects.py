@@ -1,4 +1,4 @@
-"""The dashboard and its websocket per project (issue 18): staff see every project; members see
+"""The dashboard and its websocket per project: staff see every project; members see
 theirs, with a project switcher; another project's pages, graph JSON and controls are 404; a
 trainer member sees but controls nothing (403), a maintainer member controls its project's tasks
 (audited under their name); the project page shows usage against grants and the tokens; the

@@ -1,4 +1,4 @@
-"""Clean stop (issue 16): stopping the run command (`manage.py serve`, what .ci/demo.sh runs) stops
+"""Clean stop: stopping the run command (`manage.py serve`, what .ci/demo.sh runs) stops
 what it started, and no sandbox of the service outlives it, not even one running a call."""
 
 from __future__ import annotations

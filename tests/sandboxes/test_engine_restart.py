@@ -1,4 +1,4 @@
-"""Docker engine restart (issue 16): a served instance's docker tasks answer 503 engine_unavailable
+"""Docker engine restart: a served instance's docker tasks answer 503 engine_unavailable
 while the engine is down, everything else keeps serving, and sandboxes come back: a rollout whose
 container died with the engine gets sandbox_gone, then a fresh sandbox with its history replayed.
 

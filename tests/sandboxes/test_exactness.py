@@ -1,4 +1,4 @@
-"""Exact under the real world (issue 15): timeouts, kills, tampering, a killed server and sandboxes
+"""Exact under the real world: timeouts, kills, tampering, a killed server and sandboxes
 that do not reach their recorded state never produce a wrong hit. Real Docker, real PostgreSQL."""
 
 from __future__ import annotations

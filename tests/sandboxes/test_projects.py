@@ -1,4 +1,4 @@
-"""Projects in tool-server mode and the operator's sandbox grants (issue 18): tool-server calls and
+"""Projects in tool-server mode and the operator's sandbox grants: tool-server calls and
 rollouts of another project are 404 to both roles, the same task id runs two separate graphs,
 a docker env above the project's grants (network, images, limits) answers 403 with the backend's
 own codes, and a project holds no more live sandboxes than it is granted (429)."""

@@ -229,7 +229,7 @@ def _store_violations(client, task: str, referee: Referee, store: SnapshotStore,
 
 deterministic = scenarios(deterministic_calls(patches=False), KINDS)
 
-# Minimal failing examples hypothesis found on the code of issue 15's start (shrunk, then cut by hand).
+# Minimal failing examples hypothesis found on earlier code (shrunk, then cut by hand).
 # The environment answers timed_out; the executor records that answer and it is served.
 READ_TIMES_OUT = [Step(0, READ_A, Fault("timeout", "none", "call"))]
 # r1's environment replays a write it hit; the replay answers timed_out without writing, the

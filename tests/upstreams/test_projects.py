@@ -1,4 +1,4 @@
-"""Upstreams belong to projects (issue 18): another project's upstream is 404 to both roles, the
+"""Upstreams belong to projects: another project's upstream is 404 to both roles, the
 same name in two projects names two upstreams whose proxies make tasks in their own project, and
 changing an existing upstream takes the maintainer role."""
 

@@ -1,5 +1,5 @@
 """The verl-tool caching proxy: a trainer that changes only its tool_server_url gets the upstream's
-own answers, and the trajectories of a task share the results they can (issue 19, item 1)."""
+own answers, and the trajectories of a task share the results they can."""
 
 from __future__ import annotations
 

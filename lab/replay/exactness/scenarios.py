@@ -169,7 +169,7 @@ class Referee:
         if outcome.fired and step.fault.kind in self.retired and outcome.failure is not None:
             # The sandbox died, and whatever the call did went with it: the service retires it and
             # the rollout goes on from its history (the call is not in it), which the exact
-            # property checks. Retiring is the known-state rule's other option (DESIGN.md).
+            # property checks. Retiring is the known-state rule's other option (docs/design/guarantees.md).
             return
         if outcome.fired:
             if exact and isinstance(answer, Hit):
