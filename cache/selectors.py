@@ -8,7 +8,7 @@ from django.db import connection
 from django.db.models import Count, Max, Q, Sum
 
 from cache.ledger import ledger_flush
-from cache.models import Divergence, Node, Rollout, Snapshot, Task, ToolStat
+from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task, ToolStat
 from cache.projects import unknown_node, unknown_task
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
@@ -59,6 +59,36 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "per_epoch": per_epoch,
         "per_tool": per_tool,
         "divergences": task_divergences(task_id=task_id),
+        "processes": task_processes(task_id=task_id),
+    }
+
+
+def task_processes(*, task_id: str) -> dict[str, Any]:
+    """States with live processes (a server, a daemon an agent left running) and how tool-server
+    misses got their sandboxes to the states of their histories, with and without live processes
+    (MaterializationStat, written by the ledger: task_stats flushes it first)."""
+    counts = {
+        (row["how"], row["processes"]): row["count"]
+        for row in MaterializationStat.objects.filter(task_id=task_id).values("how", "processes", "count")
+    }
+    materialized = [
+        {
+            "how": how,
+            "label": label,
+            "with_processes": counts.get((how, True), 0),
+            "without": counts.get((how, False), 0),
+        }
+        for how, label in MaterializationStat.How.choices
+        if (how, True) in counts or (how, False) in counts
+    ]
+    states = Node.objects.filter(task_id=task_id, mutates=True)
+    return {
+        "states": states.filter(live_processes__gt=0).count(),
+        "snapshots": Snapshot.objects.filter(
+            task_id=task_id, status=Snapshot.Status.LIVE, keeps_processes=True
+        ).count(),
+        "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
+        "materialized": materialized,
     }
 
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from cache import selectors as cache_selectors
 from cache.errors import NotFound
-from cache.models import Divergence, Lease, MaterializationStat, Node, Project, Rollout, Snapshot, ToolStat
+from cache.models import Lease, Node, Project, Rollout, Snapshot, ToolStat
 from cache.projects import unknown_node
 from cache.services.projects import project_request_rate, project_snapshot_bytes, project_tokens, service_images
 from sandboxes.selectors import live_sandboxes as live_sandbox_count
@@ -151,36 +151,7 @@ def task_detail(*, task_id: str) -> dict[str, Any]:
         "rollouts": rollouts,
         "divergences": divergences,
         "epochs": [[e["epoch"], e["calls"], e["hits"], e["oracle_hits"]] for e in stats["per_epoch"]],
-        "processes": task_processes(task_id=task_id),
-    }
-
-
-def task_processes(*, task_id: str) -> dict[str, Any]:
-    """States with live processes (a server, a daemon an agent left running) and how tool-server
-    misses got their sandboxes to the states of their histories, with and without live processes
-    (MaterializationStat, written by the ledger: task_stats flushes it first)."""
-    counts = {
-        (row["how"], row["processes"]): row["count"]
-        for row in MaterializationStat.objects.filter(task_id=task_id).values("how", "processes", "count")
-    }
-    materialized = [
-        {
-            "how": how,
-            "label": label,
-            "with_processes": counts.get((how, True), 0),
-            "without": counts.get((how, False), 0),
-        }
-        for how, label in MaterializationStat.How.choices
-        if (how, True) in counts or (how, False) in counts
-    ]
-    states = Node.objects.filter(task_id=task_id, mutates=True)
-    return {
-        "states": states.filter(live_processes__gt=0).count(),
-        "snapshots": Snapshot.objects.filter(
-            task_id=task_id, status=Snapshot.Status.LIVE, keeps_processes=True
-        ).count(),
-        "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
-        "materialized": materialized,
+        "processes": stats["processes"],
     }
 
 

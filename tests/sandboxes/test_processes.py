@@ -13,7 +13,6 @@ import pytest
 
 from cache.ledger import ledger_flush
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot
-from dashboard.selectors import task_processes
 from sandboxes.images import DEBIAN_TAG
 from tests.support.toolserver import BACKGROUND, DAEMON, HTTP, WRITER, answers_of_later_rollouts, bash, run
 
@@ -104,7 +103,7 @@ def test_processes_left_by_a_replay_are_verified_and_materializations_counted(ap
     ledger_flush()
     counts = {(m.how, m.processes): m.count for m in MaterializationStat.objects.filter(task_id=task)}
     assert counts.get(("root", True)) == 1
-    shown = task_processes(task_id=task)  # the task page of the dashboard
+    shown = api.get(f"/api/v1/tasks/{task}/stats").json()["processes"]  # as the dashboard shows them
     assert shown["states"] == 2 and shown["snapshots"] == 0
     assert {"how": "root", "label": "a fresh sandbox and a replay", "with_processes": 1, "without": 1} in shown[
         "materialized"
