@@ -63,6 +63,16 @@ ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
 
 FLUSH_LOCK_KEY = 0x7476_6361_6368_6531  # "tvcache1": the advisory lock that serializes counter flushes
 
+
+def counters_quiet() -> None:
+    """Waits for a counter flush in flight and keeps the next one out until the caller's transaction
+    ends. Work that deletes counted rows in bulk (nodes, rollouts, tool stats) takes it first, before
+    any row lock: a flush locks those rows in its batch's order, a delete in the table's, and the two
+    deadlocked under load (the delete then failed with 503)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
+
+
 NODES_SQL = """
 UPDATE cache_node SET hit_count = cache_node.hit_count + t.hits, last_hit_at = now()
 FROM unnest(%s::bigint[], %s::int[]) AS t(id, hits) WHERE cache_node.id = t.id

@@ -182,6 +182,7 @@ def task_put(
     fingerprint = env_fingerprint({"env": env, "material": hooks.fingerprint_material(env)})
     with connection.cursor() as cursor:  # PUTs creating one task at once: each waits, then updates the first's
         cursor.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"task_put:{task_id}"])
+    ledger.counters_quiet()  # a changed env drops the task's nodes
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
         if sandbox_budget is None:
@@ -252,6 +253,7 @@ def _drop_nodes(task: Task) -> None:
 @transaction.atomic
 def task_flush(*, task_id: str) -> int:
     """Drop every node, snapshot, rollout and counter of a task; the task itself stays."""
+    ledger.counters_quiet()
     task = Task.objects.select_for_update().filter(pk=task_id).first()
     if task is None:
         raise unknown_task(task_id)
