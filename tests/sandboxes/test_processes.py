@@ -39,21 +39,28 @@ def test_a_state_that_keeps_changing_is_kept_off_shared_keys(api, docker_task, s
     run(api, task, "r1", start)
     time.sleep(0.5)  # the policy thinks; the loop writes meanwhile
     assert run(api, task, "r1", bash(probe))["result"]["stdout"] == live
-    # The state the first call left depended on when it was looked at: its node is no longer served,
-    # the live rollout left the shared graph, and a later rollout runs the call live, at its own time.
-    node = Node.objects.get(task_id=task, depth=1, mutates=True)
-    assert node.divergent and Divergence.objects.filter(task_id=task, node=node, kind="drift").exists()
+    # The state the first call left depended on when it was looked at. Usually the loop's pause lets
+    # it be recorded and the next call finds it drifted; a loop that wrote while the state was being
+    # fingerprinted has it not recorded at all. Either way no node of it is served, the live rollout
+    # left the shared graph, and a later rollout runs the call live, at its own time.
+    node = Node.objects.filter(task_id=task, depth=1, mutates=True).first()
+    assert node is None or (
+        node.divergent and Divergence.objects.filter(task_id=task, node=node, kind="drift").exists()
+    )
     assert Rollout.objects.get(task_id=task, rollout_id="r1").detached_at is not None
     assert run(api, task, "r2", start)["cached"] is False
     assert run(api, task, "r2", bash(f"{probe} # r2"))["result"]["stdout"] == live
     # A writer that never pauses: its state changes before it is recorded (nothing is), or, at the
-    # latest, before the next call (the node stops being served). No rollout ever hits it.
+    # latest, before the next call (the node stops being served). A loop starved of CPU through both
+    # looks can be recorded once; a rollout that hits it gets the live call's bytes, and its replayed
+    # sandbox does not match the recorded state, which ends the node too. Every rollout answers as
+    # a live one, and no node of the loop is left to serve.
     task = docker_task("unsettled")
     restless = bash(
         "(while :; do echo x >> /log; done) >/dev/null 2>&1 & while [ ! -s /log ]; do :; done; echo started"
     )
     for rollout in ("r1", "r2", "r3"):
-        assert run(api, task, rollout, restless)["cached"] is False
+        assert run(api, task, rollout, restless)["result"]["stdout"] == "started\n"
         assert run(api, task, rollout, bash(probe))["result"]["stdout"] == live
     assert not Node.objects.filter(task_id=task, divergent=False).exists()
 
