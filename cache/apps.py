@@ -6,4 +6,8 @@ class CacheConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from .api import schema  # noqa: F401  (registers the OpenAPI auth extension)
+        from accounts.hooks import request_counter_register
+
+        from .ledger import request_add
+
+        request_counter_register(request_add)  # the ledger writes a project's request counts

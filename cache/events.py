@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import orjson
 
-from cache.projects import key_project
+from accounts.projects import key_project
 
 MAX_EVENTS = 200  # per task per flush; beyond it the page is told to refetch ("overflow")
 MAX_NODE_HITS = 500  # distinct nodes per task per flush

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cache.models import Project
+    from accounts.models import Project
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +20,6 @@ class SandboxHooks:
     fingerprint_material: Callable[[dict], dict]
     # Refuses (ApplicationError) an env that asks for more than the project is granted.
     grants_check: Callable[[dict, Project], None]
-    # The images the service runs, sorted (a project's images are chosen among them).
-    images: Callable[[], list[str]]
 
 
 _hooks: SandboxHooks | None = None

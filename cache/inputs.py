@@ -1,17 +1,14 @@
-"""Input parsing at the edge, once: plain checks, no serializer overhead on the hot endpoints
-(lookup, record, tool-server calls), and the JSON checks that every endpoint's body goes through.
-Each body parsed here has one `parse_<body>` function, the endpoint's only validation; the
-serializers in cache/api/serializers.py describe the same bodies for the OpenAPI schema, and a
-test checks each against its parser (tests/cache/test_schema_inputs.py).
+"""The bodies of the tool call graph's REST contract, parsed at the edge, once: plain checks, no
+serializer overhead on the hot endpoints (lookup, record, tool-server calls). Each body parsed here
+has one `parse_<body>` function, the endpoint's only validation; the serializers in
+cache/api/serializers.py describe the same bodies for the OpenAPI schema, and a test checks each
+against its parser (tests/cache/test_schema_inputs.py).
 
-Each failure raises InvalidInput with a stable code and the offending field in `details`:
-- `malformed_json`: not JSON (orjson refuses lone surrogates too: they answer `invalid_string`);
-- `invalid_string`: a NUL character or a lone surrogate in a string, object key, tool name or id
-  (PostgreSQL text and jsonb cannot hold NUL). A result may hold NUL: it is stored as JSON text;
-- `nesting_too_deep`: a call's args, a result or a task's env nested deeper than
-  TVCACHE_MAX_JSON_DEPTH (64) arrays and objects;
-- `invalid_payload`: a wrong type, or a number out of its column's range (`details`: field, min, max);
-- `invalid_id`: an id longer than its column (task and rollout ids: 200) or a node id out of range.
+They are built on the JSON checks every app's bodies go through (core.inputs: its codes
+`malformed_json`, `invalid_string`, `nesting_too_deep`, `invalid_payload`, `invalid_id`). Here a
+tool name is an id too (`invalid_string` for a NUL in it), a call's args, a result and a task's
+env get the depth limit (a result may hold NUL: it is stored as JSON text), and a node id out of
+its column's range is `invalid_id`.
 """
 
 from __future__ import annotations
@@ -19,16 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from django.conf import settings
 
-from cache.errors import InvalidInput, PayloadTooLarge
 from cache.tcg import ToolCall
 from cache.tcg.records import CallContext, CallRecord
+from core.errors import InvalidInput, PayloadTooLarge
+from core.inputs import INT32, INT64, INVALID_STRING, MAX_ID_LENGTH, check_json, depth_limit, parse_id, parse_int
 
-INT32 = (-(2**31), 2**31 - 1)  # an integer column (epoch)
-INT64 = (-(2**63), 2**63 - 1)  # a bigint column (node ids, sizes)
-MAX_ID_LENGTH = 200  # Task.id, Rollout.rollout_id, Node.tool
 # Durations (exec_ms, create_ms, restore_ms) and snapshot sizes are added up in float8 and bigint
 # columns and sums (path costs, time saved, a task's snapshot bytes), where PostgreSQL refuses an
 # overflow: each is capped far above what a tool call or snapshot takes (116 days, 1 TiB).
@@ -40,127 +34,6 @@ MAX_SNAPSHOT_BYTES = 2**40
 MAX_FILE_TIMES = 20_000
 MAX_FILE_TIMES_PATHS = 4 << 20
 MAX_PATH_LENGTH = 4096
-# A number that jsonb would give back as an integer beyond 64 bits (it prints 1e300 in full), which
-# no JSON encoder here writes: args and envs hold numbers below it in magnitude.
-_FLOAT_LIMIT = 2.0**63
-# Levels of a request body around the values the depth limit applies to (body, history, call).
-_ENVELOPE = 4
-
-
-def depth_limit() -> int:
-    return settings.TVCACHE.get("MAX_JSON_DEPTH", 64)
-
-
-class _Fault(Exception):
-    """What a JSON value holds that may not be stored: one of the codes below."""
-
-
-_NUL = "invalid_string"
-_DEEP = "nesting_too_deep"
-_NUMBER = "invalid_payload"
-_MESSAGES = {
-    _NUL: "'{field}' holds a NUL character (or a lone surrogate) in a string or key.",
-    _DEEP: "'{field}' nests arrays and objects deeper than {limit} levels.",
-    _NUMBER: "'{field}' holds a number beyond 64 bits (at most 2**63 in magnitude).",
-}
-
-
-def _walk(container: dict | list, depth: int, limit: int, strings: bool) -> None:
-    # One pass over a parsed JSON container; hot (every call's args), hence the inlined checks.
-    if depth > limit:
-        raise _Fault(_DEEP)
-    if type(container) is dict:
-        if strings and "\x00" in "".join(container):
-            raise _Fault(_NUL)
-        items = container.values()
-    else:
-        items = container
-    for item in items:
-        kind = type(item)
-        if kind is str:
-            if strings and "\x00" in item:
-                raise _Fault(_NUL)
-        elif kind is dict or kind is list:
-            _walk(item, depth + 1, limit, strings)
-        elif kind is float and strings and not -_FLOAT_LIMIT < item < _FLOAT_LIMIT:
-            raise _Fault(_NUMBER)
-
-
-def check_json(value: Any, field: str, *, limit: int | None = None, storable: bool = True) -> None:
-    """Refuse a parsed JSON value that cannot be stored: nested deeper than `limit` levels, or
-    (`storable`, for what goes into jsonb and keys) holding NUL or a number jsonb would turn into an
-    integer beyond 64 bits. Strings are never lone surrogates: orjson refuses them."""
-    limit = depth_limit() if limit is None else limit
-    try:
-        if type(value) is dict or type(value) is list:
-            _walk(value, 1, limit, storable)
-        elif storable and type(value) is str and "\x00" in value:
-            raise _Fault(_NUL)
-    except _Fault as fault:
-        code = fault.args[0]
-        details = {"field": field, "limit": limit} if code == _DEEP else {"field": field}
-        raise InvalidInput(_MESSAGES[code].format(field=field, limit=limit), code=code, details=details) from None
-
-
-def load_json(body: bytes) -> Any:
-    """The parsed body, or InvalidInput: `malformed_json`, `invalid_string` (a lone surrogate) or
-    `nesting_too_deep` (orjson stops at 1,024 levels)."""
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        message = str(exc)
-        if "surrogate" in message:
-            raise InvalidInput(f"A string holds a lone surrogate: {message}", code=_NUL) from None
-        if "depth limit" in message:
-            raise InvalidInput(
-                f"The body nests too deep: {message}", code=_DEEP, details={"limit": depth_limit()}
-            ) from None
-        raise InvalidInput(f"Malformed JSON: {message}", code="malformed_json") from None
-
-
-def load_body(body: bytes) -> Any:
-    """A cold endpoint's body: parsed and checked whole (the values inside it, such as a task's
-    env, get the depth limit; the request's own structure around them a few levels more)."""
-    data = load_json(body)
-    check_json(data, "body", limit=depth_limit() + _ENVELOPE)
-    return data
-
-
-def parse_int(value: Any, field: str, *, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise InvalidInput(
-            f"'{field}' must be an integer from {low} to {high}.",
-            code="invalid_payload",
-            details={"field": field, "min": low, "max": high},
-        )
-    return value
-
-
-def parse_query_int(params, field: str, default: int | None, *, low: int, high: int) -> int | None:
-    """An integer query parameter (GET /tasks?offset=...), range-checked like a body's."""
-    raw = params.get(field)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    return parse_int(value, field, low=low, high=high)
-
-
-def parse_id(value: Any, field: str) -> str:
-    """A task or rollout id: a string that fits its column (path or body)."""
-    if not isinstance(value, str):
-        raise InvalidInput(f"'{field}' must be a string.", code="invalid_payload", details={"field": field})
-    if len(value) > MAX_ID_LENGTH:
-        raise InvalidInput(
-            f"'{field}' is longer than {MAX_ID_LENGTH} characters.",
-            code="invalid_id",
-            details={"field": field, "max_length": MAX_ID_LENGTH},
-        )
-    if "\x00" in value:
-        raise InvalidInput(f"'{field}' holds a NUL character.", code=_NUL, details={"field": field})
-    return value
 
 
 def parse_node_id(value: int) -> int:
@@ -203,7 +76,9 @@ def parse_call(value: Any, field: str, limit: int | None = None) -> ToolCall:
             f"'{field}.args' must be an object.", code="invalid_call", details={"field": f"{field}.args"}
         )
     if "\x00" in tool:
-        raise InvalidInput(f"'{field}.tool' holds a NUL character.", code=_NUL, details={"field": f"{field}.tool"})
+        raise InvalidInput(
+            f"'{field}.tool' holds a NUL character.", code=INVALID_STRING, details={"field": f"{field}.tool"}
+        )
     check_json(args, f"{field}.args", limit=limit)
     return ToolCall(tool, args)
 
@@ -404,7 +279,9 @@ def parse_file_times(value: Any) -> dict[str, int] | None:
                 details={"field": "file_times", "max_length": MAX_PATH_LENGTH},
             )
         if "\x00" in path:
-            raise InvalidInput("A 'file_times' path holds a NUL character.", code=_NUL, details={"field": "file_times"})
+            raise InvalidInput(
+                "A 'file_times' path holds a NUL character.", code=INVALID_STRING, details={"field": "file_times"}
+            )
         parse_int(mtime_ns, f"file_times[{path[:100]!r}]", low=0, high=INT64[1])
     if sum(map(len, value)) > MAX_FILE_TIMES_PATHS:
         raise InvalidInput(

@@ -11,7 +11,7 @@ deltas then go two ways:
   only when stats are read, which call `ledger_flush` first). A crash loses at most that long of
   counters, never a recorded result: counters are statistics, and the lookup stays one indexed
   read (4x cheaper for PostgreSQL than a write). A batch is written whole or not at all, so one
-  row PostgreSQL refuses would lose everyone's counters: the edge (cache.inputs) keeps such keys
+  row PostgreSQL refuses would lose everyone's counters: the edge (core.inputs) keeps such keys
   out, `lookup_add` drops any that still come (logged), and a write that fails (PostgreSQL
   restarting) keeps its counts for the next one (one whose commit was lost with its connection
   may so count its batch twice: statistics).
@@ -37,10 +37,10 @@ import time
 from django.conf import settings
 from django.db import connection, transaction
 
+from accounts.projects import MAX_TASK_KEY
 from cache import events
-from cache.inputs import INT32, MAX_ID_LENGTH
 from cache.prepared import prepared_cursor
-from cache.projects import MAX_TASK_KEY
+from core.inputs import INT32, MAX_ID_LENGTH
 
 log = logging.getLogger("tvcache.ledger")
 
@@ -87,15 +87,16 @@ ON CONFLICT (task_id, rollout_id) DO UPDATE SET
     calls = cache_rollout.calls + EXCLUDED.calls, hits = cache_rollout.hits + EXCLUDED.hits, epoch = EXCLUDED.epoch
 """
 
-# API requests per project and minute (cache.api.auth.admit): the project page's request rate.
+# API requests per project and minute (accounts.services.tokens.admit, through accounts.hooks): the
+# project page's request rate (accounts.models.ProjectRequests).
 REQUESTS_SQL = """
-INSERT INTO cache_projectrequests (project_id, minute, admitted, refused)
+INSERT INTO accounts_projectrequests (project_id, minute, admitted, refused)
 SELECT t.project_id, date_trunc('minute', now()), t.admitted, t.refused
 FROM unnest(%s::bigint[], %s::int[], %s::int[]) AS t(project_id, admitted, refused)
-JOIN cache_project ON cache_project.id = t.project_id
+JOIN accounts_project ON accounts_project.id = t.project_id
 ON CONFLICT (project_id, minute) DO UPDATE SET
-    admitted = cache_projectrequests.admitted + EXCLUDED.admitted,
-    refused = cache_projectrequests.refused + EXCLUDED.refused
+    admitted = accounts_projectrequests.admitted + EXCLUDED.admitted,
+    refused = accounts_projectrequests.refused + EXCLUDED.refused
 """
 
 

@@ -9,7 +9,7 @@ from django.db.models import Count, Max, Q, Sum
 
 from cache.ledger import ledger_flush
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task, ToolStat
-from cache.projects import unknown_node, unknown_task
+from cache.notfound import unknown_node, unknown_task
 
 COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
@@ -151,6 +151,16 @@ def task_divergences(*, task_id: str) -> dict[str, Any]:
         "per_tool": per_tool,
         "per_node": per_node,
     }
+
+
+def project_snapshot_bytes(*, project_id: int) -> int:
+    """Bytes of the project's live snapshots (their sizes as registered)."""
+    return (
+        Snapshot.objects.filter(task__project_id=project_id, status=Snapshot.Status.LIVE).aggregate(
+            n=Sum("size_bytes")
+        )["n"]
+        or 0
+    )
 
 
 def task_ids(*, project_id: int | None = None, project_ids: list[int] | None = None, search: str = ""):

@@ -1,6 +1,6 @@
 """Who sees and controls what on the dashboard: staff see and control every project; other users
 see the projects they are members of, and control those where they are maintainers (the roles of
-tokens, cache.projects). Another project's task, node or sandbox is a 404, as in the API."""
+tokens, accounts.projects). Another project's task, node or sandbox is a 404, as in the API."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404
 from django.urls import register_converter
 
-from cache.models import Membership, Project
-from cache.projects import MAINTAINER, key_project, role_allows
+from accounts.models import Membership, Project
+from accounts.projects import MAINTAINER, key_project, role_allows
 
 
 class TaskKeyConverter:

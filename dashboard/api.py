@@ -8,9 +8,10 @@ from functools import wraps
 from django.http import JsonResponse
 from django.views.decorators.http import require_GET
 
-from cache.api.errors import error_response
-from cache.errors import ApplicationError, InvalidInput, NotAuthenticated
-from cache.projects import key_project, unknown_task
+from accounts.projects import key_project
+from cache.notfound import unknown_task
+from core.api.errors import error_response
+from core.errors import ApplicationError, InvalidInput, NotAuthenticated
 
 from . import access, selectors
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from accounts.projects import key_project
 from cache import events
-from cache.projects import key_project
 
 from . import access
 

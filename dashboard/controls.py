@@ -19,10 +19,10 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods
 
+from accounts.projects import MAINTAINER, key_project
 from cache import services
-from cache.errors import ApplicationError
 from cache.models import Node, Snapshot, Task
-from cache.projects import MAINTAINER, key_project
+from core.errors import ApplicationError
 from sandboxes import services as sandbox_services
 from sandboxes.models import Sandbox
 

@@ -12,11 +12,13 @@ from django.db import connection
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
+from accounts.models import Project
+from accounts.selectors import project_request_rate, project_tokens
 from cache import selectors as cache_selectors
-from cache.errors import NotFound
-from cache.models import Lease, Node, Project, Rollout, Snapshot, ToolStat
-from cache.projects import unknown_node
-from cache.services.projects import project_request_rate, project_snapshot_bytes, project_tokens, service_images
+from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
+from cache.notfound import unknown_node
+from core.errors import NotFound
+from sandboxes.handles import service_images
 from sandboxes.selectors import live_sandboxes as live_sandbox_count
 from sandboxes.selectors import pools_overview
 
@@ -374,7 +376,7 @@ def project_detail(*, name: str) -> dict[str, Any]:
         },
         {
             "what": "Snapshot bytes",
-            "used": project_snapshot_bytes(project_id=project.pk),
+            "used": cache_selectors.project_snapshot_bytes(project_id=project.pk),
             "granted": project.max_snapshot_bytes,
             "kind": "bytes",
         },

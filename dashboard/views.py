@@ -10,9 +10,9 @@ from django.http import Http404
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from cache.errors import NotFound
+from accounts.projects import MAINTAINER, key_project
 from cache.models import AuditEntry
-from cache.projects import MAINTAINER, key_project
+from core.errors import NotFound
 
 from . import access, selectors
 

@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 
 from cache import inputs
-from cache.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
+from core.errors import ApplicationError, Conflict, Forbidden, InvalidInput, PayloadTooLarge, ServiceUnavailable
 from sandboxes.backends import BACKEND_NAMES, DirectoryConfig, DockerConfig, SandboxConfig, SqliteConfig, backend_for
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
@@ -86,7 +86,7 @@ def sandbox_config() -> SandboxConfig:
 
 
 def granted_config(config: DockerConfig, project) -> DockerConfig:
-    """The service's docker configuration narrowed to a project's grants (cache.models.Project):
+    """The service's docker configuration narrowed to a project's grants (accounts.models.Project):
     network only if both allow it, the project's images (the service's default image stays
     allowed), and the lower of each pair of maxima."""
 

@@ -7,10 +7,10 @@ from statistics import median, quantiles
 
 from django.db.models import Count
 
+from accounts.projects import key_project, task_public_id
 from cache.models import Snapshot
-from cache.projects import key_project, task_public_id
 from cache.selectors import task_get
-from cache.ttl import TTLCache
+from core.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
 

@@ -9,8 +9,8 @@ import pytest
 from django.db import connection
 from rest_framework.test import APIClient
 
+from accounts.services.tokens import token_create
 from cache import ledger
-from cache.api.auth import token_create
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -82,10 +82,10 @@ def _token_verified_once_in_counted_tests(request, monkeypatch):
     TOKEN_CACHE_TTL_S (4 s: one statement per token and process every 4 s, not per request), and a
     busy machine can stretch a counting test past that: there, the verification lasts the test."""
     if "django_assert_num_queries" in request.fixturenames:
-        from cache.api import auth
+        from accounts.services import tokens
 
-        monkeypatch.setattr(auth, "TOKEN_CACHE_TTL_S", 600.0)
-        auth._verified.clear()
+        monkeypatch.setattr(tokens, "TOKEN_CACHE_TTL_S", 600.0)
+        tokens._verified.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -20,9 +20,9 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, REGISTRY, CollectorRegis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from cache.api.errors import error_response
-from cache.errors import Forbidden, MethodNotAllowed
 from cache.models import Divergence, Snapshot
+from core.api.errors import error_response
+from core.errors import Forbidden, MethodNotAllowed
 from observability import metrics
 from sandboxes.models import Sandbox
 from tvcache_site.celery import app

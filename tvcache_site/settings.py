@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",  # Swagger UI's files, served from here (no CDN)
     "channels",
+    "accounts",
     "cache",
     "sandboxes",
     "upstreams",
@@ -119,11 +120,11 @@ LOGIN_URL = "/login/"
 LOGIN_REDIRECT_URL = "/"
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["cache.api.auth.TrainerTokenAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.api.auth.TrainerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_RENDERER_CLASSES": ["cache.api.rendering.ORJSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["cache.api.rendering.ORJSONParser"],
-    "EXCEPTION_HANDLER": "cache.api.errors.exception_handler",
+    "DEFAULT_RENDERER_CLASSES": ["core.api.rendering.ORJSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["core.api.rendering.ORJSONParser"],
+    "EXCEPTION_HANDLER": "core.api.errors.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }

@@ -4,8 +4,8 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from cache.api.errors import DATABASE_DOWN, application_error, error_response
-from cache.errors import InternalError, NotFound
+from core.api.errors import DATABASE_DOWN, application_error, error_response
+from core.errors import InternalError, NotFound
 from tvcache_site.metrics import metrics_view
 
 urlpatterns = [

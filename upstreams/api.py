@@ -11,10 +11,10 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from cache.api.errors import application_error, error_response
 from cache.api.frontdoor import json_response
 from cache.api.serializers import ErrorSerializer
-from cache.errors import InvalidInput
+from core.api.errors import application_error, error_response
+from core.errors import InvalidInput
 from upstreams import selectors, services
 
 ERRORS = {code: ErrorSerializer for code in (400, 401, 404)}

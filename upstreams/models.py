@@ -14,7 +14,7 @@ class Upstream(models.Model):
     class Protocol(models.TextChoices):
         VERL_TOOL = "verl-tool"
 
-    project = models.ForeignKey("cache.Project", on_delete=models.PROTECT, related_name="upstreams")
+    project = models.ForeignKey("accounts.Project", on_delete=models.PROTECT, related_name="upstreams")
     name = models.SlugField(max_length=100, db_index=False)
     protocol = models.CharField(max_length=20, choices=Protocol.choices)
     url = models.URLField(max_length=2000)

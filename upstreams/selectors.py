@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cache.errors import NotFound
-from cache.projects import role_check
+from accounts.projects import role_check
+from core.errors import NotFound
 from upstreams.models import Upstream
 
 STATS = ("hits", "misses", "passed_through", "upstream_requests", "upstream_errors")
@@ -14,7 +14,7 @@ STATS = ("hits", "misses", "passed_through", "upstream_requests", "upstream_erro
 def upstream_for(*, principal: Any, name: str, write: bool = False) -> Upstream | None:
     """The upstream `name` of the principal's project, or None if it has none such (another
     project's upstream is not found: a 404, never a 403). `write`: changing an upstream that
-    exists takes the maintainer role (cache.projects: 403 maintainer_required), as changing a
+    exists takes the maintainer role (accounts.projects: 403 maintainer_required), as changing a
     task does; registering a new one does not."""
     upstream = Upstream.objects.filter(project_id=principal.project_id, name=name).first()
     if upstream is not None and write:

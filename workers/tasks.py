@@ -8,6 +8,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
+from accounts.services import projects as project_services
 from cache import services as cache_services
 from sandboxes import services
 
@@ -51,7 +52,7 @@ def claims_clear() -> int:
 
 @shared_task(acks_late=True)
 def project_requests_prune() -> int:
-    return cache_services.project_requests_prune()
+    return project_services.project_requests_prune()
 
 
 @shared_task(acks_late=True, **RETRY)

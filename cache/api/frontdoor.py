@@ -4,11 +4,11 @@ Django and in front of it.
 Lookup and record run at thousands of requests per second; content negotiation, parser and
 renderer selection, permission and throttle classes cost more than the lookup itself. These
 views (`FrontDoorView`) check the token and parse the JSON body themselves, and answer errors as
-the exception handler does (cache/api/errors.py). The OpenAPI schema still describes them like
+the exception handler does (core/api/errors.py). The OpenAPI schema still describes them like
 any DRF view.
 
 `FrontDoorASGI` (the deployed ASGI application) goes one step further: it answers POSTs to these
-endpoints with the same `front_door_answer` on its lanes (cache/lanes.py) before Django's request
+endpoints with the same `front_door_answer` on its lanes (core/lanes.py) before Django's request
 handler, URL resolver and middleware chain run, and adds the headers that middleware would have
 added; Django's handler would otherwise be most of a lookup's time (docs/design/hot-path.md).
 Anything else, and any request it is not sure about (another host, no Content-Length, moved
@@ -36,20 +36,20 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
-from cache.errors import NotAuthenticated, Overloaded
-from cache.inputs import load_json
-from cache.lanes import ClaimAwaited, HandBack, LaneContext, SlowWork, lane_current, lane_set
+from accounts.services.tokens import INVALID_TOKEN, Principal, admit, principal_cached, principal_for_key
+from core.api.errors import application_error
+from core.errors import NotAuthenticated, Overloaded
+from core.inputs import load_json
+from core.lanes import ClaimAwaited, HandBack, LaneContext, SlowWork, lane_current, lane_set
 from observability.logs import REQUEST_ID_HEADER, request_id, request_id_bind, request_id_unbind
 
-from .auth import INVALID_TOKEN, Principal, admit, principal_cached, principal_for_key
 from .claimwatch import ClaimWatch
-from .errors import application_error
 
 log = logging.getLogger("tvcache.api")
 
 # An endpoint's work once the request is authenticated and parsed: JSON body out, or an
-# ApplicationError with its status and code.
-Answer = Callable[..., bytes]
+# ApplicationError with its status and code; or, on a lane, the request handed back (core/lanes.py).
+Answer = Callable[..., bytes | HandBack]
 # An answer's status, JSON body and the headers an error answer adds.
 Reply = tuple[int, bytes, list[tuple[str, str]]]
 # Under ASGI: "read" lookups, "write" records, "tool" tool-server calls until they need a tool run
@@ -96,7 +96,7 @@ def token_verified(authorization: str) -> bool:
 
 def front_door_answer(
     answer: Answer, *, path_kwargs: dict[str, str], authorization: str, read_body: Callable[[], bytes]
-) -> Reply:
+) -> Reply | HandBack:
     """The answer to a POST to a hot endpoint: token, its project's rate limit, then body, then
     the answer (which gets the principal: the task id resolves in its project)."""
 
@@ -105,12 +105,13 @@ def front_door_answer(
         lane = lane_current()
         if lane is None or not lane.rerun:  # a request handed back and run again counts once
             admit(principal)
-        return 200, answer(principal=principal, **path_kwargs, payload=load_json(read_body())), []
+        body = answer(principal=principal, **path_kwargs, payload=load_json(read_body()))
+        return body if isinstance(body, HandBack) else (200, body, [])
 
     return _answered(work)
 
 
-def _answered(work: Callable[[], Reply | None]) -> Reply | None:
+def _answered(work: Callable[[], Reply | HandBack | None]) -> Reply | HandBack | None:
     """What `work` answers, with typed errors (and a database that went away) as error answers."""
     try:
         return work()
@@ -126,7 +127,7 @@ def _answered(work: Callable[[], Reply | None]) -> Reply | None:
 # URL's pattern, arguments in braces). Under ASGI each `lane` has threads of its own: a lookup
 # ("read") never queues behind a record waiting for its commit ("write"), and neither behind a
 # tool-server call ("tool"); a tool-server call that must run a tool moves on to the "exec" lane,
-# so tool-server hits never queue behind tool runs either (cache/lanes.py).
+# so tool-server hits never queue behind tool runs either (core/lanes.py).
 # Subclasses document `post` with extend_schema_view. (A comment, not a docstring:
 # drf-spectacular would publish a docstring as the operation's description.)
 class FrontDoorView(APIView):
@@ -259,7 +260,7 @@ class FrontDoor:
         Django request for the 500 path. The request's id (`incoming_id`, the X-Request-ID header,
         if sane) is in the log lines written meanwhile and echoed, as RequestIdMiddleware does.
         Run on `lane` (default the view's) with `context`, the work may hand the request back
-        instead (cache/lanes.py): then the HandBack is returned."""
+        instead (core/lanes.py): then the HandBack is returned."""
         return self._run(
             lane or view.lane,
             lambda: front_door_answer(
@@ -301,7 +302,7 @@ class FrontDoor:
     def _run(
         self,
         lane: Lane,
-        work: Callable[[], Reply | None],
+        work: Callable[[], Reply | HandBack | None],
         request: Callable[[], object],
         incoming_id: str | None,
         context: LaneContext | None = None,
@@ -319,11 +320,11 @@ class FrontDoor:
                 answered = work()
             if answered is None:
                 return None
+            if isinstance(answered, HandBack):
+                answered.db_s = timer.seconds
+                return answered
             status, body, extra = answered
             headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra]
-        except HandBack as handed_back:
-            handed_back.db_s = timer.seconds
-            return handed_back
         except Exception as exc:  # the same logging, signal and JSON 500 as Django's handler
             response = response_for_exception(request(), exc)
             status, body = response.status_code, response.content
@@ -523,7 +524,7 @@ class FrontDoorASGI:
         self, view: type[FrontDoorView], respond: Callable[..., Answered | HandBack], clock: _Clock, rid: str
     ) -> Answered:
         """The answer of `respond` on the view's lane, following the work where it hands the
-        request back (cache/lanes.py): on to the "exec" lane, or back to the view's lane once the
+        request back (core/lanes.py): on to the "exec" lane, or back to the view's lane once the
         claim it waits for is free."""
         lane: Lane = view.lane
         wait_until, rerun = None, False

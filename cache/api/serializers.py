@@ -5,16 +5,8 @@ say the same."""
 
 from rest_framework import serializers
 
-from cache.inputs import (
-    INT32,
-    INT64,
-    MAX_FILE_TIMES,
-    MAX_FILE_TIMES_PATHS,
-    MAX_ID_LENGTH,
-    MAX_MS,
-    MAX_PATH_LENGTH,
-    MAX_SNAPSHOT_BYTES,
-)
+from cache.inputs import MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS, MAX_MS, MAX_PATH_LENGTH, MAX_SNAPSHOT_BYTES
+from core.inputs import INT32, INT64, MAX_ID_LENGTH
 
 
 class ToolCallSerializer(serializers.Serializer):

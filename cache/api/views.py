@@ -9,24 +9,20 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.projects import task_public_id
 from cache import selectors, services
-from cache.errors import InvalidInput
 from cache.inputs import (
-    INT32,
-    INT64,
     MAX_MS,
-    check_json,
     parse_claim_release,
     parse_file_times_query,
-    parse_id,
     parse_lookup,
     parse_node_id,
-    parse_query_int,
     parse_record,
     parse_task,
 )
-from cache.projects import task_public_id
 from cache.tcg import RecordedState
+from core.errors import InvalidInput
+from core.inputs import INT32, INT64, check_json, parse_id, parse_query_int
 from observability import metrics
 
 from . import serializers as s
@@ -49,7 +45,7 @@ def taskjson_response(task) -> dict:
 
 
 def task_key(request, task_id: str) -> str:
-    """The internal key of the caller's project's task `task_id` (cache.projects): every route
+    """The internal key of the caller's project's task `task_id` (accounts.projects): every route
     resolves a task here, once, so another project's task is never reached (it answers 404)."""
     return request.user.task_key(task_id)
 

@@ -1,7 +1,7 @@
 """Writes to the tool call graphs. Plain functions named <entity>_<action>."""
 
 from .audit import divergence_record, node_audit
-from .flight import Flight, single_flight
+from .flight import Flight, looked
 from .lookup import (
     LookupHit,
     LookupMiss,
@@ -12,7 +12,7 @@ from .lookup import (
     replay_file_times,
     tcg_lookup,
 )
-from .maintenance import claims_clear, project_requests_prune, tables_vacuum
+from .maintenance import claims_clear, tables_vacuum
 from .record import RecordOutcome, node_record
 from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
 from .snapshots import backend_costs, lease_release, snapshot_evict, snapshot_register, task_enforce_budget
@@ -38,7 +38,7 @@ __all__ = [
     "rollout_detach",
     "rollout_history_append",
     "rollout_unclaim",
-    "single_flight",
+    "looked",
     "snapshot_evict",
     "snapshot_register",
     "task_enforce_budget",
@@ -46,7 +46,6 @@ __all__ = [
     "task_handle",
     "task_put",
     "tables_vacuum",
-    "project_requests_prune",
     "claims_clear",
     "tcg_lookup",
     "replay_file_times",

@@ -2,7 +2,7 @@
 the audit log (`cache.models.AuditEntry`: who, when, what, outcome, in which project) in that
 same transaction; a refused or failed action is logged too, and its error re-raised for the
 caller to show. The actor is a dashboard user (staff or a project's maintainer: the dashboard
-checks) or an API principal (`cache.api.auth.Principal`: a trainer token is refused here, after
+checks) or an API principal (`accounts.services.tokens.Principal`: a trainer token is refused here, after
 its target was found, with 403 maintainer_required, and that refusal is logged too).
 
 Evicting a subtree deletes it: the live snapshots of the node and of all its descendants are
@@ -19,13 +19,15 @@ from typing import Any
 
 from django.db import transaction
 
+from accounts.models import Project
+from accounts.projects import key_project, role_check, task_public_id
 from cache import (
     ledger,
     selectors,  # a module, not its names: cache.selectors imports this package
 )
-from cache.errors import ApplicationError, Conflict, InvalidInput, NotFound
-from cache.models import AuditEntry, Lease, Node, Project, Snapshot, Task
-from cache.projects import key_project, role_check, task_public_id, unknown_node, unknown_task
+from cache.models import AuditEntry, Lease, Node, Snapshot, Task
+from cache.notfound import unknown_node, unknown_task
+from core.errors import ApplicationError, Conflict, InvalidInput, NotFound
 
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush, task_version_move

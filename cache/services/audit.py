@@ -21,7 +21,7 @@ from django.db import transaction
 
 from cache import ledger
 from cache.models import AuditEntry, Divergence, Node, Task
-from cache.projects import unknown_node, unknown_task
+from cache.notfound import unknown_node, unknown_task
 from cache.tcg import same_result
 
 from .admin import system_entry

@@ -6,23 +6,22 @@ One mechanism for every mode: a claim row on (task, anchor state, call digest) w
 live (lookup.py CLAIM_INSERT). Client-mode lookups take it in their own statement and the client
 looks up again while another rollout holds it; tool-server calls and the verl-tool proxy take it
 here and wait in the service. A leader that fails or times out gives it up and the next waiter
-leads; one that dies lets it lapse. Under the ASGI front door a waiter holds no thread: it hands
-its request back, and the front door runs it again once the claim is free or its node recorded
-(cache/lanes.py, cache/api/claimwatch.py); elsewhere it waits here."""
+leads; one that dies lets it lapse. When to lead, wait or look up again is the rollout protocol's
+(cache/tcg/rollout.py). Under the ASGI front door a waiter holds no thread: it hands its request
+back, and the front door runs it again once the claim is free or its node recorded (core/lanes.py,
+cache/api/claimwatch.py); elsewhere it waits here (`Flight.wait_to_lead`)."""
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 from django.conf import settings
 from django.db import connection
 
-from cache.lanes import ClaimAwaited, SlowWork, lane_current
 from cache.tcg.records import CallContext
+from cache.tcg.rollout import Looked
 
-from .lookup import CLAIM_INSERT, CLAIM_RELEASE_SQL, LookupHit, LookupMiss, tcg_lookup
-from .snapshots import lease_release
+from .lookup import CLAIM_INSERT, CLAIM_RELEASE_SQL, LookupHit, LookupMiss
 from .tasks import TaskHandle
 
 # Lead (the claim was taken) or go on (the node exists now: its leader recorded it).
@@ -88,47 +87,8 @@ class Flight:
             self.key = None
 
 
-@contextmanager
-def single_flight(*, task: TaskHandle, context: CallContext, answer, resume: bool, timings: dict[str, float]):
-    """Lead the execution of a miss, or wait while another rollout executes the same call in the
-    same state and take its result (`flight.answer` is then a hit). The time spent waiting goes
-    to `timings["wait"]`. On a front door's lane (cache/lanes.py) a miss hands its request on
-    instead: to the slow lane from one that serves hits, and back to the event loop to wait."""
-    flight = Flight.for_answer(task=task, context=context, answer=answer)
-    lane = lane_current()
-    if lane is not None:
-        _lane_flight(flight, lane, timings)
-    elif flight.key is not None:
-        waited = time.perf_counter()
-        if flight.wait_to_lead() and flight.waited:  # the leader is done: its result, if it recorded one
-            _lease_drop(answer)
-            flight.answer = tcg_lookup(task_id=task.task_id, context=context, count=False, resume=resume)
-            if isinstance(flight.answer, LookupHit):
-                flight.release()
-        if flight.waited:
-            timings["wait"] = (time.perf_counter() - waited) * 1000
-    try:
-        yield flight
-    finally:
-        flight.release()
-
-
-def _lane_flight(flight: Flight, lane, timings: dict[str, float]) -> None:
-    """Lead, or hand the request back (its lease given back first) to wait without a thread."""
-    if lane.waited_s:  # this request waited for a leader already
-        flight.waited = True
-        timings["wait"] = lane.waited_s * 1000
-    if isinstance(flight.answer, LookupMiss) and lane.fast:
-        _lease_drop(flight.answer)
-        raise SlowWork()
-    if flight.key is None or flight.try_lead():
-        return
-    if lane.wait_until is None or time.monotonic() < lane.wait_until:
-        _lease_drop(flight.answer)
-        raise ClaimAwaited(flight.key, settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"])
-    flight.key = None  # a leader stuck this long: execute alongside it
-
-
-def _lease_drop(answer) -> None:
-    if isinstance(answer, LookupMiss) and answer.lease_id:
-        lease_release(lease_id=answer.lease_id)
+def looked(*, task: TaskHandle, context: CallContext, answer) -> Looked:
+    """A lookup's answer as the rollout protocol takes it (cache/tcg/rollout.py)."""
+    if isinstance(answer, LookupHit):
+        return Looked(hit=True, mutates=answer.mutates)
+    return Looked(hit=False, flight_key=Flight.for_answer(task=task, context=context, answer=answer).key)

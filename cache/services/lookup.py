@@ -18,8 +18,8 @@ from django.utils import timezone
 
 from cache import ledger
 from cache.models import Node
+from cache.notfound import unknown_task
 from cache.prepared import prepared_cursor
-from cache.projects import unknown_task
 from cache.tcg import (
     CatchUp,
     Match,

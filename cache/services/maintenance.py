@@ -25,13 +25,6 @@ def claims_clear() -> int:
         return cursor.rowcount
 
 
-def project_requests_prune(*, keep_hours: float = 24.0) -> int:
-    """Delete request counts older than a day: the project page shows the last minutes."""
-    with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM cache_projectrequests WHERE minute < now() - %s * interval '1 hour'", [keep_hours])
-        return cursor.rowcount
-
-
 def tables_vacuum() -> list[str]:
     """VACUUM and ANALYZE the hot tables when autovacuum, which would, is off (as on this
     project's machines). With no statistics PostgreSQL takes every table for a tiny one and picks

@@ -9,10 +9,10 @@ from django.conf import settings
 from django.db import connection
 
 from cache import ledger
-from cache.errors import PayloadTooLarge
 from cache.tcg import RecordedState, canonical_call, record_plan, result_json
 from cache.tcg.records import CallRecord
 from cache.tcg.snapshots import snapshot_wanted
+from core.errors import PayloadTooLarge
 
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs

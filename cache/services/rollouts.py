@@ -9,19 +9,20 @@ from typing import Any
 
 import orjson
 from django.db import connection
+from django.db.models import Expression
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from cache.errors import Conflict
 from cache.models import Rollout
-from cache.projects import unknown_task
+from cache.notfound import unknown_task
 from cache.tcg import ToolCall
+from core.errors import Conflict
 
 log = logging.getLogger("tvcache.rollouts")
 
-# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row),
-# plus a column of the caller's about the rollout `r` (tool-server mode: whether it has a sandbox).
+# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row).
 CLAIM_SQL = """
-SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL, detached_at IS NOT NULL, {extra}
+SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL, detached_at IS NOT NULL, NULL
 FROM cache_rollout r WHERE task_id = %s AND rollout_id = %s
 """
 
@@ -43,21 +44,23 @@ class RolloutClaim:
     history: tuple[ToolCall, ...]
     # Known-state rule: the rollout left the shared graph (docs/design/guarantees.md).
     detached: bool
-    extra: Any  # the caller's column
+    extra: Any  # the caller's expression's value
 
 
-def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra_column: str = "NULL") -> RolloutClaim:
+def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra: Expression | None = None) -> RolloutClaim:
     """The rollout (created on its first call) with its history, claimed by this call until
     `rollout_unclaim`: one call of a rollout at a time, since a second one would run in the same
     state and leave it ahead of the history. It is refused (409), never queued: the client broke
-    the order. `extra_column` is SQL over the rollout `r`, read in the same statement."""
-    sql = CLAIM_SQL.format(extra=extra_column)
+    the order. `extra` is an expression over the rollout (an Exists of a caller's rows), read in
+    the same statement."""
+    sql, params = (CLAIM_SQL, []) if extra is None else _claim_sql(extra)
+    params = [*params, task_id, rollout_id]
     with connection.cursor() as cursor:
-        cursor.execute(sql, [task_id, rollout_id])
+        cursor.execute(sql, params)
         row = cursor.fetchone()
         if row is None:
             cursor.execute(CREATE_SQL, [rollout_id, epoch, task_id])
-            cursor.execute(sql, [task_id, rollout_id])
+            cursor.execute(sql, params)
             row = cursor.fetchone()
     if row is None:  # the task was deleted
         raise unknown_task(task_id)
@@ -71,6 +74,21 @@ def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra_column
         raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
     rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
     return RolloutClaim(rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), detached, extra)
+
+
+_compiled: dict[int, tuple[Expression, str, tuple]] = {}
+
+
+def _claim_sql(extra: Expression) -> tuple[str, tuple]:
+    """CLAIM_SQL with `extra` as its last column, compiled by the ORM once per expression, and
+    the parameters that column takes (they come before the claim's own)."""
+    compiled = _compiled.get(id(extra))
+    if compiled is None or compiled[0] is not extra:
+        # A subquery on the claimed row `r`: the expression as Django compiles it for a rollout.
+        query = Rollout.objects.filter(pk=RawSQL("r.id", ())).annotate(extra=extra).values("extra").query
+        sql, params = query.sql_with_params()
+        compiled = _compiled[id(extra)] = (extra, CLAIM_SQL.replace(", NULL\n", f", ({sql})\n"), params)
+    return compiled[1], compiled[2]
 
 
 def rollout_unclaim(*, rollout_pk: int) -> None:

@@ -9,13 +9,15 @@ from django.db import transaction
 from django.db.models import Count, Sum
 from django.utils import timezone
 
+from accounts.models import Project
+from accounts.projects import key_project
 from cache import ledger
-from cache.errors import Conflict, Forbidden, InvalidInput, NotFound
-from cache.models import BackendCost, Lease, Node, Project, Snapshot, Task
-from cache.projects import key_project, unknown_node
+from cache.models import BackendCost, Lease, Node, Snapshot, Task
+from cache.notfound import unknown_node
 from cache.tcg.eviction import SnapshotCandidate, eviction_order
 from cache.tcg.snapshots import SnapshotCosts, moving_average
-from cache.ttl import TTLCache
+from core.errors import Conflict, Forbidden, InvalidInput, NotFound
+from core.ttl import TTLCache
 
 # Before a backend has been measured: what a snapshot and a restore typically cost, in ms.
 DEFAULT_COSTS = {

@@ -10,12 +10,15 @@ import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
+from accounts.models import Project
+from accounts.projects import key_project, role_check, task_public_id
+from accounts.services.projects import project_named
 from cache import ledger
-from cache.errors import Conflict, InvalidInput, NotFound
 from cache.hooks import sandbox_hooks
-from cache.models import Divergence, Node, Project, Snapshot, Task
-from cache.projects import key_project, role_check, task_public_id, unknown_task
+from cache.models import Divergence, Node, Snapshot, Task
+from cache.notfound import unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
+from core.errors import Conflict, InvalidInput, NotFound
 
 from .hitcache import TaskStamp, hit_cache, version_move_wait_s
 
@@ -142,8 +145,6 @@ def _check_backend(env: dict) -> None:
 
 
 def _project_of(task_id: str) -> Project:
-    from .projects import project_named
-
     name = key_project(task_id)
     project = project_named(name)
     if project is None:
@@ -161,7 +162,7 @@ def task_put(
     audit_rate: float | None = None,
     actor: Any = None,
 ) -> tuple[Task, bool]:
-    """Create or update the task keyed `task_id` (cache.projects.task_key: its project is part of
+    """Create or update the task keyed `task_id` (accounts.projects.task_key: its project is part of
     the key). A changed environment changes the fingerprint and drops the task's old nodes: they
     can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
     keeps them; an update that names no budget keeps the task's.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django import template
 
-from cache.projects import task_public_id
+from accounts.projects import task_public_id
 
 register = template.Library()
 
@@ -61,5 +61,5 @@ def tojson(value) -> str:
 
 @register.filter
 def task_name(key: str) -> str:
-    """A task's id in its project, from its key (cache.projects)."""
+    """A task's id in its project, from its key (accounts.projects)."""
     return task_public_id(key) if isinstance(key, str) else key

@@ -189,7 +189,7 @@ class ReplayCommand(BaseCommand):
                 raise CommandError("--url needs --token")
             yield options["url"], options["token"], None
             return
-        from cache.api.auth import token_create
+        from accounts.services.tokens import token_create
         from lab.server import service_running
 
         log_dir = out_dir / "logs"

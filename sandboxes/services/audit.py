@@ -19,10 +19,10 @@ from django.utils import timezone
 
 from cache.models import Divergence, Node, Rollout, Task
 from cache.services import divergence_record, replay_file_times, task_handle
-from cache.services.background import job_offer
 from cache.services.lookup import task_chain
 from cache.tcg import ToolCall, canonical_json
 from cache.tcg.records import CallContext
+from core.background import job_offer
 from sandboxes.backends.base import SandboxBackend, SandboxError
 from sandboxes.engines import engine_queue, engines_for
 from sandboxes.handles import backend_named

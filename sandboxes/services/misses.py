@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
 
-from cache.errors import Conflict, Forbidden
 from cache.models import Divergence, Node, Snapshot
 from cache.services import (
     divergence_record,
@@ -35,9 +36,11 @@ from cache.services import (
     rollout_history_append,
     snapshot_register,
 )
-from cache.services.background import job_enqueue
 from cache.tcg import RecordedState, ToolCall
 from cache.tcg.records import CallContext, CallRecord
+from cache.tcg.rollout import Ran, RolloutCall
+from core.background import job_enqueue
+from core.errors import ApplicationError, Conflict, Forbidden
 from observability import metrics
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
@@ -59,12 +62,27 @@ from .reserved import run_reserved
 log = logging.getLogger("tvcache.toolserver")
 
 
-def serve_miss(
-    task, backend, rollout, context: CallContext, answer, recorded, phases: Phases
-) -> tuple[Any, int | None, bool]:
-    """The call executed in the rollout's sandbox: its result, node (None: the rollout was
-    detached) and whether it changed the state. A call that changed the state is appended to the
-    rollout's history here, with its record."""
+@dataclass
+class Execution:
+    """A miss executed in the rollout's sandbox and observed, not recorded yet: what the rollout
+    protocol decides on (cache/tcg/rollout.py). `error` is the call's answer instead of `result`."""
+
+    run: Run
+    ran: Ran
+    result: Any = None
+    error: ApplicationError | None = None
+    reason: str = ""
+    exec_ms: float = 0.0
+    observed: bool | None = None  # the backend observed whether the call changed the state
+    mutates: bool = False
+    state: Any = None  # the state fingerprint the call left (a state-changing call's)
+    drifted: bool = False  # the state its history reached changed on its own before the call
+    untrusted: bool = False  # the sandbox cannot be trusted with another call
+
+
+def miss_execute(task, backend, rollout, context: CallContext, answer, phases: Phases) -> Execution:
+    """The call executed in the rollout's sandbox brought to its history's state, and what it did
+    observed: how it ran (the known-state rule's input), its result and state fingerprint."""
     restore_ms = None
     try:
         run = rollout_sandbox(task, backend, rollout, context, answer, phases)
@@ -78,9 +96,8 @@ def serve_miss(
         with phases.timed("exec"):
             result, exec_ms, observed = _execute(run, context.call)
         observing = _processes_phase(run, phases, "exec", observing)
-    except SandboxGone as exc:  # gone with whatever the call did: the next call starts from the history
-        retire(run.row, exc.message)
-        raise as_application_error(exc) from None
+    except SandboxGone as exc:  # gone with whatever the call did
+        return Execution(run, Ran.ENV_FAILED, error=as_application_error(exc), reason=exc.message)
     except (
         ToolNotFound,
         InvalidToolArgs,
@@ -88,48 +105,67 @@ def serve_miss(
         EngineUnreachable,
     ) as exc:  # refused before it ran: the sandbox is as it was
         _executed(run, applied=len(context.history))
-        raise as_application_error(exc) from None
+        return Execution(run, Ran.REFUSED, error=as_application_error(exc))
     except SandboxTampered as exc:  # the call broke what runs it (killed the session agent): its effects
-        # are unknown, so the rollout leaves the graph; its sandbox stays its own, as it would without
-        # tvcache, and its next calls run there uncached (a broken agent is replaced)
-        _detach(run, f"{exc.code}: {exc.message}")
-        raise as_application_error(exc) from None
-    except SandboxError as exc:  # failed once the call may have run (a broken stream, an engine restart):
-        # the sandbox may be ahead of the history, so it is retired; the rollout, which got an error
-        # for the call, goes on from its history in a fresh sandbox
-        retire(run.row, f"failed once its call may have run: {exc.code}: {exc.message}")
-        raise as_application_error(exc) from None
+        # are unknown; its sandbox stays its own, as it would without tvcache (a broken agent is replaced)
+        return Execution(run, Ran.UNKNOWN, error=as_application_error(exc), reason=f"{exc.code}: {exc.message}")
+    except SandboxError as exc:  # failed once the call may have run (a broken stream, an engine restart)
+        reason = f"failed once its call may have run: {exc.code}: {exc.message}"
+        return Execution(run, Ran.ENV_FAILED, error=as_application_error(exc), reason=reason)
+    done = Execution(run, Ran.UNKNOWN, result=result, exec_ms=exec_ms, observed=observed)
     if result.get("timed_out") or run.diverged:
-        _detach(run, run.diverged or "the call timed out and was killed: its effects are unknown")
-        return result, None, True
+        done.reason = run.diverged or "the call timed out and was killed: its effects are unknown"
+        return done
     if run.sandbox.state_drifted():  # the state the history reached kept changing: not a function of it
-        _drifted(run, answer, context)
-        return result, None, True
+        done.drifted = True
+        done.reason = (
+            "the state the history reached kept changing between calls (a process left running writes "
+            "files): it depends on timing"
+        )
+        return done
     try:
-        mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
+        done.mutates = run.policy.for_tool(context.call.tool).changes_state(observed)
         with phases.timed("fingerprint"):
-            state = run.sandbox.state_fingerprint() if mutates else None
+            done.state = run.sandbox.state_fingerprint() if done.mutates else None
         _processes_phase(run, phases, "fingerprint", observing)
-        if state is not None and not state.settled:  # it changes on its own after the call: kept off shared keys
-            _detach(
-                run,
-                "the state the call left kept changing after it returned (a process it left running "
-                "writes files): it depends on timing",
-            )
-            return result, None, True
+    except SandboxTampered as exc:
+        done.error, done.untrusted, done.reason = as_application_error(exc), True, f"{exc.code}: {exc.message}"
+        return done
+    except BaseException:
+        retire(run.row, "failed after its call ran: its state is ahead of the rollout's history")
+        raise
+    if done.state is not None and not done.state.settled:  # it changes on its own after the call
+        done.reason = (
+            "the state the call left kept changing after it returned (a process it left running "
+            "writes files): it depends on timing"
+        )
+        return done
+    done.ran = Ran.KNOWN
+    return done
+
+
+def miss_record(
+    execution: Execution, rollout_call: RolloutCall, context: CallContext, recorded: Callable[[], None], phases: Phases
+) -> tuple[int, bool]:
+    """The execution recorded under the rollout's history, with the sandbox's progress and the
+    history's growth in one commit; a snapshot handed off where the graph wants one. `recorded`
+    lets the rollouts waiting for this call go. Its node and whether it joined the history."""
+    run, state = execution.run, execution.state
+    try:
         # One commit for the node, the sandbox's progress and the rollout's history (each commit
         # waits for the disk).
         with phases.timed("record"), transaction.atomic():
             outcome = node_record(
-                task_id=task.pk,
-                record=CallRecord(context, result, exec_ms, observed),
+                task_id=run.task.pk,
+                record=CallRecord(context, execution.result, execution.exec_ms, execution.observed),
                 state=RecordedState(state.full, state.shape, state.order, state.times, state.processes)
                 if state
                 else RecordedState(),
                 keeps_processes=run.sandbox.keeps_processes,
             )
-            _executed(run, applied=len(context.history) + int(mutates))
-            if mutates:
+            append = rollout_call.recorded(mutates=execution.mutates).append
+            _executed(run, applied=len(context.history) + int(append))
+            if append:
                 rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
         inline = False
         if outcome.snapshot_wanted:  # handed off before the rollouts waiting for this call see it pending
@@ -144,7 +180,16 @@ def serve_miss(
     except BaseException:
         retire(run.row, "failed after its call ran: its state is ahead of the rollout's history")
         raise
-    return result, outcome.node_id, mutates
+    return outcome.node_id, append
+
+
+def miss_detach(execution: Execution, answer, context: CallContext, reason: str) -> None:
+    """Known-state rule: the rollout leaves the shared graph, nothing recorded. It keeps its
+    sandbox unless the sandbox cannot be trusted with another call; a state that drifted stops
+    its node being served."""
+    if execution.drifted:
+        _drifted(execution.run, answer, context)
+    _detach(execution.run, reason, untrusted=execution.untrusted)
 
 
 def _processes_phase(run: Run, phases: Phases, phase: str, since: float) -> float:
@@ -161,7 +206,7 @@ def _drifted(run: Run, answer, context: CallContext) -> None:
     """The sandbox's state changed on its own between the rollout's last call and this one (a process
     it keeps running writes files, or started or ended): the state the node of its history recorded
     depended on timing. That node stops being served (rollouts that reach it run its call live, each
-    at its own time) and the rollout leaves the shared graph; this call's answer is its own sandbox's."""
+    at its own time); this call's answer is its own sandbox's (the caller detaches the rollout)."""
     node = answer.match.node
     reached = node.node_id if node is not None and answer.match.matched == len(context.history) else None
     if reached is not None:
@@ -175,11 +220,6 @@ def _drifted(run: Run, answer, context: CallContext) -> None:
             observed={"sandbox": run.row.pool, "why": "the state changed between calls"},
             rollout_id=run.rollout.rollout_id,
         )
-    _detach(
-        run,
-        "the state the history reached kept changing between calls (a process left running writes "
-        "files): it depends on timing",
-    )
 
 
 def _mark_executing(run: Run) -> None:

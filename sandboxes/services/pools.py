@@ -16,12 +16,13 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from accounts.models import Project
+from accounts.projects import key_project
 from cache import ledger
-from cache.errors import NotFound, TooManyRequests
-from cache.models import AuditEntry, Project, Snapshot, Task
-from cache.projects import key_project
+from cache.models import AuditEntry, Snapshot, Task
 from cache.services.admin import action_audited
-from cache.services.background import job_enqueue
+from core.background import job_enqueue
+from core.errors import NotFound, TooManyRequests
 from observability import metrics
 from sandboxes.backends.base import EngineUnavailable, SandboxError, SnapshotMissing
 from sandboxes.backends.base import Sandbox as SandboxHandle

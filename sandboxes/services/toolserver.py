@@ -1,9 +1,11 @@
 """Tool-server mode: the service keeps each rollout's history and runs its misses.
 
-A call is looked up; a hit needs no sandbox. A miss is led by one rollout at a time (single
+Each call goes through the rollout protocol (cache/tcg/rollout.py), this module doing its I/O:
+a call is looked up; a hit needs no sandbox. A miss is led by one rollout at a time (single
 flight: the others wait for its result and are answered from the cache, their sandboxes catching
 up on their next miss), executed in the rollout's sandbox brought to its history's state
-(materialize.py) under the known-state rule (misses.py), and recorded.
+(materialize.py), observed (misses.py), and recorded unless the known-state rule says its
+effects are unknown.
 
 A rollout that has a sandbox and hits a state-changing call has its sandbox catch up after the
 answer, while the policy thinks (materialize.catch_up_after_answer), so its next miss need not.
@@ -21,36 +23,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from django.conf import settings
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from cache.errors import Conflict, NotFound
-from cache.lanes import on_fast_lane, slow_lane_needed
+from accounts.projects import task_public_id
 from cache.models import Rollout, Task
-from cache.projects import task_public_id, unknown_task
+from cache.notfound import unknown_task
 from cache.services import (
+    Flight,
     LookupHit,
+    LookupMiss,
+    lease_release,
+    looked,
     lookup_count,
     rollout_claim,
     rollout_history_append,
     rollout_unclaim,
-    single_flight,
     task_handle,
     tcg_lookup,
 )
 from cache.tcg import ToolCall
 from cache.tcg.records import CallContext
+from cache.tcg.rollout import Act, Looked, RolloutCall
+from core.errors import Conflict, NotFound
+from core.lanes import ClaimAwaited, HandBack, SlowWork, lane_current, on_fast_lane
 from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.handles import as_application_error, backend_named, env_check_granted, sandbox_handle
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
 from .materialize import Phases, catch_up_after_answer, resume_snapshotted, retire
-from .misses import serve_miss
+from .misses import miss_detach, miss_execute, miss_record
 from .pools import idle_deadline, sandbox_stop
 
-# The rollout_claim column of tool-server mode: the rollout has a sandbox of its own, which it
-# brings up to date rather than fork a snapshot (its lookups then lease none).
-HAS_SANDBOX_SQL = "EXISTS (SELECT FROM sandboxes_sandbox s WHERE s.rollout_id = r.id AND s.state = 'leased')"
+# Read with the rollout's claim: whether the rollout has a sandbox of its own, which it brings up
+# to date rather than fork a snapshot (its lookups then lease none).
+HAS_SANDBOX = Exists(Sandbox.objects.filter(rollout=OuterRef("pk"), state=Sandbox.State.LEASED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,81 +72,177 @@ class CallOutcome:
     phases_ms: dict[str, float] = field(default_factory=dict)  # where the time went (Phases)
 
 
-def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 0) -> CallOutcome:
-    """Four statements for a hit (claim and read the rollout, the lookup, the history append,
-    the release); the task's row and a sandbox only for a miss."""
+def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 0) -> CallOutcome | HandBack:
+    """The call served by the rollout protocol (cache/tcg/rollout.py), this module doing its I/O.
+    Four statements for a hit (claim and read the rollout, the lookup, the history append, the
+    release); the task's row and a sandbox only for a miss. On a front door's lane, a request
+    that must run a tool or wait for another rollout's claim is handed back (core/lanes.py)."""
     started = time.perf_counter()
     handle = task_handle(task_id=task_id, cached=True)  # outdated at worst: the lookup checks its version
     try:
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra_column=HAS_SANDBOX_SQL)
-    rollout, history, has_sandbox, detached = claim.rollout, claim.history, claim.extra, claim.detached
-    phases = Phases()
+    claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra=HAS_SANDBOX)
+    serving = _Serving(handle, claim.rollout, claim.history, call, epoch, has_sandbox=claim.extra)
     try:
-        if detached:
-            slow_lane_needed()  # (cache/lanes.py)
-            with phases.timed("exec"):
-                result = _serve_detached(rollout, call)
-            return CallOutcome(result, False, None, (time.perf_counter() - started) * 1000, True, phases.ms)
-        context = CallContext(history, call, rollout_id, epoch, None)
+        return serving.drive(claim.detached, started)
+    finally:
+        serving.close()
+
+
+class _Serving:
+    """One tool-server call driven through the rollout protocol."""
+
+    def __init__(
+        self, handle, rollout: Rollout, history: tuple[ToolCall, ...], call: ToolCall, epoch: int, *, has_sandbox
+    ):
+        self.handle, self.rollout, self.history, self.call = handle, rollout, history, call
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
-        with phases.timed("lookup"):  # (a lane that serves hits takes no lease: a miss moves on, cache/lanes.py)
-            answer = tcg_lookup(
-                task_id=task_id, context=context, count=False, resume=not has_sandbox and not on_fast_lane()
+        self.has_sandbox = bool(has_sandbox)
+        self.context = CallContext(history, call, rollout.rollout_id, epoch, None)
+        self.phases = Phases()
+        self.answer = None
+        self.flight: Flight | None = None
+        self.lane = lane_current()
+        self.waited = bool(self.lane and self.lane.waited_s)  # on the event loop, before this run
+        if self.waited:
+            self.phases.ms["wait"] = self.lane.waited_s * 1000
+
+    def drive(self, detached: bool, started: float) -> CallOutcome | HandBack:
+        lane = self.lane
+        protocol = RolloutCall(
+            detached=detached,
+            fast_lane=lane is not None and lane.fast,
+            may_wait=lane is None or lane.may_wait(),
+            rebuilds=True,
+        )
+        step = protocol.start()
+        while True:
+            act = step.act
+            if act is Act.LOOKUP:
+                step = protocol.looked_up(self._lookup())
+            elif act is Act.MOVE:
+                self._lease_drop()
+                return self._handed_back(protocol, SlowWork())
+            elif act is Act.LEAD:
+                self.flight = Flight(step.key, self.answer, self.rollout.rollout_id)
+                led = self.flight.try_lead()
+                step = protocol.lead_tried(led, step.key)
+                if not led:
+                    self.flight = None
+            elif act is Act.AWAIT:
+                if lane is not None:  # waits on the event loop, holding no thread, then runs again
+                    self._lease_drop()
+                    return self._handed_back(protocol, ClaimAwaited(step.key, settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"]))
+                step = protocol.awaited(timed_out=not self._wait(step.key))
+            elif act is Act.SERVE:
+                result, node_id = self._serve_hit(step.append)
+                return self._outcome(protocol, started, result, True, node_id, step.append)
+            elif act is Act.RUN_AS_IS:
+                with self.phases.timed("exec"):
+                    result = _serve_detached(self.rollout, self.call)
+                return self._outcome(protocol, started, result, False, None, True)
+            else:  # EXECUTE
+                return self._execute(protocol, started)
+
+    def _lookup(self) -> Looked:
+        self._lease_drop()  # (a lane that serves hits takes no lease: a miss moves on, core/lanes.py)
+        with self.phases.timed("lookup"):
+            self.answer = tcg_lookup(
+                task_id=self.handle.task_id,
+                context=self.context,
+                count=False,
+                resume=not self.has_sandbox and not on_fast_lane(),
             )
-        with single_flight(
-            task=handle, context=context, answer=answer, resume=not has_sandbox, timings=phases.ms
-        ) as flight:
-            answer = flight.answer
-            if isinstance(answer, LookupHit):
-                lookup_count(
-                    task_id=task_id,
-                    context=context,
-                    node_id=answer.node_id,
-                    hit=True,
-                    seen=True,
-                    saved_ms=answer.exec_ms,
-                )
-                result, node_id, cached = orjson.loads(answer.result_json), answer.node_id, True
-                mutates = answer.mutates
-                if answer.audit:  # sampled: a worker re-executes it at this state and compares
-                    hit_audit_enqueue(
-                        task_id=task_id,
-                        node_id=node_id,
-                        rollout_pk=rollout.pk,
-                        applied=len(history),
-                        backend=handle.backend,
-                    )
-            else:
-                lookup_count(
-                    task_id=task_id,
-                    context=context,
-                    node_id=None,
-                    hit=False,
-                    seen=answer.seen or flight.waited,
-                    saved_ms=0.0,
-                )
-                task = Task.objects.select_related("project").filter(pk=task_id).first()
-                if task is None:  # deleted since the lookup
-                    raise unknown_task(task_id)
-                backend = backend_named(task.env.get("backend", "external"))
-                _granted(task)
-                if not has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
-                    answer = resume_snapshotted(task_id, context, answer, phases)
-                result, node_id, mutates = serve_miss(
-                    task, backend, rollout, context, answer, recorded=flight.release, phases=phases
-                )
-                cached = False
-        if mutates and cached:  # (a miss appended its call with its record: misses.py)
-            rollout_history_append(rollout_pk=rollout.pk, call=call, length=len(history))
-            if has_sandbox:  # its sandbox is a call behind now: it catches up while the policy thinks
-                catch_up_after_answer(task_id, rollout, (*history, call), node_id)
-    finally:
-        rollout_unclaim(rollout_pk=rollout.pk)
-    return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, phases.ms)
+        if self.flight is not None and isinstance(self.answer, LookupHit):
+            self.flight.release()  # its leader recorded it: nothing to lead
+            self.flight = None
+        return looked(task=self.handle, context=self.context, answer=self.answer)
+
+    def _wait(self, key) -> bool:
+        """Wait in this thread while another rollout leads; False if it led too long."""
+        flight, waited = Flight(key, self.answer, self.rollout.rollout_id), time.perf_counter()
+        led = flight.wait_to_lead()
+        self.waited = True
+        self.phases.ms["wait"] = self.phases.ms.get("wait", 0.0) + (time.perf_counter() - waited) * 1000
+        self.flight = flight if led else None
+        return led
+
+    def _serve_hit(self, append: bool) -> tuple[Any, int]:
+        answer, task_id = self.answer, self.handle.task_id
+        lookup_count(
+            task_id=task_id, context=self.context, node_id=answer.node_id, hit=True, seen=True, saved_ms=answer.exec_ms
+        )
+        if answer.audit:  # sampled: a worker re-executes it at this state and compares
+            hit_audit_enqueue(
+                task_id=task_id,
+                node_id=answer.node_id,
+                rollout_pk=self.rollout.pk,
+                applied=len(self.history),
+                backend=self.handle.backend,
+            )
+        if append:
+            rollout_history_append(rollout_pk=self.rollout.pk, call=self.call, length=len(self.history))
+            if self.has_sandbox:  # its sandbox is a call behind now: it catches up while the policy thinks
+                catch_up_after_answer(task_id, self.rollout, (*self.history, self.call), answer.node_id)
+        return orjson.loads(answer.result_json), answer.node_id
+
+    def _execute(self, protocol: RolloutCall, started: float) -> CallOutcome:
+        task_id, answer = self.handle.task_id, self.answer
+        lookup_count(
+            task_id=task_id,
+            context=self.context,
+            node_id=None,
+            hit=False,
+            seen=answer.seen or self.waited,
+            saved_ms=0.0,
+        )
+        task = Task.objects.select_related("project").filter(pk=task_id).first()
+        if task is None:  # deleted since the lookup
+            raise unknown_task(task_id)
+        backend = backend_named(task.env.get("backend", "external"))
+        _granted(task)
+        if not self.has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
+            answer = self.answer = resume_snapshotted(task_id, self.context, answer, self.phases)
+        self.answer = None  # its lease is the execution's to release
+        execution = miss_execute(task, backend, self.rollout, self.context, answer, self.phases)
+        step = protocol.executed(execution.ran, reason=execution.reason)
+        node_id, mutates = None, True
+        if step.act is Act.RECORD:
+            node_id, mutates = miss_record(execution, protocol, self.context, self._release, self.phases)
+        elif step.act is Act.DETACH:
+            miss_detach(execution, answer, self.context, step.reason)
+        elif step.act is Act.RETIRE:
+            retire(execution.run.row, step.reason)
+        if execution.error is not None:
+            protocol.logged(self.rollout.rollout_id)
+            raise execution.error
+        return self._outcome(protocol, started, execution.result, False, node_id, mutates)
+
+    def _release(self) -> None:
+        if self.flight is not None:
+            self.flight.release()
+            self.flight = None
+
+    def _lease_drop(self) -> None:
+        answer, self.answer = self.answer, None
+        if isinstance(answer, LookupMiss) and answer.lease_id:
+            lease_release(lease_id=answer.lease_id)
+
+    def _outcome(self, protocol, started, result, cached: bool, node_id, mutates: bool) -> CallOutcome:
+        protocol.logged(self.rollout.rollout_id)
+        return CallOutcome(result, cached, node_id, (time.perf_counter() - started) * 1000, mutates, self.phases.ms)
+
+    def _handed_back(self, protocol, handed: HandBack) -> HandBack:
+        protocol.logged(self.rollout.rollout_id)
+        return handed
+
+    def close(self) -> None:
+        self._release()
+        self._lease_drop()
+        rollout_unclaim(rollout_pk=self.rollout.pk)
 
 
 def _granted(task: Task) -> None:

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from cache.models import Node
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,8 +14,8 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from cache.api import auth
-from cache.api.auth import token_create
+from accounts.services import tokens
+from accounts.services.tokens import token_create
 from cache.models import Divergence, Node
 from cache.services import divergence_record
 from cache.services.hitcache import (
@@ -38,7 +38,7 @@ EXTERNAL = {"env": {"backend": "external", "name": "hits"}, "tools": {"read": {"
 def hit_cache_window(monkeypatch):
     """The cache with a window of `ms` (default a minute: a lease never lapses in a test), and
     tokens verified for the whole test, so that a counted request's statements are its own."""
-    monkeypatch.setattr(auth, "TOKEN_CACHE_TTL_S", 600.0)
+    monkeypatch.setattr(tokens, "TOKEN_CACHE_TTL_S", 600.0)
 
     def configure(ms: float = 60_000.0, entries: int = 16_384, mb: int = 64) -> HitCache:
         monkeypatch.setitem(settings.TVCACHE, "HIT_CACHE_WINDOW_MS", ms)

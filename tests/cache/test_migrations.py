@@ -10,7 +10,7 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from rest_framework.test import APIClient
 
-from cache.api.auth import key_digest
+from accounts.services.tokens import key_digest
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -29,7 +29,8 @@ def test_existing_tasks_and_tokens_move_to_the_default_project_as_maintainers():
     executor = MigrationExecutor(connection)
     executor.migrate(latest)
 
-    from cache.models import ApiToken, Project, Task
+    from accounts.models import ApiToken, Project
+    from cache.models import Task
 
     task = Task.objects.get(pk="legacy")
     assert (task.project.name, task.name) == ("default", "legacy")

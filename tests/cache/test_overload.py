@@ -88,7 +88,7 @@ def test_a_flood_of_large_bodies_with_bad_tokens_never_holds_up_lookups(api, toy
         # Checking a token this process has not seen reads the token table: held here, every such
         # check stalls, as under a flood of them.
         with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(48) as pool:
-            blocker.execute("LOCK TABLE cache_apitoken IN ACCESS EXCLUSIVE MODE")
+            blocker.execute("LOCK TABLE accounts_apitoken IN ACCESS EXCLUSIVE MODE")
             flooded = [pool.submit(flood, index) for index in range(48)]
             wait_for(lambda: waiting_on_locks(db["NAME"]) == 1, what="a token check waiting for the lock")
             without_token = [flooded[i].result() for i in range(0, 48, 2)]  # refused without the database

@@ -16,7 +16,7 @@ import pytest
 from drf_spectacular.generators import SchemaGenerator
 
 from cache import inputs
-from cache.errors import ApplicationError
+from core.errors import ApplicationError
 
 # Request body component -> the parser its endpoint validates it with, and nothing else.
 PARSERS = {

@@ -6,9 +6,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from cache.models import Membership
-from cache.projects import DEFAULT_PROJECT, TRAINER
-from cache.services.projects import project_named
+from accounts.models import Membership
+from accounts.projects import DEFAULT_PROJECT, TRAINER
+from accounts.services.projects import project_named
 from tests.support.graph import PASSWORD, build_tree
 
 

@@ -15,9 +15,10 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from accounts.models import Membership, Project
+from accounts.services.projects import project_named
 from cache import ledger
-from cache.models import AuditEntry, Membership, Node, Project
-from cache.services.projects import project_named
+from cache.models import AuditEntry, Node
 from sandboxes.models import Sandbox
 from tests.support.api import project_clients
 from tests.support.graph import build_tree
@@ -228,12 +229,12 @@ def test_the_websocket_sends_a_user_only_the_events_of_their_projects(settings, 
 def test_the_django_admin_creates_tokens_revokes_them_and_edits_grants(staff_client):
     from django.contrib.messages import get_messages
 
-    from cache.api.auth import principal_for_key
-    from cache.models import ApiToken
+    from accounts.models import ApiToken
+    from accounts.services.tokens import principal_for_key
 
     project = project_named("gamma", create=True)
     response = staff_client.post(
-        "/admin/cache/apitoken/add/",
+        "/admin/accounts/apitoken/add/",
         {"name": "from-admin", "project": project.pk, "role": "maintainer", "expires_at_0": "", "expires_at_1": ""},
     )
     assert response.status_code == 302, response.content
@@ -246,11 +247,11 @@ def test_the_django_admin_creates_tokens_revokes_them_and_edits_grants(staff_cli
     assert key not in ApiToken.objects.get(name="from-admin").key_digest
     token = ApiToken.objects.get(name="from-admin")
     assert (
-        staff_client.post("/admin/cache/apitoken/", {"action": "revoke", "_selected_action": [token.pk]}).status_code
+        staff_client.post("/admin/accounts/apitoken/", {"action": "revoke", "_selected_action": [token.pk]}).status_code
         == 302
     )
     assert ApiToken.objects.get(name="from-admin").revoked_at is not None
-    assert staff_client.get("/admin/cache/apitoken/").status_code == 200
+    assert staff_client.get("/admin/accounts/apitoken/").status_code == 200
     # Grants: within the service's maxima.
     form = {
         "name": "gamma",
@@ -268,7 +269,7 @@ def test_the_django_admin_creates_tokens_revokes_them_and_edits_grants(staff_cli
         "memberships-MIN_NUM_FORMS": "0",
         "memberships-MAX_NUM_FORMS": "1000",
     }
-    assert staff_client.post(f"/admin/cache/project/{project.pk}/change/", form).status_code == 302
+    assert staff_client.post(f"/admin/accounts/project/{project.pk}/change/", form).status_code == 302
     project.refresh_from_db()
     assert (project.network, project.max_memory_mb, project.max_live_sandboxes, project.rate_limit) == (
         True,
@@ -276,5 +277,5 @@ def test_the_django_admin_creates_tokens_revokes_them_and_edits_grants(staff_cli
         2,
         100,
     )
-    too_much = staff_client.post(f"/admin/cache/project/{project.pk}/change/", {**form, "max_memory_mb": "999999"})
+    too_much = staff_client.post(f"/admin/accounts/project/{project.pk}/change/", {**form, "max_memory_mb": "999999"})
     assert too_much.status_code == 200 and "service&#x27;s maximum" in too_much.content.decode()

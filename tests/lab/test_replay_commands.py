@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from cache.models import Task
 from lab.replay.report import PHASES
 from lab.server import service_running

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from lab.server import service_running
 from sandboxes.models import Sandbox
 from tests.support.toolserver import bash
@@ -87,11 +87,11 @@ def test_rollouts_waiting_for_another_ones_run_hold_no_thread(busybox, docker_ta
 
 def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, docker_task):
     """A tool-server miss starts on a lane that serves hits and is handed on to the lane that runs
-    tools (cache/lanes.py): it is one request of its project, admitted once."""
+    tools (core/lanes.py): it is one request of its project, admitted once."""
     from django.db.models import Sum
 
+    from accounts.models import ProjectRequests
     from cache.ledger import ledger_flush
-    from cache.models import ProjectRequests
 
     def admitted() -> int:
         return ProjectRequests.objects.aggregate(n=Sum("admitted"))["n"] or 0

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from cache.models import Snapshot
-from cache.services.background import job_queue
+from core.background import job_queue
 from sandboxes import handles as runtime
 from sandboxes import selectors, services
 from sandboxes.engines import engine_named

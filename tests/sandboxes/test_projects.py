@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache.models import Project
+from accounts.models import Project
 from sandboxes.handles import sandbox_config
 from sandboxes.models import Sandbox
 from tests.support.api import project_clients

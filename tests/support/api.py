@@ -48,7 +48,7 @@ def project_clients(projects=PROJECTS, roles=ROLES) -> dict[tuple[str, str], obj
     """An API client per (project, role), each with a token of its own ("<project>-<role>")."""
     from rest_framework.test import APIClient
 
-    from cache.api.auth import token_create
+    from accounts.services.tokens import token_create
 
     clients = {}
     for project in projects:

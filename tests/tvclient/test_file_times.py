@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from cache.models import Node
 from lab.replay.terminal import DockerEnvironment
 from sandboxes.images import build_busybox_image

@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from tvclient import FolderEnvironment, InMemoryEnvironment, SnapshotStore, ToolCallExecutor, TVCacheClient
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from lab.server import service_running
 from tvclient import InMemoryEnvironment, RetryPolicy, SnapshotStore, ToolCallExecutor, TVCacheClient
 

@@ -21,11 +21,11 @@ import threading
 
 from django.db import IntegrityError
 
-from cache.errors import NotFound
+from accounts.projects import task_key
 from cache.models import Task
-from cache.projects import task_key
 from cache.services import TaskHandle, task_handle, task_put
 from cache.tcg import ToolCall, canonical_json
+from core.errors import NotFound
 from upstreams.models import Upstream
 
 from .protocol import ActionItem
@@ -51,7 +51,7 @@ def task_values(upstream: Upstream, item: ActionItem) -> dict | None:
 
 
 def task_id_for(upstream: Upstream, values: dict) -> str:
-    """The key of the task the values name, in the upstream's project (cache.projects.task_key)."""
+    """The key of the task the values name, in the upstream's project (accounts.projects.task_key)."""
     return task_key(
         upstream.project.name, f"{upstream.name}--{hashlib.sha256(canonical_json(values)).hexdigest()[:24]}"
     )

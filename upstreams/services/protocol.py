@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 
-from cache.errors import InvalidInput
+from core.errors import InvalidInput
 
 log = logging.getLogger("tvcache.upstreams")
 

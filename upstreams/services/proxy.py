@@ -1,7 +1,8 @@
 """Serving a verl-tool request through the tool call graph, in front of the user's own server.
 
 Each trajectory id is a rollout of its task, whose history the service keeps (as in tool-server
-mode). An item is served, in this order of preference:
+mode), and each item goes through the rollout protocol (cache/tcg/rollout.py), this module doing
+its I/O for a whole request at once. An item is served, in this order of preference:
 
 - a hit: answered from the graph; the upstream never sees it. A state-changing hit is added to
   the trajectory's history and kept as pending for the upstream;
@@ -31,13 +32,13 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from cache.errors import Conflict, NotFound, PayloadTooLarge
 from cache.models import Rollout
 from cache.services import (
     Flight,
     LookupHit,
     LookupMiss,
     TaskHandle,
+    looked,
     lookup_count,
     node_record,
     rollout_claim,
@@ -49,6 +50,8 @@ from cache.services import (
 )
 from cache.tcg import ToolCall
 from cache.tcg.records import CallContext, CallRecord
+from cache.tcg.rollout import Act, Ran, RolloutCall, Step
+from core.errors import Conflict, NotFound, PayloadTooLarge
 from upstreams.models import Trajectory, Upstream
 
 from .calls import action_call, passthrough_call, task_ensure, task_id_for, task_values
@@ -91,7 +94,10 @@ class _Slot:
     call: ToolCall | None = None
     answer: Observation | None = None
     lookup: LookupHit | LookupMiss | None = None
-    flight: Flight | None = None
+    flight: Flight | None = None  # the single-flight claim this slot holds
+    waited: bool = False  # for another trajectory's execution of the same call
+    protocol: RolloutCall | None = None  # the rollout protocol's decisions for the slot's call
+    step: Step | None = None  # its next one
 
     @property
     def context(self) -> CallContext:
@@ -168,16 +174,15 @@ class _Batch:
                 )
                 slot.answer = failed(exc.message)
                 continue
-            if slot.route == AS_IS:  # off the shared graph
-                continue
             slot.call = action_call(self.upstream, slot.item)
-            if slot.call is None:
+            servable = slot.call is not None
+            slot.step = slot.protocol.start(servable=servable)
+            if slot.step.act is Act.RUN_AS_IS:  # off the shared graph
+                slot.route, slot.call = AS_IS, None
+            elif not servable:  # no tool parses it: passed on, recorded as a passthrough, never served
                 slot.route, slot.call = PASSTHROUGH, passthrough_call(self.upstream, slot.item)
-                continue
-            slot.route = MISS
-            slot.lookup = tcg_lookup(task_id=slot.task.task_id, context=slot.context, count=False, resume=False)
-            if isinstance(slot.lookup, LookupHit):
-                self._hit(slot, slot.lookup)
+            elif slot.step.act is Act.LOOKUP:
+                self._lookup(slot)
 
     def _claim(self, slot: _Slot) -> None:
         """The slot's trajectory and rollout, created on first sight, claimed for this request.
@@ -202,9 +207,12 @@ class _Batch:
             slot.task = task_handle(task_id=row.rollout.task_id, cached=True)
             claim = self._claim_rollout(slot)
         slot.trajectory = row
-        slot.route = AS_IS if claim.detached else MISS
-        if not claim.detached and values is not None and task_id_for(self.upstream, values) != slot.task.task_id:
-            self._detach(slot, "its extra fields name another task than its first action's")
+        detached = claim.detached
+        if not detached and values is not None and task_id_for(self.upstream, values) != slot.task.task_id:
+            rollout_detach(rollout=slot.rollout, reason="its extra fields name another task than its first action's")
+            detached = True
+        slot.protocol = RolloutCall(detached=detached)  # the upstream's state cannot be rebuilt here
+        slot.route = MISS
 
     @staticmethod
     def _claim_rollout(slot: _Slot):
@@ -212,7 +220,17 @@ class _Batch:
         slot.rollout, slot.history = claim.rollout, claim.history  # unclaimed by _close, whatever happens next
         return claim
 
-    def _hit(self, slot: _Slot, hit: LookupHit) -> None:
+    def _lookup(self, slot: _Slot) -> None:
+        """The slot's call looked up after its history: served if it hits."""
+        slot.lookup = tcg_lookup(task_id=slot.task.task_id, context=slot.context, count=False, resume=False)
+        slot.step = slot.protocol.looked_up(looked(task=slot.task, context=slot.context, answer=slot.lookup))
+        if slot.step.act is Act.SERVE:
+            if slot.flight is not None:  # its leader recorded it meanwhile
+                slot.flight.release()
+                slot.flight = None
+            self._hit(slot, slot.lookup, append=slot.step.append)
+
+    def _hit(self, slot: _Slot, hit: LookupHit, *, append: bool) -> None:
         lookup_count(
             task_id=slot.task.task_id,
             context=slot.context,
@@ -223,7 +241,7 @@ class _Batch:
         )
         slot.answer = Observation.from_result(orjson.loads(hit.result_json))
         self.hits += 1
-        if hit.mutates:  # the upstream has not run it: it goes with the trajectory's next miss
+        if append:  # the upstream has not run it: it goes with the trajectory's next miss
             with transaction.atomic():
                 rollout_history_append(rollout_pk=slot.rollout.pk, call=slot.call, length=len(slot.history))
                 with connection.cursor() as cursor:
@@ -237,49 +255,44 @@ class _Batch:
         """In passes: the first asks the upstream for every miss this request leads and for the
         items that go as they are; a miss whose call another trajectory is asking for (in this
         request or another) waits for it in a later pass and is then, most often, a hit."""
-        todo, first = [slot for slot in slots if slot.answer is None], True
+        todo = [slot for slot in slots if slot.answer is None]
         while todo:
             forward, later, leading = [], [], set()
             for slot in todo:
-                if slot.route != MISS:
-                    forward.append(slot)
-                    continue
-                if not first and not self._looked_up_again(slot):
-                    continue
-                flight = Flight.for_answer(task=slot.task, context=slot.context, answer=slot.lookup)
-                if flight.key is None:
-                    forward.append(slot)
-                    continue
-                if flight.key in leading:  # the same call in the same state as an earlier slot's
-                    later.append(slot)
-                    continue
-                leading.add(flight.key)
-                if first and not flight.try_lead():
-                    later.append(slot)
-                    continue
-                if not first:
-                    self._wait(flight)
-                slot.flight = flight
-                if flight.waited and not self._looked_up_again(slot):
-                    continue
+                if slot.step is not None and slot.step.act in (Act.LEAD, Act.AWAIT):
+                    key = slot.step.key
+                    if key in leading:  # the same call in the same state as an earlier slot's: after it
+                        if slot.step.act is Act.LEAD:
+                            slot.step = slot.protocol.lead_tried(False, key)
+                        later.append(slot)
+                        continue
+                    leading.add(key)
+                    self._fly(slot)
+                    if slot.step.act is Act.AWAIT:
+                        later.append(slot)
+                        continue
+                    if slot.step.act is not Act.EXECUTE:  # a hit now
+                        continue
                 forward.append(slot)
             self._forward(forward)
-            todo, first = later, False
+            todo = later
 
-    def _looked_up_again(self, slot: _Slot) -> bool:
-        """Look the call up again (another trajectory may have recorded it); False if it hit."""
-        slot.lookup = tcg_lookup(task_id=slot.task.task_id, context=slot.context, count=False, resume=False)
-        if isinstance(slot.lookup, LookupHit):
-            if slot.flight is not None:
-                slot.flight.release()
-            self._hit(slot, slot.lookup)
-            return False
-        return True
-
-    def _wait(self, flight: Flight) -> None:
-        started = time.perf_counter()
-        flight.wait_to_lead()
-        self.wait_ms += (time.perf_counter() - started) * 1000
+    def _fly(self, slot: _Slot) -> None:
+        """Single flight: lead the slot's call, or wait while another request leads it (a slot
+        seen waiting in an earlier pass), then look it up again."""
+        key, flight = slot.step.key, Flight(slot.step.key, slot.lookup, slot.item.trajectory_id)
+        if slot.step.act is Act.LEAD:
+            led = flight.try_lead()
+            slot.step = slot.protocol.lead_tried(led, key)
+        else:
+            started = time.perf_counter()
+            led = flight.wait_to_lead()
+            self.wait_ms += (time.perf_counter() - started) * 1000
+            slot.waited = True
+            slot.step = slot.protocol.awaited(timed_out=not led)
+        slot.flight = flight if led else None
+        if slot.step.act is Act.LOOKUP:
+            self._lookup(slot)
 
     def _forward(self, slots: list[_Slot]) -> None:
         together = [slot for slot in slots if not slot.catch_up]
@@ -329,7 +342,10 @@ class _Batch:
                 slot.answer = failed(f"upstream '{self.upstream.name}' did not answer: {exchange.error}")
                 self._counted(slot)
                 if slot.route in (MISS, PASSTHROUGH):
-                    self._detach(slot, f"the upstream did not answer: {exchange.error}")
+                    step = slot.protocol.executed(
+                        Ran.ENV_FAILED, reason=f"the upstream did not answer: {exchange.error}"
+                    )
+                    self._unrecorded(slot, step)
             return
         for slot, answer in zip(exchange.slots, exchange.answers):
             slot.answer = answer
@@ -346,7 +362,7 @@ class _Batch:
                 context=slot.context,
                 node_id=None,
                 hit=False,
-                seen=slot.lookup.seen or bool(slot.flight and slot.flight.waited),
+                seen=bool(slot.lookup and slot.lookup.seen) or slot.waited,
                 saved_ms=0.0,
             )
             self.misses += 1
@@ -356,10 +372,12 @@ class _Batch:
     def _record(self, slot: _Slot, answer: Observation, exec_ms: float) -> None:
         """The answer filed under the trajectory's history: the call itself if the upstream found
         it valid, else as a passthrough (never served). The upstream has now applied the whole
-        history."""
+        history. A tool that failed part way leaves the trajectory's state unknown."""
         if answer.tool_failed and not self.upstream.read_only:
-            self._detach(slot, "the upstream's tool failed part way: the trajectory's state is unknown")
+            reason = "the upstream's tool failed part way: the trajectory's state is unknown"
+            self._unrecorded(slot, slot.protocol.executed(Ran.UNKNOWN, reason=reason))
             return
+        slot.protocol.executed(Ran.KNOWN)
         call = slot.call if slot.route == MISS and answer.valid else passthrough_call(self.upstream, slot.item)
         context = CallContext(slot.history, call, slot.item.trajectory_id, 0, None)
         try:
@@ -370,19 +388,24 @@ class _Batch:
             mutates = slot.task.policy.for_tool(call.tool).mutates_state
         if slot.flight is not None:
             slot.flight.release()  # the trajectories waiting for this call take it from the graph now
+            slot.flight = None
+        append = slot.protocol.recorded(mutates=mutates).append
         with transaction.atomic():
-            if mutates:
+            if append:
                 rollout_history_append(rollout_pk=slot.rollout.pk, call=call, length=len(slot.history))
                 slot.history += (call,)
             Trajectory.objects.filter(pk=slot.trajectory.pk).update(applied=len(slot.history), pending=[])
         slot.trajectory.pending = []
 
-    def _detach(self, slot: _Slot, reason: str) -> None:
-        rollout_detach(rollout=slot.rollout, reason=reason)
-        slot.route = AS_IS if slot.answer is None else slot.route
+    def _unrecorded(self, slot: _Slot, step: Step) -> None:
+        """Known-state rule: nothing recorded, and the trajectory leaves the shared graph (an
+        upstream's state cannot be rebuilt from the history here)."""
+        rollout_detach(rollout=slot.rollout, reason=step.reason)
 
     def _close(self, slots: list[_Slot]) -> None:
         for slot in slots:
+            if slot.protocol is not None:
+                slot.protocol.logged(slot.item.trajectory_id)
             if slot.flight is not None:
                 slot.flight.release()
             if slot.rollout is not None:

@@ -14,8 +14,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from cache.errors import InvalidInput, NotFound
 from cache.models import Rollout
+from core.errors import InvalidInput, NotFound
 from upstreams.models import Upstream
 
 FIELDS = {

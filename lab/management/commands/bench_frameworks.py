@@ -22,7 +22,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from lab.frameworks.venvs import DRIVERS, ROOT, Framework
 from lab.server import service_running
 

@@ -31,8 +31,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 from django.db.models import Count
 
-from cache.api.auth import token_create
-from cache.models import ApiToken, Lease, Rollout, Snapshot, Task
+from accounts.models import ApiToken
+from accounts.services.tokens import token_create
+from cache.models import Lease, Rollout, Snapshot, Task
 from cache.services import node_record, snapshot_register, task_put
 from cache.tcg import ToolCall
 from cache.tcg.records import CallContext, CallRecord

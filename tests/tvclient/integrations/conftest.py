@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from cache.api.auth import token_create
+from accounts.services.tokens import token_create
 from tvclient import TVCacheClient
 from tvclient.integrations import _shared
 

@@ -25,7 +25,7 @@ from skyrl_gym.envs.sql.env import SQLEnv
 from skyrl_gym.metrics import aggregate_for_environment
 from skyrl_gym.tools.core import tool
 
-from cache.api import auth
+from accounts.services import tokens
 from lab.frameworks import skyrl_rollouts
 from lab.frameworks.skyrl_rollouts import NotesEnv, NotesTools
 from tvclient import TVCacheClient
@@ -203,13 +203,13 @@ def test_a_refusal_by_the_service_runs_the_call_uncached(tvcache, tmp_path):
     plain = skyrl_gym.make(registered(SQLEnv), env_config=config, extras=dict(extras))
     expected = repr(plain.step(action))
     name = f"refused-{uuid.uuid4().hex[:8]}"
-    with TVCacheClient(tvcache.url, auth.token_create(name=name)) as client:
+    with TVCacheClient(tvcache.url, tokens.token_create(name=name)) as client:
         env = skyrl_gym.make(
             registered(tvcache_env(SQLEnv, client=client, read_only=("sql",))), env_config=config, extras=dict(extras)
         )
         env.init([{"role": "user", "content": "task"}])
-        auth.token_revoke(name=name)
-        auth._verified.clear()  # refused at once rather than within TOKEN_CACHE_TTL_S
+        tokens.token_revoke(name=name)
+        tokens._verified.clear()  # refused at once rather than within TOKEN_CACHE_TTL_S
         assert repr(env.step(action)) == expected
         assert env.tvcache.offline and env.tvcache.executed == 1
         env.close()

@@ -143,6 +143,12 @@ def _forks_lose_processes(env: ToolExecutionEnvironment) -> bool:
 class ToolCallExecutor:
     """Runs one rollout's tool calls through the cache, in environments the trainer owns.
 
+    Each call takes the steps of the rollout protocol the service itself runs for tool-server
+    mode and the verl-tool proxy (the service's cache/tcg/rollout.py; docs/design/architecture.md),
+    on the trainer's side: look up (the lookup takes the single-flight claim in the same
+    request); serve a hit; wait and look up again while another rollout executes the call;
+    else catch up, execute, apply the known-state rule, and record.
+
     Create one per rollout and call `execute` once per tool call, in order. A hit runs
     nothing. The first miss materialises the rollout's own environment, forked from a
     snapshot this process holds when the service offers one, else started fresh, and replays

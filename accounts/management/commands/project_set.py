@@ -2,9 +2,10 @@ import argparse
 
 from django.core.management.base import BaseCommand, CommandError
 
-from cache.errors import ApplicationError
-from cache.projects import ROLES
-from cache.services.projects import project_set, project_tokens
+from accounts.projects import ROLES
+from accounts.selectors import project_tokens
+from accounts.services.projects import LIMITS, project_set
+from core.errors import ApplicationError
 
 NONE = {"none", "null", "unlimited", "-"}
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -71,19 +72,7 @@ class Command(BaseCommand):
         parser.add_argument("--remove-member", action="append", default=[], metavar="USER")
 
     def handle(self, *args, project: str, network, images, member, remove_member, **options):
-        grants = {
-            field: options[field]
-            for field in (
-                "max_memory_mb",
-                "max_cpus",
-                "max_pids",
-                "max_live_sandboxes",
-                "max_snapshot_bytes",
-                "rate_limit",
-                "rate_burst",
-            )
-            if field in options
-        }  # left out: unchanged; "none": lifted
+        grants = {field: options[field] for field in LIMITS if field in options}  # left out: unchanged; "none": lifted
         if network is not None:
             grants["network"] = _on_off(network)
         if images is not None:
@@ -97,17 +86,7 @@ class Command(BaseCommand):
             changed = project_set(name=project, grants=grants, members=members)
         except ApplicationError as exc:
             raise CommandError(exc.message) from None
-        fields = (
-            "network",
-            "images",
-            "max_memory_mb",
-            "max_cpus",
-            "max_pids",
-            "max_live_sandboxes",
-            "max_snapshot_bytes",
-            "rate_limit",
-            "rate_burst",
-        )
+        fields = ("network", "images", *LIMITS)
         self.stdout.write(f"project {changed.name}: " + ", ".join(f"{f}={getattr(changed, f)}" for f in fields))
         members_now = changed.memberships.select_related("user").order_by("user__username")
         self.stdout.write("members: " + (", ".join(f"{m.user.get_username()} ({m.role})" for m in members_now) or "-"))

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from cache.api.auth import TOKEN_CACHE_TTL_S, token_revoke
+from accounts.services.tokens import TOKEN_CACHE_TTL_S, token_revoke
 
 
 class Command(BaseCommand):

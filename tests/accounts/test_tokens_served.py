@@ -11,7 +11,7 @@ import httpx
 import pytest
 from django.conf import settings
 
-from cache.api.auth import TOKEN_CACHE_TTL_S, token_create, token_revoke
+from accounts.services.tokens import TOKEN_CACHE_TTL_S, token_create, token_revoke
 from lab.server import _cpu_s, process_tree, service_running
 from tests.support.api import call
 

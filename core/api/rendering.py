@@ -6,7 +6,7 @@ import orjson
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 
-from cache.inputs import load_body
+from core.inputs import load_body
 
 
 class ORJSONParser(BaseParser):

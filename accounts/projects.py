@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import re
 
-from cache.errors import Forbidden, NotFound
+from core.errors import Forbidden
 
 DEFAULT_PROJECT = "default"
 SEPARATOR = "."
 MAX_PROJECT_NAME = 50
-MAX_TASK_ID = 200  # cache.inputs.MAX_ID_LENGTH: what a task id may be
+MAX_TASK_ID = 200  # core.inputs.MAX_ID_LENGTH: what a task id may be
 MAX_TASK_KEY = MAX_PROJECT_NAME + 1 + MAX_TASK_ID
 PROJECT_NAME = re.compile(r"[-a-zA-Z0-9_]{1,50}")
 
@@ -61,18 +61,3 @@ def role_check(*, principal, action: str) -> None:
             code="maintainer_required",
             details={"role": principal.role, "needs": MAINTAINER},
         )
-
-
-def unknown_task(key: str) -> NotFound:
-    """The 404 of a task that is not there, naming it as its project does."""
-    task_id = task_public_id(key)
-    return NotFound(f"Unknown task '{task_id}'.", code="unknown_task", details={"task_id": task_id})
-
-
-def unknown_node(key: str, node_id: int) -> NotFound:
-    task_id = task_public_id(key)
-    return NotFound(
-        f"Task '{task_id}' has no node {node_id}.",
-        code="unknown_node",
-        details={"task_id": task_id, "node_id": node_id},
-    )

@@ -1,6 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from cache.services.projects import project_named, project_tokens
+from accounts.selectors import project_tokens
+from accounts.services.projects import project_named
 
 
 def _when(value) -> str:

@@ -1,6 +1,7 @@
-"""Token auth: `Authorization: Token <key>`. Only the key's sha256 is stored.
+"""API tokens: made, revoked, and verified for `Authorization: Token <key>` (by the hot front door
+and by DRF's authentication, accounts.api.auth). Only the key's sha256 is stored.
 
-A token belongs to one project and has a role (cache.projects). Verifying a key reads the token
+A token belongs to one project and has a role (accounts.projects). Verifying a key reads the token
 with its project in one statement; the answer (the request's `Principal`) is kept in process for
 TOKEN_CACHE_TTL_S at most, and never past the token's expiry, so a revoked or expired token is
 refused within that time by every server process, and the hot path reads nothing for the
@@ -18,14 +19,14 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
-from rest_framework.authentication import BaseAuthentication, get_authorization_header
-from rest_framework.exceptions import AuthenticationFailed
 
-from cache.errors import RateLimited
-from cache.models import ApiToken
-from cache.projects import DEFAULT_PROJECT, MAINTAINER, ROLES, task_key
-from cache.services.projects import project_named
-from cache.ttl import TTLCache
+from accounts.hooks import request_count
+from accounts.models import ApiToken
+from accounts.projects import DEFAULT_PROJECT, MAINTAINER, ROLES, task_key
+from core.errors import RateLimited
+from core.ttl import TTLCache
+
+from .projects import project_named
 
 # A revoked or expired token is refused within this time in every process (docs/operations/projects.md).
 TOKEN_CACHE_TTL_S = 4.0
@@ -49,7 +50,7 @@ class Principal:
     is_staff = False
 
     def task_key(self, task_id: str) -> str:
-        """The internal key of the project's task `task_id` (cache.projects.task_key)."""
+        """The internal key of the project's task `task_id` (accounts.projects.task_key)."""
         return task_key(self.project, task_id)
 
     @property
@@ -157,11 +158,9 @@ def admit(principal: Principal) -> None:
     """Count the request against its project's rate limit; RateLimited (429) over it. Each
     server process keeps its own buckets: with TVCACHE_RATE_LIMIT_PROCESSES = N (the number of
     server processes), each admits 1/N of the project's rate."""
-    from cache.ledger import request_add
-
     rate = principal.rate_limit
     if rate is None:
-        request_add(project_id=principal.project_id, admitted=True)
+        request_count(project_id=principal.project_id, admitted=True)
         return
     share = settings.TVCACHE.get("RATE_LIMIT_PROCESSES", 1)
     rate_here = rate / share
@@ -177,31 +176,9 @@ def admit(principal: Principal) -> None:
         if admitted:
             bucket.tokens -= 1.0
         wait_s = 0.0 if admitted else (1.0 - bucket.tokens) / rate_here
-    request_add(project_id=principal.project_id, admitted=admitted)
+    request_count(project_id=principal.project_id, admitted=admitted)
     if not admitted:
         raise RateLimited(
             f"Project '{principal.project}' is over its rate limit of {rate} requests per second.",
             details={"project": principal.project, "rate_limit": rate, "retry_after_s": round(wait_s, 3)},
         )
-
-
-class TrainerTokenAuthentication(BaseAuthentication):
-    """DRF's side of the same tokens: the principal becomes `request.user`, admitted by its
-    project's rate limit."""
-
-    keyword = b"token"
-
-    def authenticate(self, request):
-        parts = get_authorization_header(request).split()
-        if not parts or parts[0].lower() != self.keyword:
-            return None
-        if len(parts) != 2:
-            raise AuthenticationFailed("Authorization header must be 'Token <key>'.", code="invalid_token")
-        principal = principal_for_key(parts[1].decode(errors="replace"))
-        if principal is None:
-            raise AuthenticationFailed(INVALID_TOKEN, code="invalid_token")
-        admit(principal)
-        return principal, None
-
-    def authenticate_header(self, request):
-        return "Token"

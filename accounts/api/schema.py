@@ -4,7 +4,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
 
 class TrainerTokenScheme(OpenApiAuthenticationExtension):
-    target_class = "cache.api.auth.TrainerTokenAuthentication"
+    target_class = "accounts.api.auth.TrainerTokenAuthentication"
     name = "TrainerToken"
 
     def get_security_definition(self, auto_schema):

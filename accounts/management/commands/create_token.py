@@ -2,10 +2,10 @@ import datetime as dt
 
 from django.core.management.base import BaseCommand, CommandError
 
-from cache.api.auth import token_create
-from cache.errors import InvalidInput
-from cache.models import ApiToken
-from cache.projects import DEFAULT_PROJECT, ROLES, TRAINER
+from accounts.models import ApiToken
+from accounts.projects import DEFAULT_PROJECT, ROLES, TRAINER
+from accounts.services.tokens import token_create
+from core.errors import InvalidInput
 
 
 class Command(BaseCommand):

@@ -3,10 +3,11 @@
 The front door answers hot requests on lanes: a few threads each, with bounded queues. A thread of
 a fast lane must never run a tool for minutes, nor sleep while another request executes what this
 one waits for: either would hold up every hit queued behind it. Work that finds it would do either
-raises a `HandBack` instead, having undone what it started (claims, leases), and the front door
-sends the request on: to the slow lane (`SlowWork`), or after a wait on the event loop, which
-holds no thread, for a single-flight claim to be freed (`ClaimAwaited`). The work runs again from the
-start; what it does before handing back must be safe to repeat.
+returns a `HandBack` instead of its answer, decided before it started anything that must not run
+twice (the rollout protocol decides it: cache/tcg/rollout.py), and the front door sends the
+request on: to the slow lane (`SlowWork`), or after a wait on the event loop, which holds no
+thread, for a single-flight claim to be freed (`ClaimAwaited`). The work then runs again from the
+start: what it did before handing back (a rollout's claim, a lookup) is undone or safe to repeat.
 
 Work only hands back when the front door said it may (`lane_current()` is not None): under
 Django's own handler it waits or runs where it is.
@@ -15,11 +16,13 @@ Django's own handler it waits or runs where it is.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 
-class HandBack(Exception):
-    """The request's work stopped before doing anything that must not run twice."""
+class HandBack:
+    """The request's work stopped before doing anything that must not run twice: returned in
+    place of its answer."""
 
     db_s = 0.0  # set by the front door: time its database statements took
 
@@ -33,7 +36,6 @@ class ClaimAwaited(HandBack):
     node recorded, at most `wait_s` from the first time it waited; then it runs again either way."""
 
     def __init__(self, key: tuple[str, str, str], wait_s: float):
-        super().__init__(key, wait_s)
         self.key, self.wait_s = key, wait_s
 
 
@@ -43,6 +45,10 @@ class LaneContext:
     waited_s: float  # time this request already spent waiting for claims, on the event loop
     wait_until: float  # time.monotonic() past which it stops waiting and runs anyway
     rerun: bool = False  # a run after a hand-back: the request was admitted (counted) already
+
+    def may_wait(self) -> bool:
+        """It may still hand the request back to wait for a claim (else it runs alongside)."""
+        return self.wait_until is None or time.monotonic() < self.wait_until
 
 
 _local = threading.local()
@@ -60,10 +66,3 @@ def lane_set(context: LaneContext | None) -> None:
 def on_fast_lane() -> bool:
     lane = lane_current()
     return lane is not None and lane.fast
-
-
-def slow_lane_needed() -> None:
-    """Called before work that runs a tool: on a lane that serves hits it hands the request on to
-    the slow lane (the caller has undone what it started)."""
-    if on_fast_lane():
-        raise SlowWork()

@@ -1,5 +1,5 @@
 """Typed application errors. Each has a stable `code` and status; `body` and `headers` are the
-one error answer every front door sends (cache.api.errors turns exceptions into them)."""
+one error answer every front door sends (core.api.errors turns exceptions into them)."""
 
 from __future__ import annotations
 

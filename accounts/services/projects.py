@@ -1,21 +1,18 @@
-"""Projects, their grants and members, and their tokens (the operator's side: `manage.py
-project_set`, `create_token`, `revoke_token`, `list_tokens`, and the Django admin)."""
+"""Projects, their grants and members (the operator's side: `manage.py project_set`, and the
+Django admin), and the upkeep of their request counts."""
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import transaction
-from django.db.models import Sum
-from django.utils import timezone
+from django.db import connection, transaction
 
-from cache.errors import InvalidInput, NotFound
-from cache.hooks import sandbox_hooks
-from cache.models import ApiToken, Membership, Project, ProjectRequests, Snapshot
-from cache.projects import DEFAULT_PROJECT, PROJECT_NAME, ROLES
+from accounts.hooks import service_images
+from accounts.models import Membership, Project
+from accounts.projects import DEFAULT_PROJECT, PROJECT_NAME, ROLES
+from core.errors import InvalidInput, NotFound
 
 # Grants a project may set (Project's fields), each null for "no bound of its own".
 LIMITS = (
@@ -44,11 +41,6 @@ def project_named(name: str, *, create: bool = False) -> Project | None:
         project, _ = Project.objects.get_or_create(name=name, defaults={"network": name == DEFAULT_PROJECT})
         return project
     return Project.objects.filter(name=name).first()
-
-
-def service_images() -> list[str]:
-    """The images the service runs (a project's images are chosen among them)."""
-    return sandbox_hooks().images()
 
 
 def check_grants(grants: dict[str, Any]) -> None:
@@ -117,50 +109,10 @@ def project_set(*, name: str, grants: dict[str, Any], members: dict[str, str | N
     return project
 
 
-def project_tokens(*, project: Project | None = None) -> list[dict[str, Any]]:
-    """Tokens (of one project, or all) with role, expiry, last use and state; never their keys."""
-    now = timezone.now()
-    rows = ApiToken.objects.select_related("project").order_by("project__name", "name")
-    if project is not None:
-        rows = rows.filter(project=project)
-    return [
-        {
-            "name": t.name,
-            "project": t.project.name,
-            "role": t.role,
-            "created_at": t.created_at,
-            "expires_at": t.expires_at,
-            "last_used_at": t.last_used_at,
-            "revoked_at": t.revoked_at,
-            "state": "revoked" if t.revoked_at else "expired" if t.expires_at and t.expires_at <= now else "active",
-        }
-        for t in rows
-    ]
-
-
-def project_snapshot_bytes(*, project_id: int) -> int:
-    """Bytes of the project's live snapshots (their sizes as registered)."""
-    return (
-        Snapshot.objects.filter(task__project_id=project_id, status=Snapshot.Status.LIVE).aggregate(
-            n=Sum("size_bytes")
-        )["n"]
-        or 0
-    )
-
-
-def project_request_rate(*, project_id: int, minutes: int = 30) -> dict[str, Any]:
-    """Requests per second in the last complete minute, and per minute over the last `minutes`
-    (admitted, refused by the rate limit), from the counters every server process writes."""
-    now = timezone.now()
-    this_minute = now.replace(second=0, microsecond=0)
-    rows = list(
-        ProjectRequests.objects.filter(project_id=project_id, minute__gte=this_minute - dt.timedelta(minutes=minutes))
-        .order_by("minute")
-        .values_list("minute", "admitted", "refused")
-    )
-    last = next(((a, r) for m, a, r in rows if m == this_minute - dt.timedelta(minutes=1)), (0, 0))
-    return {
-        "per_s": round((last[0] + last[1]) / 60.0, 2),
-        "refused_last_minute": last[1],
-        "minutes": [{"minute": m, "admitted": a, "refused": r} for m, a, r in rows],
-    }
+def project_requests_prune(*, keep_hours: float = 24.0) -> int:
+    """Delete request counts older than a day: the project page shows the last minutes."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM accounts_projectrequests WHERE minute < now() - %s * interval '1 hour'", [keep_hours]
+        )
+        return cursor.rowcount

@@ -9,7 +9,7 @@ from django.db import InterfaceError, OperationalError
 from django.http import HttpResponse
 from rest_framework import exceptions as drf
 
-from cache.errors import ApplicationError, DatabaseUnavailable, InvalidInput, PayloadTooLarge
+from core.errors import ApplicationError, DatabaseUnavailable, InvalidInput, PayloadTooLarge
 
 DRF_CODES = {
     drf.ParseError: "malformed_json",
