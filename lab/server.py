@@ -1,6 +1,7 @@
 """Start and stop the service as deployed (benchmarks, the replay, browser and ASGI tests):
-production settings, several worker processes, a free loopback port, optionally a Celery worker.
-The one place that knows how to bring a server up and down in subprocesses."""
+`manage.py serve --web-only` (its command line is the one place that says how tvcache is served)
+with production settings on a free loopback port, optionally a Celery worker on a queue of its
+own; what is around it here is the lab's: the environment, waiting, stopping, crashing."""
 
 from __future__ import annotations
 
@@ -23,29 +24,6 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 60.0
-
-SERVERS = {
-    # ASGI (HTTP + websockets), the application the run command serves: the deployment.
-    "uvicorn": lambda port, workers: [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "tvcache_site.asgi:application",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--log-level",
-        "warning",
-        "--no-access-log",
-        "--http",
-        "httptools",
-        "--loop",
-        "uvloop",
-    ],
-}
 
 
 def free_port() -> int:
@@ -86,7 +64,7 @@ def stop(processes, timeout_s: float = 15) -> None:
 @dataclass
 class RunningServer:
     url: str
-    pid: int  # the web server's main process (a new one after restart())
+    pid: int  # uvicorn's main process (a new one after restart())
     queue: str | None = None  # where its background jobs go (a queue of its own), if it has a broker
     worker_pid: int | None = None  # its Celery worker's, if it has one
     _restart: Callable[[bool], int] | None = field(default=None, repr=False, compare=False)
@@ -149,7 +127,6 @@ def _cpu_s(pid: int) -> float:
 @contextmanager
 def service_running(
     *,
-    kind: str = "uvicorn",
     workers: int = 2,
     db: dict | None = None,
     redis_url: str | None = None,
@@ -160,25 +137,25 @@ def service_running(
     root: Path = ROOT,
     release_on_stop: bool = False,
 ) -> Iterator[RunningServer]:
-    """Serve tvcache as deployed (production settings, `workers` processes, a psycopg pool of 16
-    per process) on a free loopback port, on `db` and `redis_url` (default: this process's
-    environment). With `celery`, a Celery worker too (2 threads; with `beat`, the periodic tasks:
-    reaping, eviction, vacuum). With a broker the service queues its background jobs on a queue
-    of its own, so that no other worker (on another database) takes them; the queue is deleted
-    afterwards. So with a broker but without `celery` those jobs are queued and never run: the
-    caller measures the request path alone, or starts its own worker on `RunningServer.queue`.
-    Without a Redis URL there is no worker: the service then runs its background work in
-    process (its embedded default). Logs go to `log_dir` if given. `root`: the checkout served
-    (another one than this, to measure it). With `release_on_stop`, once stopped it stops the
-    sandboxes of the instance's database, as the run command does (`manage.py release_sandboxes`)."""
+    """Serve tvcache as deployed (`manage.py serve --web-only`: production settings, `workers`
+    processes, a psycopg pool of 16 per process) on a free loopback port, on `db` and `redis_url`
+    (default: this process's environment). With `celery`, a Celery worker too (2 threads; with
+    `beat`, the periodic tasks: reaping, eviction, vacuum). With a broker the service queues its
+    background jobs on a queue of its own, so that no other worker (on another database) takes
+    them; the queue is deleted afterwards. So with a broker but without `celery` those jobs are
+    queued and never run: the caller measures the request path alone, or starts its own worker on
+    `RunningServer.queue`. Without a Redis URL there is no worker: the service then runs its
+    background work in process (its embedded default). Logs go to `log_dir` if given. `root`: the
+    checkout served (another one than this, to measure it). With `release_on_stop`, once stopped
+    it stops the sandboxes of the instance's database, as the run command does
+    (`manage.py release_sandboxes`)."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
     queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tvcache_site.settings",
         "DEBUG": "0",
-        # A psycopg pool per process: ASGI runs Django's requests in threads of their own, and
-        # per-thread persistent connections would pile up.
+        # Smaller than the run command's default: the benchmarks' figures were measured with 16.
         "DB_POOL_SIZE": os.environ.get("DB_POOL_SIZE", "16"),
     }
     if db is not None:
@@ -187,7 +164,19 @@ def service_running(
     if queue:
         env["CELERY_QUEUE"] = queue
     port = free_port()
-    commands = {kind: SERVERS[kind](port, workers)}
+    # The log keeps uvicorn's name: serve itself writes to it only when uvicorn exits.
+    commands = {
+        "uvicorn": [
+            sys.executable,
+            "manage.py",
+            "serve",
+            "--web-only",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+        ]
+    }
     if queue and celery:
         commands["celery"] = [
             sys.executable,
@@ -227,20 +216,22 @@ def service_running(
         def restart_web(start: bool) -> int:
             old = processes[0]
             if not start:
-                crash(old.pid)  # the workers too: they hold the listening socket
+                crash(old.pid)  # serve, uvicorn and its workers: they hold the listening socket
                 old.wait()
-                wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} to stop")
+                wait_until(lambda: not answers(url, ready_path), START_TIMEOUT_S, f"the service on {url} to stop")
                 return old.pid
             processes[0] = subprocess.Popen(
-                commands[kind], cwd=root, env=env, stdout=logs[kind], stderr=subprocess.STDOUT
+                commands["uvicorn"], cwd=root, env=env, stdout=logs["uvicorn"], stderr=subprocess.STDOUT
             )
-            wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url} (restarted)", processes)
-            return processes[0].pid
+            wait_until(
+                lambda: answers(url, ready_path), START_TIMEOUT_S, f"the service on {url} (restarted)", processes
+            )
+            return _uvicorn_pid(processes[0])
 
         try:
             for name, argv in commands.items():
                 processes.append(subprocess.Popen(argv, cwd=root, env=env, stdout=logs[name], stderr=subprocess.STDOUT))
-            wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"{kind} on {url}", processes)
+            wait_until(lambda: answers(url, ready_path), START_TIMEOUT_S, f"the service on {url}", processes)
             if "celery" in commands:
                 wait_until(
                     lambda: _worker_answers(broker, f"{queue}@{socket.gethostname()}"),
@@ -249,7 +240,11 @@ def service_running(
                     processes,
                 )
             yield RunningServer(
-                url, processes[0].pid, queue, processes[1].pid if len(processes) > 1 else None, restart_web
+                url,
+                _uvicorn_pid(processes[0]),
+                queue,
+                processes[1].pid if len(processes) > 1 else None,
+                restart_web,
             )
         finally:
             stop(processes, timeout_s=30)
@@ -259,6 +254,11 @@ def service_running(
                 )
             if queue:
                 _queue_delete(broker, queue)
+
+
+def _uvicorn_pid(serve: subprocess.Popen) -> int:
+    # `serve --web-only` has one child, uvicorn's main process (its workers are that one's).
+    return process_tree(serve.pid)[1]
 
 
 def database_url(db: dict) -> str:

@@ -156,16 +156,7 @@ def test_with_redis_down_a_tool_server_miss_that_queues_work_answers_and_the_wor
 
 def serve(env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "tvcache_site.asgi:application",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-        ],
+        [sys.executable, "manage.py", "serve", "--web-only", "--port", str(free_port())],
         cwd=ROOT,
         env=env,
         capture_output=True,

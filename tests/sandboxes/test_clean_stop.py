@@ -3,22 +3,17 @@ what it started, and no sandbox of the service outlives it, not even one running
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
-from django.conf import settings
 
-from cache.api.auth import token_create
-from lab.server import ROOT, _queue_delete, answers, database_url, free_port, process_tree, wait_until
+from lab.server import answers, process_tree, wait_until
 from sandboxes.handles import backend_named, labels
 from sandboxes.models import Sandbox
+from tests.support.serving import serving
 from tests.support.toolserver import bash
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -33,27 +28,7 @@ def alive(pid: int) -> bool:
 
 def test_stopping_the_run_command_stops_its_processes_and_sandboxes(busybox, docker_task):
     task = docker_task("clean-stop")
-    token = token_create(name="serve")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tvcache_site.settings",
-        "DEBUG": "0",
-        "DATABASE_URL": database_url(settings.DATABASES["default"]),
-        "REDIS_URL": settings.REDIS_URL,
-        "CELERY_QUEUE": f"tvcache-serve-{uuid.uuid4().hex[:8]}",
-    }
-    serve = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port), "--workers", "1", "--grace", "5"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_until(lambda: answers(url), 60, "the service", [serve])
-        client = httpx.Client(base_url=url, headers={"Authorization": f"Token {token}"}, timeout=120)
+    with serving("--grace", "5") as (serve, url, client):
 
         def call(rollout: str, command: str):
             try:
@@ -70,11 +45,6 @@ def test_stopping_the_run_command_stops_its_processes_and_sandboxes(busybox, doc
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=120)
         running.join(timeout=60)
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-        _queue_delete(settings.REDIS_URL, env["CELERY_QUEUE"])
     assert serve.returncode == 0 and "2 sandboxes" in out, out
     assert not [pid for pid in processes if alive(pid)]
     assert not answers(url)

@@ -20,13 +20,13 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from cache.api.auth import token_create
-from cache.models import ApiToken
+from accounts.models import ApiToken
+from accounts.services.tokens import token_create
 from cache.services import node_record, task_flush, task_put
 from cache.tcg import ToolCall
 from cache.tcg.records import CallContext, CallRecord
 from lab.figures import percentile
-from lab.server import SERVERS, service_running
+from lab.server import service_running
 
 TASK = "bench-lookup"
 
@@ -80,7 +80,6 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--rates", default="256,512,1024,2048")
         parser.add_argument("--duration", type=float, default=10.0)
-        parser.add_argument("--server", choices=sorted(SERVERS), default="uvicorn")
         parser.add_argument("--workers", type=int, default=3)
         parser.add_argument(
             "--repeat",
@@ -93,14 +92,14 @@ class Command(BaseCommand):
         parser.add_argument("--seed", type=int, default=7)
         parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "artifacts" / "bench"))
 
-    def handle(self, *args, rates, duration, server, workers, repeat, loadgen_processes, nodes, seed, out, **options):
+    def handle(self, *args, rates, duration, workers, repeat, loadgen_processes, nodes, seed, out, **options):
         self.stdout.write(f"loading {nodes} nodes ...")
         paths = build_graph(nodes, 32, seed)
         ApiToken.objects.filter(name="bench-lookup").delete()
         token = token_create(name="bench-lookup")
         rows = []
         self.loadgen_processes = loadgen_processes
-        with tempfile.TemporaryDirectory() as tmp, service_running(kind=server, workers=workers) as running:
+        with tempfile.TemporaryDirectory() as tmp, service_running(workers=workers) as running:
             bodies = Path(tmp) / "requests.json"
             bodies.write_text(json.dumps(lookup_requests(paths, 4096, seed)))
             self._drive(running, bodies, token, 256, 3.0, Path(tmp) / "warmup.json")  # warm connections and caches
@@ -117,7 +116,6 @@ class Command(BaseCommand):
         self._write(
             Path(out),
             rows,
-            server=server,
             workers=workers,
             nodes=nodes,
             duration=duration,

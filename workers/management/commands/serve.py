@@ -6,6 +6,9 @@ runs in a process group of its own, so that stopping it reaches its children (uv
 Celery's pool). On SIGTERM or SIGINT: SIGTERM to each group, SIGKILL after --grace seconds (a tool
 still running holds its worker), then every sandbox of this installation is stopped
 (`sandboxes_release`): no container outlives the service. Results and snapshots stay.
+
+With --web-only it runs uvicorn alone: the web processes of a deployment whose Celery workers and
+sandboxes are run (and stopped) elsewhere, such as another host's `serve` or the lab's launcher.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--workers", type=int, default=2)
         parser.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
+        parser.add_argument(
+            "--web-only", action="store_true", help="no Celery worker, and stopping leaves the sandboxes running"
+        )
 
-    def handle(self, *args, host, port, workers, grace, **options):
+    def handle(self, *args, host, port, workers, grace, web_only, **options):
         stopping = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stopping.set())
-        processes = self._started(host, port, workers)
+        processes = self._started(host, port, workers, celery=bool(settings.REDIS_URL) and not web_only)
         try:
             while not stopping.wait(0.5):
                 exited = [p for p in processes if p.poll() is not None]
@@ -45,11 +51,14 @@ class Command(BaseCommand):
                     break
         finally:
             _stop(processes, grace)
-            released = sandboxes_release()
-            self.stdout.write(f"stopped; {released['sandboxes']} sandboxes and {released['orphans']} orphans removed")
+            if not web_only:
+                released = sandboxes_release()
+                self.stdout.write(
+                    f"stopped; {released['sandboxes']} sandboxes and {released['orphans']} orphans removed"
+                )
 
     @staticmethod
-    def _started(host: str, port: int, workers: int) -> list[subprocess.Popen]:
+    def _started(host: str, port: int, workers: int, *, celery: bool) -> list[subprocess.Popen]:
         # The pool: the tool-run lane's threads hold a connection each while a tool runs, plus the
         # other lanes' threads and Django's own.
         env = {
@@ -71,11 +80,15 @@ class Command(BaseCommand):
                 "--log-level",
                 "warning",
                 "--no-access-log",
+                "--http",
+                "httptools",
+                "--loop",
+                "uvloop",
                 "--timeout-graceful-shutdown",
                 "10",
             ]
         ]
-        if settings.REDIS_URL:
+        if celery:
             schedule = settings.VAR_DIR / "celerybeat-schedule"
             schedule.parent.mkdir(parents=True, exist_ok=True)
             commands.append(
