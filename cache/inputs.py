@@ -172,6 +172,58 @@ def parse_rollout_call(data: Any) -> RolloutCallInput:
     return RolloutCallInput(call=parse_call(_required(_object(data), "call"), "call"), epoch=parse_epoch(data))
 
 
+# Branches one request may open (each may take a sandbox).
+MAX_BRANCHES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BranchInput:
+    """Where branches start: after `step` calls of rollout `rollout` (its history's state-changing
+    calls), or at node `node_id`; how many, with which new rollout ids (None: made up)."""
+
+    rollout: str | None
+    step: int | None
+    node_id: int | None
+    rollout_ids: tuple[str, ...] | None
+    count: int
+    epoch: int
+
+
+def parse_branch(data: Any) -> BranchInput:
+    """A branch request: `{"from": {"rollout": R, "step": k} | {"node_id": N}, "count": n,
+    "rollout_ids": [...], "epoch": e}`; `rollout_ids` (optional) has `count` distinct ids."""
+    data = _object(data)
+    origin = _required(data, "from")
+    if not isinstance(origin, dict) or not (set(origin) == {"rollout", "step"} or set(origin) == {"node_id"}):
+        raise InvalidInput(
+            '\'from\' must be {"rollout": <id>, "step": <k>} or {"node_id": <id>}.',
+            code="invalid_payload",
+            details={"field": "from"},
+        )
+    rollout = step = node_id = None
+    if "node_id" in origin:
+        node_id = parse_int(origin["node_id"], "from.node_id", low=1, high=INT64[1])
+    else:
+        rollout = parse_id(origin["rollout"], "from.rollout")
+        step = parse_int(origin["step"], "from.step", low=0, high=INT32[1])
+    ids = data.get("rollout_ids")
+    count = data.get("count", len(ids) if isinstance(ids, list) else None)
+    if count is None:
+        raise InvalidInput("Missing field 'count'.", code="missing_field", details={"field": "count"})
+    count = parse_int(count, "count", low=1, high=MAX_BRANCHES)
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) != count:
+            raise InvalidInput(
+                f"'rollout_ids' must be a list of {count} rollout ids.",
+                code="invalid_payload",
+                details={"field": "rollout_ids"},
+            )
+        ids = tuple(parse_id(value, "rollout_ids") for value in ids)
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("'rollout_ids' repeats an id.", code="invalid_payload", details={"field": "rollout_ids"})
+    return BranchInput(rollout, step, node_id, ids, count, parse_epoch(data))
+
+
 @dataclass(frozen=True, slots=True)
 class TaskInput:
     env: dict

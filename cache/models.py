@@ -119,6 +119,10 @@ class Snapshot(models.Model):
     # It holds the sandbox's processes and memory (a checkpoint), not only its files: only such a
     # snapshot is forked for a state with live processes.
     keeps_processes = models.BooleanField(default=False, db_default=False)
+    # A copy of the state its node's call left (taken right after it ran); False for one taken of a
+    # replayed sandbox (a branch point's), which matches the node's state only up to the order of
+    # file times: its bare forks are verified as replays are.
+    exact = models.BooleanField(default=True, db_default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     evicted_at = models.DateTimeField(null=True, blank=True)
 
@@ -209,6 +213,11 @@ class Rollout(models.Model):
     # sandbox, uncached and unrecorded (docs/design/guarantees.md).
     detached_at = models.DateTimeField(null=True, blank=True)
     detached_reason = models.TextField(blank=True, default="", db_default="")
+    # A branch continues another rollout after `branch_step` calls of its history (or starts at a
+    # node: `branch_node`); both empty for a rollout started from the task's root.
+    branch_of = models.CharField(max_length=200, blank=True, default="", db_default="")
+    branch_step = models.PositiveIntegerField(null=True, blank=True)
+    branch_node = models.BigIntegerField(null=True, blank=True)  # not a key: the node may be evicted
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]

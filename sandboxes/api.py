@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 from accounts.projects import task_public_id
 from cache.api.frontdoor import FrontDoorView
 from cache.api.serializers import ErrorSerializer, ToolCallSerializer
-from cache.inputs import parse_rollout_call
+from cache.inputs import MAX_BRANCHES, parse_branch, parse_rollout_call
 from core.inputs import INT32, parse_id
 from core.lanes import HandBack
 from observability import metrics
@@ -43,6 +43,42 @@ class CallResultSerializer(serializers.Serializer):
         help_text="The call changed the rollout's state. False for a read-only tool, "
         "and for a call the sandbox observed to change nothing."
     )
+
+
+class BranchFromSerializer(serializers.Serializer):
+    rollout = serializers.CharField(required=False, help_text="with `step`: branch rollout R after k calls")
+    step = serializers.IntegerField(
+        required=False, min_value=0, max_value=INT32[1], help_text="calls of R's history (its state-changing calls)"
+    )
+    node_id = serializers.IntegerField(required=False, min_value=1, help_text="or: branch at a recorded node")
+
+
+class BranchSerializer(serializers.Serializer):
+    from_ = BranchFromSerializer(help_text='{"rollout": R, "step": k} or {"node_id": N}')
+    count = serializers.IntegerField(min_value=1, max_value=MAX_BRANCHES, required=False)
+    rollout_ids = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="the new rollouts' ids (default: made up)"
+    )
+    epoch = serializers.IntegerField(required=False, default=0, min_value=INT32[0], max_value=INT32[1])
+
+    def get_fields(self):
+        fields = super().get_fields()
+        fields["from"] = fields.pop("from_")
+        return fields
+
+
+class BranchOpenedSerializer(serializers.Serializer):
+    rollout_id = serializers.CharField()
+    ready_ms = serializers.FloatField(
+        allow_null=True, help_text="until its sandbox was in the branch point's state (null: no sandbox made)"
+    )
+    materialized = serializers.CharField(help_text="how: prefork, fork, checkpoint, root, own, rebuilt; empty if none")
+
+
+class BranchesSerializer(serializers.Serializer):
+    node_id = serializers.IntegerField(allow_null=True, help_text="the node whose state the branches start in")
+    history = ToolCallSerializer(many=True, help_text="each branch's history: its calls continue after these")
+    branches = BranchOpenedSerializer(many=True)
 
 
 class StepSerializer(serializers.Serializer):
@@ -102,6 +138,34 @@ class RolloutCallView(FrontDoorView):
                 "phases_ms": {k: round(v, 3) for k, v in outcome.phases_ms.items()},
             }
         )
+
+
+class BranchesView(APIView):
+    @extend_schema(
+        request=BranchSerializer,
+        responses={201: BranchesSerializer, **ERRORS},
+        summary="Branch: start rollouts at a rollout's step or a recorded node, each with a sandbox in its state",
+    )
+    def post(self, request, task_id: str):
+        spec = parse_branch(request.data)
+        opened = services.branches_open(
+            task_id=request.user.task_key(task_id),
+            rollout=spec.rollout,
+            step=spec.step,
+            node_id=spec.node_id,
+            count=spec.count,
+            rollout_ids=spec.rollout_ids,
+            epoch=spec.epoch,
+        )
+        body = {
+            "node_id": opened.point.node_id,
+            "history": [call.to_json() for call in opened.point.history],
+            "branches": [
+                {"rollout_id": b.rollout_id, "ready_ms": b.ready_ms and round(b.ready_ms, 3), "materialized": b.how}
+                for b in opened.branches
+            ],
+        }
+        return Response(body, status=status.HTTP_201_CREATED)
 
 
 class RolloutView(APIView):

@@ -384,6 +384,25 @@ def history_catch_up(*, task_id: str, history: tuple[ToolCall, ...], applied: in
     return catch_up(chain, _node_refs(rows or ()), applied, backend_costs(task.backend).restore_ms)
 
 
+def history_resume(*, task_id: str, history: tuple[ToolCall, ...], rollout_id: str) -> LookupMiss:
+    """What a sandbox for a rollout standing at the end of `history` starts from, as a miss after
+    it would: the nearest live snapshot along it (leased to the rollout) and the calls to replay
+    on top (a branch's sandbox is made this way before its first call)."""
+    task = task_handle(task_id=task_id, cached=True)
+    chain = state_chain(task.fingerprint, history, task.policy)
+    with connection.cursor() as cursor:
+        cursor.execute(_WRITES_SQL, {"task": task.task_id, "keys": ",".join(step.state_key for step in chain.writes)})
+        rows = cursor.fetchone()[0]
+    match = longest_prefix_match(chain, _node_refs(rows or ()))
+    full_replay = tuple(step.call for step in chain.writes)
+    lease_id = None
+    if match.resume is not None:
+        lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=rollout_id)
+        if lease_id is None:  # evicted since the match: start fresh
+            match = Match(match.matched, match.node, None, full_replay)
+    return LookupMiss(match, lease_id, full_replay, anchor_key="", call_digest="", seen=False)
+
+
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
     return state_chain(task.fingerprint, [*context.history, context.call], task.policy)
 
@@ -396,7 +415,8 @@ def replay_file_times(
     (or the call was recorded as read-only: a replay of it that writes is not the live run)."""
     if not calls:
         return []
-    writes = [step for step in task_chain(task_handle(task_id=task_id), context).steps[:-1] if step.mutates]
+    task = task_handle(task_id=task_id)
+    writes = state_chain(task.fingerprint, context.history, task.policy).writes
     tail = writes[len(writes) - len(calls) :] if len(calls) <= len(writes) else []
     if len(tail) != len(calls) or any(step.digest != call_digest(call) for step, call in zip(tail, calls)):
         return [None for _ in calls]  # not the history's last writes: nothing known to restore

@@ -75,9 +75,11 @@ def snapshot_register(
     create_ms: float | None = None,
     owner: str = Snapshot.Owner.CLIENT,
     keeps_processes: bool = False,
+    exact: bool = True,
 ) -> tuple[Snapshot, list[str]]:
     """`keeps_processes`: the snapshot holds the sandbox's processes (a checkpoint), so that it may
-    be forked for the node's state when that has live processes."""
+    be forked for the node's state when that has live processes. `exact`: it copies the state the
+    node's call left, not a replay of it (Snapshot.exact)."""
     with transaction.atomic():
         node = Node.objects.select_for_update().defer("file_times").filter(pk=node_id, task_id=task_id).first()
         if node is None:
@@ -106,6 +108,7 @@ def snapshot_register(
             size_bytes=size_bytes,
             create_ms=create_ms,
             keeps_processes=keeps_processes,
+            exact=exact,
         )
         ledger.snapshot_event(task_id, "created", node_id=node_id, ref=ref, snapshot_id=snapshot.pk)
     if create_ms is not None:

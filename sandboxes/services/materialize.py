@@ -385,14 +385,16 @@ def _replay_verified(run: Run, calls, context: CallContext, reached: int | None)
         run.row.applied = len(history)
     if reached is None:
         return not run.diverged  # no node holds the whole history's state: nothing to compare with
-    # A bare fork must be an exact copy; a replay, which wrote back each call's live times, must
-    # have their order (StateDigest.order; the shape for a node recorded without it).
+    # A bare fork of an exact snapshot must be an exact copy; a replay, which wrote back each call's
+    # live times, must have their order (StateDigest.order; the shape for a node recorded without
+    # it), and so must a fork of a snapshot taken of a replay (Snapshot.exact).
     with run.phases.timed("verify"):
         full, order, shape, tool = Node.objects.filter(pk=reached).values_list(
             "state_fingerprint", "state_order", "state_shape", "tool"
         ).first() or ("", "", "", "")
+        bare = not calls and Snapshot.objects.filter(pk=run.row.snapshot_id, exact=True).exists()
         column, expected = (
-            ("state_fingerprint", full) if not calls else ("state_order", order) if order else ("state_shape", shape)
+            ("state_fingerprint", full) if bare else ("state_order", order) if order else ("state_shape", shape)
         )
         state = run.sandbox.state_fingerprint() if expected and not run.diverged else None
     actual = getattr(state, _DIGESTS[column]) if state else None

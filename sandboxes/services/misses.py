@@ -173,7 +173,7 @@ def miss_record(
                 inline = not _snapshot_after_answer(run, outcome.node_id)
         recorded()  # rollouts waiting for this call take its result now, not after the snapshot
         if inline:
-            _snapshot(run, outcome.node_id)
+            snapshot_take(run, outcome.node_id)
     except SandboxTampered as exc:
         _detach(run, f"{exc.code}: {exc.message}", untrusted=True)
         raise as_application_error(exc) from None
@@ -254,10 +254,10 @@ def _snapshot_after_answer(run: Run, node_id: int) -> bool:
     """The snapshot in a thread of this process, the sandbox reserved to it (reserved.py) so that
     the rollout's next miss waits for it, and the node's snapshot marked pending meanwhile; False
     if the reservation cannot be taken (the caller takes it on the critical path)."""
-    return run_reserved(run.rollout.pk, lambda: _snapshot(run, node_id), name="snapshot", snapshot_of=node_id)
+    return run_reserved(run.rollout.pk, lambda: snapshot_take(run, node_id), name="snapshot", snapshot_of=node_id)
 
 
-def _snapshot(run: Run, node_id: int) -> None:
+def snapshot_take(run: Run, node_id: int, *, exact: bool = True, prefork: bool = True) -> None:
     """Snapshot of the state the call left (it is only in this sandbox); a worker makes it a
     ready fork. A failed snapshot costs only the reuse it would have given."""
     try:
@@ -277,13 +277,15 @@ def _snapshot(run: Run, node_id: int) -> None:
             create_ms=info.create_ms,
             owner=Snapshot.Owner.SERVICE,
             keeps_processes=info.keeps_processes,
+            exact=exact,
         )
     except (Conflict, Forbidden) as exc:  # another rollout's snapshot of the same node won, or over the project's bytes
         if isinstance(exc, Forbidden):
             log.info("snapshot of node %s not kept: %s", node_id, exc.message)
         run.backend.delete_snapshot(info.ref)
         return
-    prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
+    if prefork:
+        prefork_if_room(task_id=run.task.pk, snapshot_id=snapshot.pk)
     if evicted:
         for engine in set(
             Snapshot.objects.filter(task_id=run.task.pk, ref__in=evicted).values_list("engine", flat=True)

@@ -45,7 +45,7 @@ class SandboxQuotaExceeded(TooManyRequests):
     code = "sandbox_quota_exceeded"
 
 
-def _room(task: Task) -> int | None:
+def room_for(task: Task) -> int | None:
     """How many more sandboxes the task's project may hold now (its grant of live sandboxes;
     None: no bound). Locks the project's row until the caller's transaction ends: sandboxes made
     at once are counted one after the other."""
@@ -69,7 +69,7 @@ def sandbox_row(*, task: Task, **fields) -> Sandbox:
     """A new sandbox row of the task, within its project's grant of live sandboxes (else 429
     sandbox_quota_exceeded: its rollouts are told to retry once others end)."""
     with transaction.atomic():
-        if _room(task) == 0:
+        if room_for(task) == 0:
             raise SandboxQuotaExceeded(
                 f"Project '{key_project(task.pk)}' holds as many live sandboxes as it is granted; end rollouts "
                 "(DELETE .../rollouts/<id>) or retry shortly.",
@@ -83,7 +83,7 @@ def pool_request(*, task_id: str, roots: int = 0, snapshot_ids: list[int] = ()) 
     the project's grant of live sandboxes leaves less room (forks first: they are the hot ones)."""
     with transaction.atomic():
         task = Task.objects.get(pk=task_id)
-        room = _room(task)
+        room = room_for(task)
         if room is not None:
             snapshot_ids = list(snapshot_ids)[:room]
             roots = max(0, min(roots, room - len(snapshot_ids)))

@@ -1,0 +1,106 @@
+"""Branching in tool-server mode: n new rollouts continue from a known state of the graph, each
+with a sandbox already in that state when the request is answered, so that its first call runs
+at once (cache/services/branches.py says which states can be branched).
+
+Each branch's sandbox is made as a miss after the branch point would make it
+(materialize.rollout_sandbox): a ready pre-fork or a fork of the nearest snapshot along the
+history, else a fresh sandbox, then a replay of the calls past it, verified against the state
+fingerprint the point's node recorded. When the point's own state has no snapshot, the first
+branch's sandbox is snapshotted there and the others fork that snapshot: n branches pay for at
+most one replay. A state with live processes is snapshotted only by a runtime that keeps them
+(docs/design/state.md); otherwise each branch replays. Branches count against the project's
+grant of live sandboxes: a request for more than it has room for is refused (429) before any
+rollout is made."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from django.db import transaction
+
+from cache.models import Node, Task
+from cache.notfound import unknown_task
+from cache.services import history_resume, lease_release
+from cache.services.branches import BranchPoint, branch_ids, branch_point, rollouts_branch
+from cache.tcg.records import CallContext
+from sandboxes.handles import backend_named, is_managed
+from sandboxes.models import Sandbox
+
+from .materialize import Phases, Run, retire, rollout_sandbox
+from .misses import snapshot_take
+from .pools import SandboxQuotaExceeded, idle_deadline, room_for
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    rollout_id: str
+    ready_ms: float | None  # until its sandbox was in the point's state (None: no sandbox made)
+    how: str  # how the sandbox got there (MaterializationStat.How), "" without one
+
+
+@dataclass(frozen=True, slots=True)
+class Branches:
+    point: BranchPoint
+    branches: list[Branch]
+
+
+def branches_open(
+    *, task_id: str, rollout: str | None, step: int | None, node_id: int | None, count: int, rollout_ids, epoch: int
+) -> Branches:
+    task = Task.objects.select_related("project").filter(pk=task_id).first()
+    if task is None:
+        raise unknown_task(task_id)
+    point = branch_point(task_id=task_id, rollout=rollout, step=step, node_id=node_id)
+    managed = is_managed(task.env.get("backend", "external"))
+    if managed:
+        with transaction.atomic():  # (a count, not a reservation: each sandbox is checked again as it is made)
+            room = room_for(task)
+        if room is not None and room < count:
+            raise SandboxQuotaExceeded(
+                f"{count} branches need {count} sandboxes; the project has room for {room} more.",
+                details={"requested": count, "room": room},
+            )
+    rows = rollouts_branch(
+        task_id=task_id, point=point, rollout_ids=rollout_ids or branch_ids(point, count), epoch=epoch
+    )
+    if not managed:  # client mode: the trainer's environments follow the histories
+        return Branches(point, [Branch(row.rollout_id, None, "") for row in rows])
+    backend = backend_named(task.env["backend"])
+    return Branches(point, [_prepared(task, backend, row, point, first=i == 0) for i, row in enumerate(rows)])
+
+
+def _prepared(task, backend, rollout, point: BranchPoint, *, first: bool) -> Branch:
+    """The branch's sandbox, leased to it in the point's state; the first one snapshotted there if
+    the state has no snapshot yet."""
+    started = time.perf_counter()
+    context = CallContext(point.history, None, rollout.rollout_id, rollout.epoch, None)
+    answer = history_resume(task_id=task.pk, history=point.history, rollout_id=rollout.rollout_id)
+    restore_ms = None
+    try:
+        run = rollout_sandbox(task, backend, rollout, context, answer, Phases())
+        restore_ms = run.restore_ms
+    finally:
+        if answer.lease_id:
+            lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
+    if run.diverged:  # the recorded state could not be reached: its first call finds out again, and detaches
+        retire(run.row, f"diverged from its history: {run.diverged}")
+        return Branch(rollout.rollout_id, None, "")
+    Sandbox.objects.filter(pk=run.row.pk).update(applied=len(point.history), lease_expires_at=idle_deadline())
+    ready_ms = (time.perf_counter() - started) * 1000
+    if first and _snapshot_wanted(run, point, answer):
+        # A replay's (its forks are verified as replays are); the other branches fork it now, so no
+        # pre-fork is started for it.
+        snapshot_take(run, point.node_id, exact=False, prefork=False)
+    return Branch(rollout.rollout_id, ready_ms, run.how)
+
+
+def _snapshot_wanted(run: Run, point: BranchPoint, answer) -> bool:
+    """The point's state has no snapshot, and a snapshot of this sandbox would be the state."""
+    if point.node_id is None:
+        return False  # the root: a fresh sandbox is the state
+    resume = answer.match.resume
+    if resume is not None and resume.node_id == point.node_id:
+        return False
+    processes = Node.objects.filter(pk=point.node_id).values_list("live_processes", flat=True).first()
+    return not processes or run.sandbox.keeps_processes
