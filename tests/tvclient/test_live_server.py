@@ -1,5 +1,6 @@
 """tvclient against a live tvcache server (real HTTP, real PostgreSQL)."""
 
+import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -8,7 +9,14 @@ from functools import partial
 import pytest
 
 from accounts.services.tokens import token_create
-from tvclient import FolderEnvironment, InMemoryEnvironment, SnapshotStore, ToolCallExecutor, TVCacheClient
+from tvclient import (
+    AsyncToolCallExecutor,
+    FolderEnvironment,
+    InMemoryEnvironment,
+    SnapshotStore,
+    ToolCallExecutor,
+    TVCacheClient,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -188,3 +196,49 @@ def test_a_sampled_hit_re_executed_by_the_client_is_found_divergent_and_no_longe
     divergences = client.stats("dice")["divergences"]
     assert divergences["count"] == 1 and divergences["per_tool"][0]["tool"] == "roll"
     store.close()
+
+
+def test_branches_continue_a_rollout_after_its_last_call_as_a_miss_would(client):
+    client.put_task("kv-branch", env={"backend": "external", "kv": 3}, tools={"get": {"mutates_state": False}})
+    store = SnapshotStore()
+    made = []
+
+    def factory():
+        made.append(InMemoryEnvironment())
+        return made[-1]
+
+    setup = [
+        {"tool": "set", "args": {"key": "a", "value": "1"}},
+        {"tool": "append", "args": {"key": "a", "value": "2"}},
+    ]
+    with ToolCallExecutor(client, "kv-branch", factory, rollout_id="r1", epoch=0, snapshots=store) as parent:
+        for call in setup:
+            parent.execute(call)
+        branches = parent.branch(3, rollout_ids=["b0", "b1", "b2"])
+        parent.execute({"tool": "append", "args": {"key": "a", "value": "parent"}})  # after the branch point
+        for i, branch in enumerate(branches):
+            assert branch.history == parent.history[:2] and branch.branch_of == ("r1", 2)
+            assert branch.execute({"tool": "append", "args": {"key": "a", "value": str(i)}}) is not None
+            assert branch.execute({"tool": "get", "args": {"key": "a"}}) == {"value": f"12{i}"}
+            assert (branch.hits, branch.misses) == (0, 2)
+            branch.close()
+        # Each branch's environment was opened by its first miss: forked or replayed, never the parent's.
+        assert all(branch.env is not parent.env for branch in branches)
+        with pytest.raises(ValueError):
+            parent.branch(2, rollout_ids=["x", "x"])
+    store.close()
+
+
+def test_async_branches(client):
+    client.put_task("kv-branch-async", env={"backend": "external", "kv": 4}, tools={"get": {"mutates_state": False}})
+
+    async def go():
+        parent = AsyncToolCallExecutor(client, "kv-branch-async", InMemoryEnvironment, rollout_id="r1")
+        await parent.execute({"tool": "set", "args": {"key": "a", "value": "1"}})
+        (branch,) = await parent.branch(1)
+        answer = await branch.execute({"tool": "get", "args": {"key": "a"}})
+        await branch.aclose()
+        await parent.aclose()
+        return answer, branch.executor.branch_of
+
+    assert asyncio.run(go()) == ({"value": "1"}, ("r1", 1))

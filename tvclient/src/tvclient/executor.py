@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field, replace
@@ -272,6 +272,7 @@ class ToolCallExecutor:
         self.uncacheable = 0
         self.detached = False
         self.offline = False  # the service failed: the rollout runs uncached (class docstring)
+        self.branch_of: tuple[str | None, int] | None = None  # (rollout id, step) this one branched from
         # Misses' background work, oldest first: only the last one may still use the environment.
         self._background: list[_Background] = []
         self._failures = threading.Lock()  # background threads count record_failures too
@@ -281,6 +282,45 @@ class ToolCallExecutor:
         """The history the executor sends: the rollout's calls, less the hits that the service
         says left the state as it was."""
         return tuple(self._history)
+
+    def branch(self, n: int, *, rollout_ids: Sequence[str] | None = None) -> list[ToolCallExecutor]:
+        """`n` executors that continue this rollout after its last call, for tree search.
+
+        Each starts with this rollout's history, the same client, task, environment factory
+        and snapshot store, and a rollout id of its own (`rollout_ids`, default
+        `<rollout_id>.<step>.<k>`). Their calls are looked up after that history, and the
+        first one that misses materialises the branch's environment exactly as a miss does:
+        a fork of the nearest snapshot this process holds, else a fresh environment, then a
+        replay of the calls past it. This rollout's background work (records, snapshots) is
+        waited for first, so that the branches find them. A detached rollout (its state
+        unknown, or the service down: `offline`) cannot be branched (RuntimeError).
+        """
+        if n < 1:
+            raise ValueError("n must be at least 1")
+        if self.detached:
+            raise RuntimeError("the rollout left the shared graph (its state is unknown): it cannot be branched")
+        if rollout_ids is not None and (len(rollout_ids) != n or len(set(rollout_ids)) != n):
+            raise ValueError(f"rollout_ids must be {n} distinct ids")
+        self.flush()
+        stem = f"{self.rollout_id or 'rollout'}.{len(self._history)}"
+        ids = list(rollout_ids) if rollout_ids is not None else [f"{stem}.{uuid.uuid4().hex[:8]}" for _ in range(n)]
+        branches = []
+        for rollout_id in ids:
+            branch = ToolCallExecutor(
+                self._client,
+                self.task_id,
+                self._env_factory,
+                rollout_id=rollout_id,
+                epoch=self.epoch,
+                snapshots=self.snapshots,
+                single_flight=self._claim,
+                task=self._task,
+            )
+            branch._history = list(self._history)
+            branch._owns_snapshots = False  # the store is this rollout's to close
+            branch.branch_of = (self.rollout_id, len(self._history))
+            branches.append(branch)
+        return branches
 
     @property
     def env(self) -> ToolExecutionEnvironment | None:
@@ -846,6 +886,17 @@ class AsyncToolCallExecutor:
 
     async def execute(self, call: Call) -> ToolResult:
         return await asyncio.to_thread(self.executor.execute, call)
+
+    async def branch(self, n: int, *, rollout_ids: Sequence[str] | None = None) -> list[AsyncToolCallExecutor]:
+        """ToolCallExecutor.branch for asyncio trainers."""
+        branches = await asyncio.to_thread(self.executor.branch, n, rollout_ids=rollout_ids)
+        return [AsyncToolCallExecutor.wrapping(branch) for branch in branches]
+
+    @classmethod
+    def wrapping(cls, executor: ToolCallExecutor) -> AsyncToolCallExecutor:
+        wrapped = cls.__new__(cls)
+        wrapped.executor = executor
+        return wrapped
 
     async def flush(self) -> None:
         await asyncio.to_thread(self.executor.flush)
