@@ -25,14 +25,14 @@ SLOW = bash("sleep 1; mkdir -p /w && cd /w && echo built > out")  # slow: the po
 def held_snapshots(monkeypatch):
     """Snapshots wait for `release` before they start (the thread that takes them is real)."""
     release, started = threading.Event(), threading.Event()
-    take = misses._snapshot
+    take = misses.snapshot_take
 
     def held(run, node_id):
         started.set()
         assert release.wait(120)
         take(run, node_id)
 
-    monkeypatch.setattr(misses, "_snapshot", held)
+    monkeypatch.setattr(misses, "snapshot_take", held)
     yield release, started
     release.set()
     assert settle()
@@ -79,7 +79,7 @@ def test_the_answer_comes_before_the_snapshot_and_the_next_miss_waits_for_it(api
 
 @pytest.mark.parametrize("failure", [SandboxError("commit failed"), RuntimeError("the database went away")])
 def test_a_failed_snapshot_never_breaks_the_rollout(api, docker_task, monkeypatch, failure):
-    take = misses._snapshot
+    take = misses.snapshot_take
 
     def failing(run, node_id):
         def refused(**labels):
@@ -88,7 +88,7 @@ def test_a_failed_snapshot_never_breaks_the_rollout(api, docker_task, monkeypatc
         monkeypatch.setattr(run.sandbox, "snapshot", refused)
         take(run, node_id)
 
-    monkeypatch.setattr(misses, "_snapshot", failing)
+    monkeypatch.setattr(misses, "snapshot_take", failing)
     task = docker_task("failed")
     assert run(api, task, "r1", SLOW)["cached"] is False
     assert not Snapshot.objects.filter(task_id=task).exists()
