@@ -15,9 +15,8 @@ User = get_user_model()
 if not User.objects.filter(username='admin').exists():
     User.objects.create_superuser('admin', 'admin@example.invalid', 'tvcache-demo')
 "
-.venv/bin/python manage.py shell -v 0 -c "from cache.models import ApiToken; ApiToken.objects.filter(name='demo').delete()"
 # The demo puts its tasks again on every run (a rebuilt image changes their env): a maintainer.
-TOKEN=$(.venv/bin/python manage.py create_token demo --project default --role maintainer)
+TOKEN=$(.venv/bin/python manage.py create_token demo --project default --role maintainer --replace)
 
 # `serve` runs uvicorn (and, with Redis, a Celery worker with beat) until it gets SIGTERM, then
 # stops them and every sandbox the service started. Ctrl-C, SIGTERM or the end of this script

@@ -92,6 +92,10 @@ def test_token_and_project_commands(django_user_model):
     )
     with pytest.raises(CommandError):
         call_command("create_token", "ci", stdout=io.StringIO())
+    replaced = io.StringIO()  # the demo's way: a fresh token of the same name on each run
+    call_command("create_token", "ci", "--project", "newproj", "--role", "maintainer", "--replace", stdout=replaced)
+    new = ApiToken.objects.get(name="ci")  # one token of that name: the old one is gone
+    assert new.key_digest != token.key_digest and principal_for_key(replaced.getvalue().strip()) is not None
     listed = io.StringIO()
     call_command("list_tokens", "--project", "newproj", stdout=listed)
     assert "ci" in listed.getvalue() and "plain" not in listed.getvalue() and key not in listed.getvalue()

@@ -23,8 +23,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--expires", type=float, metavar="DAYS", help="expire after this many days (default: never)"
         )
+        parser.add_argument("--replace", action="store_true", help="delete the token of that name first, if any")
 
-    def handle(self, *args, name: str, project: str, role: str, expires: float | None, **options):
+    def handle(self, *args, name: str, project: str, role: str, expires: float | None, replace: bool, **options):
+        if replace:
+            ApiToken.objects.filter(name=name).delete()
         if ApiToken.objects.filter(name=name).exists():
             raise CommandError(f"A token named '{name}' exists already.")
         if expires is not None and not expires > 0:
