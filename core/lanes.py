@@ -61,8 +61,3 @@ def lane_current() -> LaneContext | None:
 def lane_set(context: LaneContext | None) -> None:
     """Called by the front door around each run of a request's work (None after it)."""
     _local.context = context
-
-
-def on_fast_lane() -> bool:
-    lane = lane_current()
-    return lane is not None and lane.fast

@@ -40,7 +40,7 @@ class Flight:
     alongside it by a waiter (twice, never wrongly)."""
 
     def __init__(self, key: tuple[str, str, str] | None, answer, holder: str):
-        self.key, self.answer, self.waited, self.holder = key, answer, False, holder
+        self.key, self.answer, self.holder = key, answer, holder
 
     @classmethod
     def for_answer(cls, *, task: TaskHandle, context: CallContext, answer) -> Flight:
@@ -70,7 +70,6 @@ class Flight:
         SINGLE_FLIGHT_WAIT_S is given up on (False, no key): the call is executed alongside it."""
         deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
         while not self.try_lead():
-            self.waited = True
             if time.monotonic() > deadline:
                 self.key = None
                 return False

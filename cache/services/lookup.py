@@ -226,12 +226,8 @@ def tcg_lookup(
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     match = longest_prefix_match(history, _node_refs(writes or ()))
     full_replay = tuple(step.call for step in history.writes)
-    lease_id = None
     snapshot_after = _snapshot_after_ms(task, match, len(context.history)) if node_id is None else None
-    if match.resume is not None and resume:
-        lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=context.rollout_id)
-    if match.resume is not None and lease_id is None:  # not wanted, or evicted since the match: start fresh
-        match = Match(match.matched, match.node, None, full_replay)
+    match, lease_id = _leased(match, full_replay, context.rollout_id if resume else None)
     return LookupMiss(
         match=match,
         lease_id=lease_id,
@@ -376,31 +372,40 @@ def history_catch_up(*, task_id: str, history: tuple[ToolCall, ...], applied: in
     """How a sandbox that applied the first `applied` calls of a rollout's history best catches up
     with all of it: by replaying what it lacks, or by forking a snapshot past its state (tcg.catch_up)."""
     task = task_handle(task_id=task_id, cached=True)
-    chain = state_chain(task.fingerprint, history, task.policy)
-    keys = ",".join(step.state_key for step in chain.writes)
-    with connection.cursor() as cursor:
-        cursor.execute(_WRITES_SQL, {"task": task.task_id, "keys": keys})
-        rows = cursor.fetchone()[0]
-    return catch_up(chain, _node_refs(rows or ()), applied, backend_costs(task.backend).restore_ms)
+    chain, refs = _history_states(task, history)
+    return catch_up(chain, refs, applied, backend_costs(task.backend).restore_ms)
 
 
 def history_resume(*, task_id: str, history: tuple[ToolCall, ...], rollout_id: str) -> LookupMiss:
     """What a sandbox for a rollout standing at the end of `history` starts from, as a miss after
     it would: the nearest live snapshot along it (leased to the rollout) and the calls to replay
     on top (a branch's sandbox is made this way before its first call)."""
-    task = task_handle(task_id=task_id, cached=True)
+    chain, refs = _history_states(task_handle(task_id=task_id, cached=True), history)
+    full_replay = tuple(step.call for step in chain.writes)
+    match, lease_id = _leased(longest_prefix_match(chain, refs), full_replay, rollout_id)
+    return LookupMiss(match, lease_id, full_replay, anchor_key="", call_digest="", seen=False)
+
+
+def _history_states(task: TaskHandle, history: tuple[ToolCall, ...]) -> tuple[StateChain, dict[str, NodeRef]]:
+    """The history's state chain and the recorded states along it, with their live snapshots."""
     chain = state_chain(task.fingerprint, history, task.policy)
     with connection.cursor() as cursor:
         cursor.execute(_WRITES_SQL, {"task": task.task_id, "keys": ",".join(step.state_key for step in chain.writes)})
         rows = cursor.fetchone()[0]
-    match = longest_prefix_match(chain, _node_refs(rows or ()))
-    full_replay = tuple(step.call for step in chain.writes)
-    lease_id = None
-    if match.resume is not None:
-        lease_id = lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=rollout_id)
-        if lease_id is None:  # evicted since the match: start fresh
-            match = Match(match.matched, match.node, None, full_replay)
-    return LookupMiss(match, lease_id, full_replay, anchor_key="", call_digest="", seen=False)
+    return chain, _node_refs(rows or ())
+
+
+def _leased(match: Match, full_replay: tuple, rollout_id: str | None) -> tuple[Match, str | None]:
+    """The match with a lease on its snapshot for `rollout_id` (None: no lease wanted); without
+    a lease (not wanted, or the snapshot evicted since the match) the match starts fresh."""
+    if match.resume is None:
+        return match, None
+    lease_id = (
+        lease_grant(snapshot_id=match.resume.snapshot_id, rollout_id=rollout_id) if rollout_id is not None else None
+    )
+    if lease_id is None:
+        return Match(match.matched, match.node, None, full_replay), None
+    return match, lease_id
 
 
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:

@@ -47,7 +47,7 @@ from cache.tcg import ToolCall
 from cache.tcg.records import CallContext
 from cache.tcg.rollout import Act, Looked, RolloutCall
 from core.errors import Conflict, NotFound
-from core.lanes import ClaimAwaited, HandBack, SlowWork, lane_current, on_fast_lane
+from core.lanes import ClaimAwaited, HandBack, SlowWork, lane_current
 from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.handles import as_application_error, backend_named, env_check_granted, sandbox_handle
 from sandboxes.models import Sandbox
@@ -154,7 +154,7 @@ class _Serving:
                 task_id=self.handle.task_id,
                 context=self.context,
                 count=False,
-                resume=not self.has_sandbox and not on_fast_lane(),
+                resume=not self.has_sandbox and not (self.lane is not None and self.lane.fast),
             )
         if self.flight is not None and isinstance(self.answer, LookupHit):
             self.flight.release()  # its leader recorded it: nothing to lead
