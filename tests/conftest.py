@@ -33,6 +33,17 @@ def _celery_queue_of_this_session():
 
 
 @pytest.fixture(autouse=True)
+def _snapshot_costs_of_this_test():
+    """The snapshot and restore costs the process caches for a few seconds are this test's: a
+    transactional test's flush removes the measured rows, and a cost measured by the test before
+    (a gVisor checkpoint's, say) must not decide which states this one snapshots."""
+    from cache.services.snapshots import _costs
+
+    _costs.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _background_snapshots_settled():
     """Snapshots that tool-server misses handed off (sandboxes/services/reserved.py) end within
     their test, before its database is flushed."""
