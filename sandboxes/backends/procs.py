@@ -187,6 +187,7 @@ class LiveProcess:
     gid: int
     listening: tuple[str, ...] = ()  # its tree's: "tcp 0.0.0.0:8089", "tcp6 [::]:8080", "unix /run/x.sock"
     start: int = 0  # clock ticks since boot: orders a listing, never compared
+    runnable: bool = False  # a process of its tree was running or waiting for a CPU: never compared
 
     def line(self) -> bytes:
         """What a fingerprint compares of the process."""
@@ -230,7 +231,9 @@ def live_processes(container_id: str, init_pid: int, keepalive: tuple[str, ...])
         for root, tree in _trees(stats, init_pid, found).items():
             uid, gid = _ids(fds[root])
             sockets = tuple(sorted({listening[inode] for pid in tree for inode in inodes[pid] if inode in listening}))
-            processes.append(LiveProcess(_argv(fds[root]), _cwd(fds[root]), uid, gid, sockets, stats[root][2]))
+            processes.append(
+                LiveProcess(_argv(fds[root]), _cwd(fds[root]), uid, gid, sockets, stats[root][2], _busy(stats, tree))
+            )
         return tuple(sorted(processes, key=lambda p: (p.start, p.line())))
     finally:
         for fd in fds.values():
@@ -275,6 +278,12 @@ def _trees(stats: dict[int, tuple[str, int, int]], init_pid: int, found: list[in
         if top != pid and top in trees:
             trees[top].append(pid)
     return trees
+
+
+def _busy(stats: dict[int, tuple[str, int, int]], tree: list[int]) -> bool:
+    """Whether a process of `tree` is at work: running or runnable (R), or in an uninterruptible
+    wait (D), as a loop that writes is, even one starved of CPU."""
+    return any(stats[pid][0] in ("R", "D") for pid in tree)
 
 
 def _theirs(stats: dict[int, tuple[str, int, int]], init_pid: int, keepalive: tuple[str, ...], argv) -> list[int]:
@@ -548,6 +557,6 @@ def inside_processes(listing: bytes, keepalive: tuple[str, ...]) -> tuple[LivePr
     stats = {p.pid: (p.state, p.ppid, p.start) for p in listed}
     found = _theirs(stats, 1, keepalive, lambda pid: by_pid[pid].argv)
     return tuple(
-        LiveProcess(by_pid[root].argv, by_pid[root].cwd, -1, -1, (), by_pid[root].start)
-        for root in _trees(stats, 1, found)
+        LiveProcess(by_pid[root].argv, by_pid[root].cwd, -1, -1, (), by_pid[root].start, _busy(stats, tree))
+        for root, tree in _trees(stats, 1, found).items()
     )

@@ -50,11 +50,9 @@ def test_a_state_that_keeps_changing_is_kept_off_shared_keys(api, docker_task, s
     assert Rollout.objects.get(task_id=task, rollout_id="r1").detached_at is not None
     assert run(api, task, "r2", start)["cached"] is False
     assert run(api, task, "r2", bash(f"{probe} # r2"))["result"]["stdout"] == live
-    # A writer that never pauses: its state changes before it is recorded (nothing is), or, at the
-    # latest, before the next call (the node stops being served). A loop starved of CPU through both
-    # looks can be recorded once; a rollout that hits it gets the live call's bytes, and its replayed
-    # sandbox does not match the recorded state, which ends the node too. Every rollout answers as
-    # a live one, and no node of the loop is left to serve.
+    # A writer that never pauses: its state changes before it is recorded, and a loop starved of
+    # CPU through both looks is still at work (runnable), so it is not settled either: nothing is
+    # recorded. Every rollout answers as a live one, and no node of the loop is left to serve.
     task = docker_task("unsettled")
     restless = bash(
         "(while :; do echo x >> /log; done) >/dev/null 2>&1 & while [ ! -s /log ]; do :; done; echo started"

@@ -85,6 +85,8 @@ _DEATH_SETTLE_S = 0.25
 _SESSION_MAX_FAILURES = 3  # agents that failed a sandbox before its calls run by exec only
 _SESSION_START_S = 5.0  # an agent that has not started a call this long after it was sent is given up
 _SESSION_FIND_S = 1.0  # how long a timed-out call is looked for below its agent
+_BUSY_WAIT_S = 0.5  # how long a fingerprint waits for a live process at work to settle
+_BUSY_POLL_S = 0.01
 _UNSET = object()
 
 
@@ -174,7 +176,9 @@ class DockerSandbox(Sandbox):
 
     def state_fingerprint(self) -> StateDigest | None:
         """With the shell session and the live processes. A state with live processes is listed
-        again once fingerprinted: one that changed since the call's end is not settled."""
+        again once fingerprinted: one that changed since the call's end is not settled, nor one
+        with a process still at work (running or runnable) after _BUSY_WAIT_S, which is what a loop
+        that writes looks like even when starved of CPU between the two looks."""
         with self._lock:
             watch = self._layer_watch()
             if watch is None:
@@ -184,6 +188,10 @@ class DockerSandbox(Sandbox):
                 with engine_errors():
                     session = self._session_synced()
                     live = self._processes()
+                    deadline = time.monotonic() + _BUSY_WAIT_S
+                    while live and any(p.runnable for p in live) and time.monotonic() < deadline:
+                        time.sleep(_BUSY_POLL_S)  # a daemon still starting settles; a loop at work does not
+                        live = self._processes()
                 if live is None:  # processes out of view: a state is not vouched for without them
                     return None
                 digest = watch.fingerprint(
@@ -198,7 +206,7 @@ class DockerSandbox(Sandbox):
                     started = time.perf_counter()
                     now = watch.state(self._extra(session, live))
                     self._observed_ms += (time.perf_counter() - started) * 1000
-                    if now.digest != self._layer.digest:
+                    if now.digest != self._layer.digest or any(p.runnable for p in live):
                         digest = dataclasses.replace(digest, settled=False)
                 return digest
             except (LayerTooLarge, OSError):  # too large to fingerprint, or the container is going
