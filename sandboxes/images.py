@@ -151,12 +151,24 @@ def _debian_rootfs_tarball(cache_dir: Path, mirror: str) -> Path:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+        _unmount_below(rootfs)  # a mount debootstrap could not undo (busy) is not the image's
         # Downloaded .debs and package lists are half the size and no use inside a sandbox.
         for leftover in [rootfs / "var/cache/apt/archives", rootfs / "var/lib/apt/lists"]:
             for path in leftover.glob("*"):
                 if path.is_file():
                     path.unlink()
         partial = Path(workdir) / "rootfs.tar"
-        subprocess.run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(partial), "."], check=True)
+        subprocess.run(
+            ["tar", "-C", str(rootfs), "--numeric-owner", "--one-file-system", "-cf", str(partial), "."], check=True
+        )
         shutil.move(partial, tarball)
     return tarball
+
+
+def _unmount_below(root: Path) -> None:
+    """Detach what is still mounted under `root` (debootstrap mounts /proc in it and leaves it
+    mounted when something held it busy), deepest first."""
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(f"{root}/")), reverse=True):
+        subprocess.run(["umount", "-l", point], check=False)
