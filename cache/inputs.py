@@ -19,7 +19,7 @@ from typing import Any
 from django.conf import settings
 
 from cache.tcg import ToolCall
-from cache.tcg.records import CallContext, CallRecord
+from cache.tcg.records import NO_TRACE, CallContext, CallRecord, Trace
 from core.errors import InvalidInput, PayloadTooLarge
 from core.inputs import INT32, INT64, INVALID_STRING, MAX_ID_LENGTH, check_json, depth_limit, parse_id, parse_int
 
@@ -116,7 +116,77 @@ def parse_call_context(data: Any) -> CallContext:
         rollout_id=_rollout_id(data),
         epoch=parse_epoch(data),
         env_fingerprint=_optional(data, "env_fingerprint", str, None),
+        trace=parse_trace(data),
     )
+
+
+# An opaque trajectory reference, as long as a trainer's ids reasonably get.
+MAX_TRAJECTORY_REF = 1000
+TOKEN_SPANS = ("prompt", "completion")
+
+
+def parse_trace(data: dict, *, spans: tuple[str, ...] = TOKEN_SPANS) -> Trace:
+    """A body's optional tree-export fields (cache.tcg.records.Trace): `trajectory_ref`, `tokens`,
+    `seq` and `branch_of` ({"rollout": R, "step": k, "tokens": {"prompt": [0, n]}})."""
+    if not any(field in data for field in ("trajectory_ref", "tokens", "seq", "branch_of")):
+        return NO_TRACE
+    ref = _optional(data, "trajectory_ref", str, "")
+    if len(ref) > MAX_TRAJECTORY_REF or "\x00" in ref:
+        raise InvalidInput(
+            f"'trajectory_ref' must be at most {MAX_TRAJECTORY_REF} characters, without NUL.",
+            code="invalid_payload",
+            details={"field": "trajectory_ref", "max": MAX_TRAJECTORY_REF},
+        )
+    seq = data.get("seq")
+    branch_of = data.get("branch_of")
+    if branch_of is not None:
+        if not isinstance(branch_of, dict) or not {"rollout", "step"} <= set(branch_of) <= {
+            "rollout",
+            "step",
+            "tokens",
+        }:
+            raise InvalidInput(
+                '\'branch_of\' must be {"rollout": <id>, "step": <k>, "tokens": {"prompt": [start, end]}}.',
+                code="invalid_payload",
+                details={"field": "branch_of"},
+            )
+        branch_of = (
+            parse_id(branch_of["rollout"], "branch_of.rollout"),
+            parse_int(branch_of["step"], "branch_of.step", low=0, high=INT32[1]),
+            parse_tokens(branch_of.get("tokens"), "branch_of.tokens", ("prompt",)),
+        )
+    return Trace(
+        ref=ref,
+        tokens=parse_tokens(data.get("tokens"), "tokens", spans),
+        seq=None if seq is None else parse_int(seq, "seq", low=0, high=INT32[1]),
+        branch_of=branch_of,
+    )
+
+
+def parse_tokens(value: Any, field: str, spans: tuple[str, ...] = TOKEN_SPANS) -> dict[str, tuple[int, int]] | None:
+    """Token spans, e.g. {"prompt": [0, 120], "completion": [120, 180]}: half-open [start, end)
+    offsets into the trajectory's tokens, each span optional."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not set(value) <= set(spans):
+        raise InvalidInput(
+            f"'{field}' must be an object with {' and/or '.join(repr(s) for s in spans)}: [start, end].",
+            code="invalid_payload",
+            details={"field": field},
+        )
+    found = {}
+    for name in spans:
+        span = value.get(name)
+        if span is None:
+            continue
+        if not (isinstance(span, list) and len(span) == 2):
+            raise InvalidInput(
+                f"'{field}.{name}' must be [start, end].", code="invalid_payload", details={"field": f"{field}.{name}"}
+            )
+        start = parse_int(span[0], f"{field}.{name}", low=0, high=INT32[1])
+        end = parse_int(span[1], f"{field}.{name}", low=start, high=INT32[1])
+        found[name] = (start, end)
+    return found
 
 
 def _rollout_id(data: dict) -> str:
@@ -165,11 +235,15 @@ def parse_claim_release(data: Any) -> CallContext:
 class RolloutCallInput:
     call: ToolCall
     epoch: int
+    trace: Trace
 
 
 def parse_rollout_call(data: Any) -> RolloutCallInput:
     """A tool-server call: the rollout's next call (its history is the service's)."""
-    return RolloutCallInput(call=parse_call(_required(_object(data), "call"), "call"), epoch=parse_epoch(data))
+    data = _object(data)
+    return RolloutCallInput(
+        call=parse_call(_required(data, "call"), "call"), epoch=parse_epoch(data), trace=parse_trace(data)
+    )
 
 
 # Branches one request may open (each may take a sandbox).
@@ -187,11 +261,16 @@ class BranchInput:
     rollout_ids: tuple[str, ...] | None
     count: int
     epoch: int
+    tokens: dict[str, tuple[int, int]] | None = (
+        None  # {"prompt": [0, n]}: what each branch shares of its origin's tokens
+    )
+    trajectory_refs: tuple[str, ...] | None = None  # one per branch
 
 
 def parse_branch(data: Any) -> BranchInput:
     """A branch request: `{"from": {"rollout": R, "step": k} | {"node_id": N}, "count": n,
-    "rollout_ids": [...], "epoch": e}`; `rollout_ids` (optional) has `count` distinct ids."""
+    "rollout_ids": [...], "epoch": e, "tokens": {"prompt": [0, n]}, "trajectory_refs": [...]}`;
+    `rollout_ids` and `trajectory_refs` (optional) have `count` items, the ids distinct."""
     data = _object(data)
     origin = _required(data, "from")
     if not isinstance(origin, dict) or not (set(origin) == {"rollout", "step"} or set(origin) == {"node_id"}):
@@ -221,7 +300,17 @@ def parse_branch(data: Any) -> BranchInput:
         ids = tuple(parse_id(value, "rollout_ids") for value in ids)
         if len(set(ids)) != len(ids):
             raise InvalidInput("'rollout_ids' repeats an id.", code="invalid_payload", details={"field": "rollout_ids"})
-    return BranchInput(rollout, step, node_id, ids, count, parse_epoch(data))
+    refs = data.get("trajectory_refs")
+    if refs is not None:
+        if not isinstance(refs, list) or len(refs) != count:
+            raise InvalidInput(
+                f"'trajectory_refs' must be a list of {count} strings.",
+                code="invalid_payload",
+                details={"field": "trajectory_refs"},
+            )
+        refs = tuple(parse_trace({"trajectory_ref": ref}).ref for ref in refs)
+    tokens = parse_tokens(data.get("tokens"), "tokens", ("prompt",))
+    return BranchInput(rollout, step, node_id, ids, count, parse_epoch(data), tokens, refs)
 
 
 @dataclass(frozen=True, slots=True)

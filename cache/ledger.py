@@ -34,12 +34,14 @@ import os
 import threading
 import time
 
+import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
 from accounts.projects import MAX_TASK_KEY
 from cache import events
 from cache.prepared import prepared_cursor
+from cache.tcg.records import NO_TRACE, Trace
 from core.inputs import INT32, MAX_ID_LENGTH
 
 log = logging.getLogger("tvcache.ledger")
@@ -79,12 +81,30 @@ FROM unnest(%s::bigint[], %s::int[]) AS t(id, hits) WHERE cache_node.id = t.id
 """
 
 ROLLOUTS_SQL = """
-INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
-SELECT t.task_id, t.rollout_id, t.epoch, t.calls, t.hits, '[]'::jsonb, now()
-FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[], %s::int[]) AS t(task_id, rollout_id, epoch, calls, hits)
+INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at, trajectory_ref, branch_of,
+                           branch_step, branch_tokens)
+SELECT t.task_id, t.rollout_id, t.epoch, t.calls, t.hits, '[]'::jsonb, now(), t.ref, t.branch_of, t.branch_step,
+       t.branch_tokens::jsonb
+FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[], %s::int[], %s::text[], %s::text[], %s::int[], %s::text[])
+     AS t(task_id, rollout_id, epoch, calls, hits, ref, branch_of, branch_step, branch_tokens)
 JOIN cache_task ON cache_task.id = t.task_id
 ON CONFLICT (task_id, rollout_id) DO UPDATE SET
-    calls = cache_rollout.calls + EXCLUDED.calls, hits = cache_rollout.hits + EXCLUDED.hits, epoch = EXCLUDED.epoch
+    calls = cache_rollout.calls + EXCLUDED.calls, hits = cache_rollout.hits + EXCLUDED.hits, epoch = EXCLUDED.epoch,
+    trajectory_ref = CASE WHEN EXCLUDED.trajectory_ref = '' THEN cache_rollout.trajectory_ref
+                          ELSE EXCLUDED.trajectory_ref END,
+    branch_step = CASE WHEN cache_rollout.branch_of = '' THEN EXCLUDED.branch_step ELSE cache_rollout.branch_step END,
+    branch_tokens = CASE WHEN cache_rollout.branch_of = '' THEN EXCLUDED.branch_tokens
+                         ELSE cache_rollout.branch_tokens END,
+    branch_of = CASE WHEN cache_rollout.branch_of = '' THEN EXCLUDED.branch_of ELSE cache_rollout.branch_of END
+"""
+
+# The rollouts' steps (cache.models.RolloutStep), after ROLLOUTS_SQL has made their rollouts.
+STEPS_SQL = """
+INSERT INTO cache_rolloutstep (rollout_id, applied, seq, at, node_id, hit, tokens)
+SELECT r.id, t.applied, t.seq, t.at, t.node_id, t.hit, t.tokens::jsonb
+FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[], %s::bigint[], %s::bigint[], %s::bool[], %s::text[])
+     AS t(task_id, rollout_id, applied, seq, at, node_id, hit, tokens)
+JOIN cache_rollout r ON r.task_id = t.task_id AND r.rollout_id = t.rollout_id
 """
 
 # API requests per project and minute (accounts.services.tokens.admit, through accounts.hooks): the
@@ -113,17 +133,27 @@ ON CONFLICT (task_id, how, processes) DO UPDATE SET count = cache_materializatio
 class Counts:
     """Lookup and request counts, as deltas."""
 
-    __slots__ = ("stats", "nodes", "rollouts", "requests", "materialized")
+    __slots__ = ("stats", "nodes", "rollouts", "steps", "requests", "materialized")
 
     def __init__(self) -> None:
         self.stats: dict[tuple[str, int, str], list] = {}  # (task, epoch, tool) -> [calls, hits, oracle, saved_ms]
         self.nodes: dict[tuple[str, int], int] = {}  # (task, node id) -> hits
-        self.rollouts: dict[tuple[str, str], list[int]] = {}  # (task, rollout) -> [calls, hits, epoch]
+        # (task, rollout) -> [calls, hits, epoch, trajectory ref, branch of, branch step, branch tokens (JSON)]
+        self.rollouts: dict[tuple[str, str], list] = {}
+        self.steps: list[tuple] = []  # (task, rollout, applied, seq, at, node id, hit, tokens (JSON))
         self.requests: dict[int, list[int]] = {}  # project id -> [admitted, refused]
         self.materialized: dict[tuple[str, str, bool], int] = {}  # (task, how, processes) -> misses
 
     def __bool__(self) -> bool:
         return bool(self.stats or self.nodes or self.rollouts or self.requests or self.materialized)
+
+    def rollout(self, task_id: str, rollout_id: str, epoch: int, trace: Trace) -> list:
+        entry = self.rollouts.get((task_id, rollout_id))
+        if entry is None:
+            entry = self.rollouts[(task_id, rollout_id)] = [0, 0, epoch, "", "", None, None]
+        entry[2] = epoch
+        _traced(entry, trace)
+        return entry
 
     def merge(self, other: Counts) -> None:
         """Add `other`'s counts (rollout epochs: `other`'s, the newer, win)."""
@@ -133,11 +163,16 @@ class Counts:
                 stat[index] += value
         for key, hits in other.nodes.items():
             self.nodes[key] = self.nodes.get(key, 0) + hits
-        for key, (calls, hits, epoch) in other.rollouts.items():
-            entry = self.rollouts.setdefault(key, [0, 0, epoch])
+        for key, (calls, hits, epoch, *traced) in other.rollouts.items():
+            entry = self.rollouts.setdefault(key, [0, 0, epoch, "", "", None, None])
             entry[0] += calls
             entry[1] += hits
             entry[2] = epoch
+            if traced[0]:
+                entry[3] = traced[0]
+            if traced[1] and not entry[4]:
+                entry[4:] = traced[1:]
+        self.steps.extend(other.steps)
         for project_id, (admitted, refused) in other.requests.items():
             counts = self.requests.setdefault(project_id, [0, 0])
             counts[0] += admitted
@@ -174,11 +209,11 @@ class Counts:
                     [
                         [k[0] for k in keys],
                         [k[1] for k in keys],
-                        [v[2] for v in values],
-                        [v[0] for v in values],
-                        [v[1] for v in values],
+                        *([v[i] for v in values] for i in (2, 0, 1, 3, 4, 5, 6)),
                     ],
                 )
+            if self.steps:
+                cursor.execute(STEPS_SQL, [list(column) for column in zip(*self.steps)])
             if self.requests:
                 cursor.execute(
                     REQUESTS_SQL,
@@ -302,10 +337,21 @@ _ledger = _Ledger()
 
 
 def lookup_add(
-    *, task_id: str, epoch: int, tool: str, rollout_id: str, node_id: int | None, hit: bool, seen: bool, saved_ms: float
+    *,
+    task_id: str,
+    epoch: int,
+    tool: str,
+    rollout_id: str,
+    node_id: int | None,
+    hit: bool,
+    seen: bool,
+    saved_ms: float,
+    applied: int = 0,
+    trace: Trace = NO_TRACE,
 ) -> None:
     """One lookup answered (hot path). `seen`: the state and call had been seen (a node exists,
-    cacheable or not: the oracle's hit)."""
+    cacheable or not: the oracle's hit). A rollout's hit is a step of its path, after `applied`
+    state-changing calls."""
     if not _storable(task_id, epoch, tool, rollout_id):
         log.error(
             "counters of a key no column can hold dropped: task %r epoch %r tool %r rollout %r",
@@ -330,10 +376,40 @@ def lookup_add(
                 key = (task_id, node_id)
                 counts.nodes[key] = counts.nodes.get(key, 0) + 1
         if rollout_id:
-            entry = counts.rollouts.setdefault((task_id, rollout_id), [0, 0, epoch])
+            entry = counts.rollout(task_id, rollout_id, epoch, trace)
             entry[0] += 1
             entry[1] += hit
-            entry[2] = epoch
+            if hit and node_id is not None:
+                counts.steps.append(_step(task_id, rollout_id, applied, trace, node_id, hit=True))
+
+
+def step_add(*, task_id: str, rollout_id: str, epoch: int, applied: int, trace: Trace, node_id: int) -> None:
+    """A rollout's call recorded as `node_id` (hot path): a step of its path. Its hits are steps
+    of `lookup_add`."""
+    if not rollout_id or not _storable(task_id, epoch, "", rollout_id):
+        return
+    with _ledger.lock:
+        _ledger.started()
+        counts = _ledger.fresh
+        counts.rollout(task_id, rollout_id, epoch, trace)
+        counts.steps.append(_step(task_id, rollout_id, applied, trace, node_id, hit=False))
+
+
+def _step(task_id: str, rollout_id: str, applied: int, trace: Trace, node_id: int, *, hit: bool) -> tuple:
+    tokens = None if trace.tokens is None else orjson.dumps(trace.tokens).decode()
+    return (task_id, rollout_id, applied, trace.seq, time.time_ns(), node_id, hit, tokens)
+
+
+def _traced(entry: list, trace: Trace) -> None:
+    """What a call's trace says of its rollout: its trajectory (the latest given), and where a
+    branch started (the first given)."""
+    if trace is NO_TRACE:
+        return
+    if trace.ref:
+        entry[3] = trace.ref
+    if trace.branch_of is not None and not entry[4]:
+        rollout, step, tokens = trace.branch_of
+        entry[4:] = [rollout, step, None if tokens is None else orjson.dumps(tokens).decode()]
 
 
 def replay_add(*, task_id: str, epoch: int, tool: str, ms: float) -> None:

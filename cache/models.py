@@ -218,9 +218,33 @@ class Rollout(models.Model):
     branch_of = models.CharField(max_length=200, blank=True, default="", db_default="")
     branch_step = models.PositiveIntegerField(null=True, blank=True)
     branch_node = models.BigIntegerField(null=True, blank=True)  # not a key: the node may be evicted
+    # What the trainer said of it (cache.tcg.records.Trace): its trajectory, and the span of its
+    # origin's tokens a branch shares ({"prompt": [0, n]}). Returned by the tree export.
+    trajectory_ref = models.CharField(max_length=1000, blank=True, default="", db_default="")
+    branch_tokens = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
+
+
+class RolloutStep(models.Model):
+    """A call a rollout was answered, in the graph: served from `node_id` (a hit) or recorded as it
+    (a miss). The rollout's path for the tree export (cache/services/trees.py), written by the
+    ledger in batches like every counter (cache/ledger.py). Calls a detached rollout ran outside
+    the graph and replays that only rebuilt a sandbox are not steps."""
+
+    id = models.BigAutoField(primary_key=True)
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="steps", db_index=False)
+    # Order: the state-changing calls before it, then the trainer's `seq`, then when it was answered.
+    applied = models.PositiveIntegerField()
+    seq = models.PositiveIntegerField(null=True, blank=True)
+    at = models.BigIntegerField()  # ns since the Unix epoch
+    node_id = models.BigIntegerField()  # not a key: the node may be evicted
+    hit = models.BooleanField()
+    tokens = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["rollout", "applied", "seq", "at"], name="rolloutstep_order")]
 
 
 class MaterializationStat(models.Model):

@@ -10,8 +10,8 @@ from rest_framework.views import APIView
 
 from accounts.projects import task_public_id
 from cache.api.frontdoor import FrontDoorView
-from cache.api.serializers import ErrorSerializer, ToolCallSerializer
-from cache.inputs import MAX_BRANCHES, parse_branch, parse_rollout_call
+from cache.api.serializers import ErrorSerializer, PromptSpanSerializer, ToolCallSerializer, TraceSerializer
+from cache.inputs import MAX_BRANCHES, MAX_TRAJECTORY_REF, parse_branch, parse_rollout_call
 from core.inputs import INT32, parse_id
 from core.lanes import HandBack
 from observability import metrics
@@ -21,7 +21,7 @@ from sandboxes.models import Sandbox
 ERRORS = {code: ErrorSerializer for code in (400, 401, 403, 404, 409, 429, 503)}
 
 
-class CallSerializer(serializers.Serializer):
+class CallSerializer(TraceSerializer):
     call = ToolCallSerializer()
     epoch = serializers.IntegerField(required=False, default=0, min_value=INT32[0], max_value=INT32[1])
 
@@ -60,6 +60,12 @@ class BranchSerializer(serializers.Serializer):
         child=serializers.CharField(), required=False, help_text="the new rollouts' ids (default: made up)"
     )
     epoch = serializers.IntegerField(required=False, default=0, min_value=INT32[0], max_value=INT32[1])
+    tokens = PromptSpanSerializer(required=False, help_text="what each branch shares of its origin's tokens")
+    trajectory_refs = serializers.ListField(
+        child=serializers.CharField(max_length=MAX_TRAJECTORY_REF),
+        required=False,
+        help_text="the trainer's reference of each branch's trajectory (opaque), one per branch",
+    )
 
     def get_fields(self):
         fields = super().get_fields()
@@ -124,6 +130,7 @@ class RolloutCallView(FrontDoorView):
             rollout_id=parse_id(rollout_id, "rollout_id"),
             call=parsed.call,
             epoch=parsed.epoch,
+            trace=parsed.trace,
         )
         if isinstance(outcome, HandBack):  # on the front door's lane: it goes on elsewhere (core/lanes.py)
             return outcome
@@ -156,6 +163,8 @@ class BranchesView(APIView):
             count=spec.count,
             rollout_ids=spec.rollout_ids,
             epoch=spec.epoch,
+            tokens=spec.tokens,
+            trajectory_refs=spec.trajectory_refs,
         )
         body = {
             "node_id": opened.point.node_id,

@@ -5,7 +5,14 @@ say the same."""
 
 from rest_framework import serializers
 
-from cache.inputs import MAX_FILE_TIMES, MAX_FILE_TIMES_PATHS, MAX_MS, MAX_PATH_LENGTH, MAX_SNAPSHOT_BYTES
+from cache.inputs import (
+    MAX_FILE_TIMES,
+    MAX_FILE_TIMES_PATHS,
+    MAX_MS,
+    MAX_PATH_LENGTH,
+    MAX_SNAPSHOT_BYTES,
+    MAX_TRAJECTORY_REF,
+)
 from core.inputs import INT32, INT64, MAX_ID_LENGTH
 
 
@@ -58,7 +65,50 @@ class TaskListSerializer(serializers.Serializer):
     next_offset = serializers.IntegerField(allow_null=True)  # null on the last page
 
 
-class CallContextSerializer(serializers.Serializer):
+def _span(help_text: str) -> serializers.ListField:
+    return serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=INT32[1]),
+        min_length=2,
+        max_length=2,
+        required=False,
+        help_text=help_text,
+    )
+
+
+class PromptSpanSerializer(serializers.Serializer):
+    prompt = _span("[start, end): the tokens of the origin's trajectory a branch shares")
+
+
+class TokenSpansSerializer(serializers.Serializer):
+    prompt = _span("[start, end): the context the model saw when it produced the call")
+    completion = _span("[start, end): the tokens it generated, holding the call")
+
+
+class BranchOfSerializer(serializers.Serializer):
+    rollout = serializers.CharField(max_length=MAX_ID_LENGTH)
+    step = serializers.IntegerField(min_value=0, max_value=INT32[1], help_text="state-changing calls of its history")
+    tokens = PromptSpanSerializer(required=False)
+
+
+class TraceSerializer(serializers.Serializer):
+    """For the rollout tree export (GET /tasks/{id}/tree); nothing here changes an answer."""
+
+    trajectory_ref = serializers.CharField(
+        required=False, max_length=MAX_TRAJECTORY_REF, help_text="The trainer's reference of the trajectory (opaque)."
+    )
+    tokens = TokenSpansSerializer(required=False, help_text="The call's token spans in its trajectory.")
+    seq = serializers.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=INT32[1],
+        help_text="The call's position among its rollout's calls (orders records sent late).",
+    )
+    branch_of = BranchOfSerializer(
+        required=False, help_text="Client mode: the rollout this one branched from (its first calls say so)."
+    )
+
+
+class CallContextSerializer(TraceSerializer):
     history = ToolCallSerializer(many=True)
     call = ToolCallSerializer()
     rollout_id = serializers.CharField(required=False, max_length=MAX_ID_LENGTH)

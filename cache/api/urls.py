@@ -11,6 +11,7 @@ urlpatterns = [
     path("tasks/<slug:task_id>/file-times", views.FileTimesView.as_view()),
     path("tasks/<slug:task_id>/stats", views.TaskStatsView.as_view()),
     path("tasks/<slug:task_id>/graph", views.GraphView.as_view()),
+    path("tasks/<slug:task_id>/tree", views.TreeView.as_view()),
     path("tasks/<slug:task_id>/nodes/<int:node_id>/snapshots", views.SnapshotRegisterView.as_view()),
     path("tasks/<slug:task_id>/nodes/<int:node_id>/audit", views.NodeAuditView.as_view()),
     path("tasks/<slug:task_id>/flush", views.TaskFlushView.as_view()),

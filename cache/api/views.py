@@ -20,7 +20,10 @@ from cache.inputs import (
     parse_record,
     parse_task,
 )
+from cache.services.trees import DEFAULT_LIMIT as DEFAULT_TREE_PAGE
+from cache.services.trees import MAX_LIMIT as MAX_TREE_PAGE
 from cache.tcg import RecordedState
+from core.api.rendering import ndjson_streamed
 from core.errors import InvalidInput
 from core.inputs import INT32, INT64, check_json, parse_id, parse_query_int
 from observability import metrics
@@ -318,6 +321,26 @@ class GraphView(APIView):
         depth = parse_query_int(request.query_params, "depth", None, low=0, high=INT32[1])
         graph = selectors.graph_export(task_id=task_key(request, task_id), root=root, max_depth=depth)
         return Response({**graph, "task_id": task_public_id(graph["task_id"])})
+
+
+class TreeView(APIView):
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("epoch", int, description="only the rollouts of this epoch"),
+            OpenApiParameter("after", str, description="the `next` cursor of the previous page"),
+            OpenApiParameter("limit", int, description=f"rollouts per page (default {DEFAULT_TREE_PAGE})"),
+        ],
+        responses={(200, "application/x-ndjson"): str, **ERRORS},
+        summary="Rollout tree export (NDJSON, streamed): each rollout's path, branch origin and token spans",
+    )
+    def get(self, request, task_id: str):
+        params = request.query_params
+        epoch = parse_query_int(params, "epoch", None, low=INT32[0], high=INT32[1])
+        after = parse_query_int(params, "after", 0, low=0, high=INT64[1])
+        limit = parse_query_int(params, "limit", DEFAULT_TREE_PAGE, low=1, high=MAX_TREE_PAGE)
+        key = task_key(request, task_id)
+        selectors.task_get(task_id=key)
+        return ndjson_streamed(services.tree_export(task_id=key, epoch=epoch, after=after, limit=limit))
 
 
 # Maintainer actions (the role is checked after the task and node are found: another project's

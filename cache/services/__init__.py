@@ -18,6 +18,7 @@ from .record import RecordOutcome, node_record
 from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
 from .snapshots import backend_costs, lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
+from .trees import tree_export
 
 __all__ = [
     "Flight",
@@ -51,6 +52,7 @@ __all__ = [
     "claims_clear",
     "tcg_lookup",
     "replay_file_times",
+    "tree_export",
 ]
 
 # Staff actions, each audited (dashboard controls and Django admin actions call these).

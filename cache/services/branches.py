@@ -99,10 +99,19 @@ def _known_state(task_id: str, history: tuple[ToolCall, ...]) -> int | None:
     return nodes[keys[-1]]
 
 
-def rollouts_branch(*, task_id: str, point: BranchPoint, rollout_ids: tuple[str, ...], epoch: int) -> list[Rollout]:
+def rollouts_branch(
+    *,
+    task_id: str,
+    point: BranchPoint,
+    rollout_ids: tuple[str, ...],
+    epoch: int,
+    tokens: dict | None = None,
+    trajectory_refs: tuple[str, ...] | None = None,
+) -> list[Rollout]:
     """The branches' rollouts, each starting with the history that reaches the point (409 if a
-    rollout id is taken)."""
+    rollout id is taken); `tokens`, `trajectory_refs`: what the trainer said of them (Trace)."""
     history = [call.to_json() for call in point.history]
+    refs = trajectory_refs or ("",) * len(rollout_ids)
     rows = [
         Rollout(
             task_id=task_id,
@@ -112,8 +121,10 @@ def rollouts_branch(*, task_id: str, point: BranchPoint, rollout_ids: tuple[str,
             branch_of=point.rollout,
             branch_step=point.step,
             branch_node=point.node_id,
+            branch_tokens=None if tokens is None else {name: list(span) for name, span in tokens.items()},
+            trajectory_ref=ref,
         )
-        for rollout_id in rollout_ids
+        for rollout_id, ref in zip(rollout_ids, refs, strict=True)
     ]
     try:
         with transaction.atomic():

@@ -281,6 +281,8 @@ def lookup_count(
         hit=hit,
         seen=seen,
         saved_ms=saved_ms,
+        applied=len(context.history),
+        trace=context.trace,
     )
     metrics.lookup_counted(tool=call.tool, hit=hit)
 

@@ -129,6 +129,15 @@ def node_record(
             ledger.node_created(task.task_id, node_id)
         elif record.replay:
             ledger.replay_add(task_id=task.task_id, epoch=context.epoch, tool=last.call.tool, ms=record.exec_ms)
+        if not record.replay:
+            ledger.step_add(
+                task_id=task.task_id,
+                rollout_id=context.rollout_id,
+                epoch=context.epoch,
+                applied=len(context.history),
+                trace=context.trace,
+                node_id=node_id,
+            )
         wanted = False
         # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
         # same call (or replaying it) would each pay for one, and all but one be thrown away.

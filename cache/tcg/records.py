@@ -12,6 +12,24 @@ from .keys import ToolCall
 
 
 @dataclass(frozen=True, slots=True)
+class Trace:
+    """What a trainer tells about a call for the rollout tree export (docs/design/tree-search.md):
+    the trajectory it belongs to (`ref`, opaque), the call's token spans in it (`tokens`:
+    {"prompt": [start, end], "completion": [start, end]}), its position among the rollout's calls
+    (`seq`: orders calls whose records come late, as tvclient's background ones do), and for the
+    first calls of a client-mode branch where it started (`branch_of`: rollout, step, and its
+    shared token span). Nothing here changes what a lookup answers."""
+
+    ref: str = ""
+    tokens: Mapping[str, tuple[int, int]] | None = None
+    seq: int | None = None
+    branch_of: tuple[str, int, Mapping[str, tuple[int, int]] | None] | None = None
+
+
+NO_TRACE = Trace()
+
+
+@dataclass(frozen=True, slots=True)
 class CallContext:
     """A call after the rollout's history of state-changing calls, checked against the env's
     fingerprint when the caller sent one."""
@@ -21,6 +39,7 @@ class CallContext:
     rollout_id: str
     epoch: int
     env_fingerprint: str | None
+    trace: Trace = NO_TRACE
 
 
 @dataclass(frozen=True, slots=True)

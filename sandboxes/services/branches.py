@@ -46,7 +46,16 @@ class Branches:
 
 
 def branches_open(
-    *, task_id: str, rollout: str | None, step: int | None, node_id: int | None, count: int, rollout_ids, epoch: int
+    *,
+    task_id: str,
+    rollout: str | None,
+    step: int | None,
+    node_id: int | None,
+    count: int,
+    rollout_ids,
+    epoch: int,
+    tokens=None,
+    trajectory_refs=None,
 ) -> Branches:
     task = Task.objects.select_related("project").filter(pk=task_id).first()
     if task is None:
@@ -62,7 +71,12 @@ def branches_open(
                 details={"requested": count, "room": room},
             )
     rows = rollouts_branch(
-        task_id=task_id, point=point, rollout_ids=rollout_ids or branch_ids(point, count), epoch=epoch
+        task_id=task_id,
+        point=point,
+        rollout_ids=rollout_ids or branch_ids(point, count),
+        epoch=epoch,
+        tokens=tokens,
+        trajectory_refs=trajectory_refs,
     )
     if not managed:  # client mode: the trainer's environments follow the histories
         return Branches(point, [Branch(row.rollout_id, None, "") for row in rows])

@@ -44,7 +44,7 @@ from cache.services import (
     tcg_lookup,
 )
 from cache.tcg import ToolCall
-from cache.tcg.records import CallContext
+from cache.tcg.records import NO_TRACE, CallContext, Trace
 from cache.tcg.rollout import Act, Looked, RolloutCall
 from core.errors import Conflict, NotFound
 from core.lanes import ClaimAwaited, HandBack, SlowWork, lane_current
@@ -72,7 +72,9 @@ class CallOutcome:
     phases_ms: dict[str, float] = field(default_factory=dict)  # where the time went (Phases)
 
 
-def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 0) -> CallOutcome | HandBack:
+def rollout_call(
+    *, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 0, trace: Trace = NO_TRACE
+) -> CallOutcome | HandBack:
     """The call served by the rollout protocol (cache/tcg/rollout.py), this module doing its I/O.
     Four statements for a hit (claim and read the rollout, the lookup, the history append, the
     release); the task's row and a sandbox only for a miss. On a front door's lane, a request
@@ -84,7 +86,7 @@ def rollout_call(*, task_id: str, rollout_id: str, call: ToolCall, epoch: int = 
     except SandboxError as exc:
         raise as_application_error(exc) from None
     claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra=HAS_SANDBOX)
-    serving = _Serving(handle, claim.rollout, claim.history, call, epoch, has_sandbox=claim.extra)
+    serving = _Serving(handle, claim.rollout, claim.history, call, epoch, trace, has_sandbox=claim.extra)
     try:
         return serving.drive(claim.detached, started)
     finally:
@@ -95,13 +97,21 @@ class _Serving:
     """One tool-server call driven through the rollout protocol."""
 
     def __init__(
-        self, handle, rollout: Rollout, history: tuple[ToolCall, ...], call: ToolCall, epoch: int, *, has_sandbox
+        self,
+        handle,
+        rollout: Rollout,
+        history: tuple[ToolCall, ...],
+        call: ToolCall,
+        epoch: int,
+        trace: Trace,
+        *,
+        has_sandbox,
     ):
         self.handle, self.rollout, self.history, self.call = handle, rollout, history, call
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
         self.has_sandbox = bool(has_sandbox)
-        self.context = CallContext(history, call, rollout.rollout_id, epoch, None)
+        self.context = CallContext(history, call, rollout.rollout_id, epoch, None, trace)
         self.phases = Phases()
         self.answer = None
         self.flight: Flight | None = None

@@ -70,7 +70,7 @@ def example(schema: dict, node: dict) -> Any:
         extra = node.get("additionalProperties")
         return {"k": example(schema, extra) if extra else 1}
     if kind == "array":
-        return [example(schema, node["items"])]
+        return [example(schema, node["items"])] * max(1, node.get("minItems", 1))
     if kind in ("integer", "number"):
         return node.get("minimum", 0)
     if kind == "string":

@@ -95,3 +95,47 @@ def test_bad_branch_requests(api, docker_task, body, status, code):
     task = docker_task("branch-bad")
     run(api, task, "r1", SETUP[0])
     assert branch(api, task, body, status=status)["error"]["code"] == code
+
+
+def test_the_export_of_a_branched_epoch_gives_exactly_its_branch_structure(api, docker_task):
+    """Branches of branches in tool-server mode, exported: each rollout's origin, its path through
+    the graph (shared with its origin up to the branch point, its own after), its trace."""
+    from tests.cache.test_tree_export import export
+
+    task = docker_task("branch-export")
+    for seq, call in enumerate(SETUP):
+        run(api, task, "r1", call, epoch=5, trajectory_ref="t-r1", tokens={"prompt": [0, seq], "completion": [seq, 9]})
+    branch(
+        api,
+        task,
+        {
+            "from": {"rollout": "r1", "step": 2},
+            "count": 2,
+            "rollout_ids": ["b0", "b1"],
+            "epoch": 5,
+            "tokens": {"prompt": [0, 40]},
+            "trajectory_refs": ["t-b0", "t-b1"],
+        },
+    )
+    for b in ("b0", "b1"):
+        run(api, task, b, bash(f"echo {b} >> /f"), epoch=5)
+    branch(api, task, {"from": {"rollout": "b0", "step": 3}, "count": 1, "rollout_ids": ["c0"], "epoch": 5})
+    run(api, task, "c0", bash("cat /f"), epoch=5)
+    lines = export(api, task, epoch=5)
+    rollouts = {line["rollout_id"]: line for line in lines[1:-1]}
+    assert set(rollouts) == {"r1", "b0", "b1", "c0"} and lines[-1]["next"] is None
+    depth2 = Node.objects.get(task_id=task, depth=2).pk
+    b0_node = Node.objects.get(task_id=task, call__args__command="echo b0 >> /f").pk
+    assert rollouts["r1"]["branch"] is None
+    for b in ("b0", "b1"):
+        assert rollouts[b]["branch"] == {"rollout": "r1", "step": 2, "node_id": depth2, "tokens": {"prompt": [0, 40]}}
+        assert rollouts[b]["trajectory_ref"] == f"t-{b}"
+    assert rollouts["c0"]["branch"] == {"rollout": "b0", "step": 3, "node_id": b0_node, "tokens": None}
+    path = {name: [c["node_id"] for c in rollout["calls"]] for name, rollout in rollouts.items()}
+    assert path["r1"] == [Node.objects.get(task_id=task, call=call).pk for call in SETUP]
+    assert path["b0"] == [b0_node] and path["c0"][0] not in path["b0"] + path["r1"]
+    assert Node.objects.get(pk=path["b0"][0]).parent_id == depth2  # it continues from the branch point
+    assert [c["tokens"] for c in rollouts["r1"]["calls"]] == [
+        {"prompt": [0, i], "completion": [i, 9]} for i in range(3)
+    ]
+    assert all(not c["cached"] for c in rollouts["b1"]["calls"])

@@ -15,11 +15,11 @@ def bash(command: str, **args) -> dict:
     return {"tool": "bash", "args": {"command": command, **args}}
 
 
-def run(api, task_id: str, rollout_id: str, call: dict, status: int = 200, *, settled: bool = True) -> dict:
-    """A tool-server call. `settled`: returns once the snapshot its miss may have handed off is
-    taken (it is taken after the answer, sandboxes/services/reserved.py), so that what the test
-    looks at next is the graph the call left."""
-    response = api.post(f"/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls", {"call": call}, format="json")
+def run(api, task_id: str, rollout_id: str, call: dict, status: int = 200, *, settled: bool = True, **fields) -> dict:
+    """A tool-server call (`fields`: the body's others, e.g. epoch). `settled`: returns once the
+    snapshot its miss may have handed off is taken (it is taken after the answer,
+    sandboxes/services/reserved.py), so that what the test looks at next is the graph the call left."""
+    response = api.post(f"/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls", {"call": call, **fields}, format="json")
     assert response.status_code == status, response.content
     if settled:
         assert settle(), "background snapshots still running"

@@ -63,6 +63,7 @@ def test_hit_returns_cached_result_and_executes_nothing(service, client):
         "rollout_id": "r1",
         "epoch": 2,
         "claim": True,
+        "seq": 0,  # the call's place in the rollout, for the tree export
     }
     assert executor.history == (call("get", key="a"),)
     assert (executor.hits, executor.misses, executor.executed) == (1, 0, 0)

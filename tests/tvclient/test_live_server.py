@@ -242,3 +242,38 @@ def test_async_branches(client):
         return answer, branch.executor.branch_of
 
     assert asyncio.run(go()) == ({"value": "1"}, ("r1", 1))
+
+
+def test_an_epoch_of_branches_exports_as_its_packing_groups(client):
+    """Client-mode rollouts and branches, with their token spans, read back as Tree Training's
+    packing groups (tvclient.trees over GET /tasks/{id}/tree)."""
+    from tvclient import trees
+
+    client.put_task("kv-tree", env={"backend": "external", "kv": 5}, tools={"get": {"mutates_state": False}})
+    put = [{"tool": "set", "args": {"key": "a", "value": str(i)}} for i in range(3)]
+    with ToolCallExecutor(
+        client, "kv-tree", InMemoryEnvironment, rollout_id="r1", epoch=7, trajectory_ref="traj-r1"
+    ) as root:
+        root.execute(put[0], tokens={"prompt": [0, 100], "completion": [100, 120]})
+        root.execute(put[1], tokens={"prompt": [0, 150], "completion": [150, 170]})
+        branches = root.branch(2, rollout_ids=["b0", "b1"], tokens={"prompt": [0, 160]}, trajectory_refs=["tb0", "tb1"])
+        root.execute(put[2], tokens={"prompt": [0, 200], "completion": [200, 230]})
+        for i, branch in enumerate(branches):
+            with branch:
+                branch.execute(
+                    {"tool": "get", "args": {"key": "a"}}, tokens={"prompt": [0, 160], "completion": [160, 190 + i]}
+                )
+    export = trees.iter_export(client, "kv-tree", epoch=7)
+    rollouts = {r.rollout_id: r for r in export.rollouts}
+    assert set(rollouts) == {"r1", "b0", "b1"}
+    assert rollouts["r1"].trajectory_ref == "traj-r1" and rollouts["b1"].trajectory_ref == "tb1"
+    assert [c.cached for c in rollouts["r1"].calls] == [False, False, False]
+    assert (rollouts["b0"].branch.rollout, rollouts["b0"].branch.step) == ("r1", 2)
+    (group,) = trees.packing_groups(export)
+    first, *children = [(t.rollout_id, t.parent, t.shared, t.length) for t in group.trajectories]
+    assert [first, *sorted(children)] == [
+        ("r1", None, 0, 230),
+        ("b0", "r1", 160, 190),
+        ("b1", "r1", 160, 191),
+    ]
+    assert (group.flat_tokens, group.tree_tokens) == (230 + 190 + 191, 230 + 30 + 31)

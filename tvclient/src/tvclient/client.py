@@ -152,11 +152,13 @@ class TVCacheClient:
         epoch: int | None = None,
         claim: bool = False,
         resume: bool = True,
+        trace: Mapping[str, Any] | None = None,
     ) -> LookupResult:
         """`claim` (needs rollout_id): on a miss, claim the call for this rollout; see
         LookupResult.claim. `resume=False`: the caller's environment already follows the
-        history, so a miss offers (and leases) no snapshot to fork."""
-        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume))
+        history, so a miss offers (and leases) no snapshot to fork. `trace`: the call's fields
+        for the rollout tree export (`trajectory_ref`, `tokens`, `seq`, `branch_of`)."""
+        return self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume, trace))
 
     def record(
         self,
@@ -171,12 +173,16 @@ class TVCacheClient:
         mutated: bool | None = None,
         file_times: Mapping[str, int] | None = None,
         replay: bool = False,
+        trace: Mapping[str, Any] | None = None,
     ) -> RecordResult:
         """`file_times`: the modification times (ns, by path) of what the call changed, written
         back after each later replay of it (ToolExecutionEnvironment.file_times). `replay`: the
-        call ran again only to rebuild a sandbox's state (its time was not saved)."""
+        call ran again only to rebuild a sandbox's state (its time was not saved). `trace`: as
+        for `lookup`."""
         return self._send(
-            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay)
+            operations.record(
+                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay, trace
+            )
         )
 
     def register_snapshot(
@@ -211,8 +217,37 @@ class TVCacheClient:
         where they were not kept: restore none from there on)."""
         return self._send(operations.replay_file_times(task_id, history, call, replay))
 
-    def call(self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None) -> CallResult:
-        return self._send(operations.rollout_call(task_id, rollout_id, call, epoch))
+    def call(
+        self,
+        task_id: str,
+        rollout_id: str,
+        call: Call,
+        *,
+        epoch: int | None = None,
+        trace: Mapping[str, Any] | None = None,
+    ) -> CallResult:
+        return self._send(operations.rollout_call(task_id, rollout_id, call, epoch, trace))
+
+    def branch(
+        self,
+        task_id: str,
+        origin: Mapping[str, Any],
+        *,
+        count: int | None = None,
+        rollout_ids: list[str] | None = None,
+        epoch: int | None = None,
+        tokens: Mapping[str, Any] | None = None,
+        trajectory_refs: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """Start rollouts at `origin` ({"rollout": R, "step": k} or {"node_id": N}); in tool-server
+        mode each has a sandbox in that state when this returns (docs/design/tree-search.md)."""
+        return self._send(operations.branches(task_id, origin, count, rollout_ids, epoch, tokens, trajectory_refs))
+
+    def tree_page(
+        self, task_id: str, *, epoch: int | None = None, after: str | None = None, limit: int | None = None
+    ) -> list[bytes]:
+        """One page of the rollout tree export, as NDJSON lines (tvclient.trees reads them)."""
+        return self._send(operations.tree_page(task_id, epoch, after, limit))
 
     def end_rollout(self, task_id: str, rollout_id: str) -> None:
         self._send(operations.end_rollout(task_id, rollout_id))
@@ -322,8 +357,9 @@ class AsyncTVCacheClient:
         epoch: int | None = None,
         claim: bool = False,
         resume: bool = True,
+        trace: Mapping[str, Any] | None = None,
     ) -> LookupResult:
-        return await self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume))
+        return await self._send(operations.lookup(task_id, history, call, rollout_id, epoch, claim, resume, trace))
 
     async def record(
         self,
@@ -338,9 +374,12 @@ class AsyncTVCacheClient:
         mutated: bool | None = None,
         file_times: Mapping[str, int] | None = None,
         replay: bool = False,
+        trace: Mapping[str, Any] | None = None,
     ) -> RecordResult:
         return await self._send(
-            operations.record(task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay)
+            operations.record(
+                task_id, history, call, result, exec_ms, rollout_id, epoch, mutated, file_times, replay, trace
+            )
         )
 
     async def register_snapshot(
@@ -371,8 +410,36 @@ class AsyncTVCacheClient:
     ) -> list[dict[str, int] | None]:
         return await self._send(operations.replay_file_times(task_id, history, call, replay))
 
-    async def call(self, task_id: str, rollout_id: str, call: Call, *, epoch: int | None = None) -> CallResult:
-        return await self._send(operations.rollout_call(task_id, rollout_id, call, epoch))
+    async def call(
+        self,
+        task_id: str,
+        rollout_id: str,
+        call: Call,
+        *,
+        epoch: int | None = None,
+        trace: Mapping[str, Any] | None = None,
+    ) -> CallResult:
+        return await self._send(operations.rollout_call(task_id, rollout_id, call, epoch, trace))
+
+    async def branch(
+        self,
+        task_id: str,
+        origin: Mapping[str, Any],
+        *,
+        count: int | None = None,
+        rollout_ids: list[str] | None = None,
+        epoch: int | None = None,
+        tokens: Mapping[str, Any] | None = None,
+        trajectory_refs: list[str] | None = None,
+    ) -> dict[str, Any]:
+        return await self._send(
+            operations.branches(task_id, origin, count, rollout_ids, epoch, tokens, trajectory_refs)
+        )
+
+    async def tree_page(
+        self, task_id: str, *, epoch: int | None = None, after: str | None = None, limit: int | None = None
+    ) -> list[bytes]:
+        return await self._send(operations.tree_page(task_id, epoch, after, limit))
 
     async def end_rollout(self, task_id: str, rollout_id: str) -> None:
         await self._send(operations.end_rollout(task_id, rollout_id))

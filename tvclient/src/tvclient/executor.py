@@ -82,6 +82,7 @@ class _Executed:
     mutated: bool | None  # whether the env saw it change anything (None: unknown)
     exec_ms: float
     file_times: Mapping[str, int] | None = None  # what it changed (ToolExecutionEnvironment.file_times)
+    trace: Mapping[str, Any] | None = None  # the call's fields for the tree export (ToolCallExecutor._trace)
 
 
 def _elapsed_ms(started: float) -> float:
@@ -245,6 +246,7 @@ class ToolCallExecutor:
         snapshots: SnapshotStore | None = None,
         single_flight: bool = True,
         task: TaskSpec | None = None,
+        trajectory_ref: str | None = None,
     ) -> None:
         self._client = client
         self.task_id = task_id
@@ -273,6 +275,12 @@ class ToolCallExecutor:
         self.detached = False
         self.offline = False  # the service failed: the rollout runs uncached (class docstring)
         self.branch_of: tuple[str | None, int] | None = None  # (rollout id, step) this one branched from
+        # For the rollout tree export (docs/design/tree-search.md): the trainer's trajectory,
+        # what a branch shares of its origin's tokens, the calls so far, the current call's fields.
+        self.trajectory_ref = trajectory_ref
+        self._branch_tokens: Mapping[str, Any] | None = None
+        self._calls = 0
+        self._trace: dict[str, Any] | None = None
         # Misses' background work, oldest first: only the last one may still use the environment.
         self._background: list[_Background] = []
         self._failures = threading.Lock()  # background threads count record_failures too
@@ -283,7 +291,14 @@ class ToolCallExecutor:
         says left the state as it was."""
         return tuple(self._history)
 
-    def branch(self, n: int, *, rollout_ids: Sequence[str] | None = None) -> list[ToolCallExecutor]:
+    def branch(
+        self,
+        n: int,
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        tokens: Mapping[str, Sequence[int]] | None = None,
+        trajectory_refs: Sequence[str] | None = None,
+    ) -> list[ToolCallExecutor]:
         """`n` executors that continue this rollout after its last call, for tree search.
 
         Each starts with this rollout's history, the same client, task, environment factory
@@ -294,6 +309,10 @@ class ToolCallExecutor:
         replay of the calls past it. This rollout's background work (records, snapshots) is
         waited for first, so that the branches find them. A detached rollout (its state
         unknown, or the service down: `offline`) cannot be branched (RuntimeError).
+
+        For the rollout tree export, each branch's calls say where it started; `tokens`
+        (`{"prompt": [0, n]}`) is what every branch shares of this trajectory's tokens, and
+        `trajectory_refs` names each branch's trajectory.
         """
         if n < 1:
             raise ValueError("n must be at least 1")
@@ -301,11 +320,13 @@ class ToolCallExecutor:
             raise RuntimeError("the rollout left the shared graph (its state is unknown): it cannot be branched")
         if rollout_ids is not None and (len(rollout_ids) != n or len(set(rollout_ids)) != n):
             raise ValueError(f"rollout_ids must be {n} distinct ids")
+        if trajectory_refs is not None and len(trajectory_refs) != n:
+            raise ValueError(f"trajectory_refs must be {n} references")
         self.flush()
         stem = f"{self.rollout_id or 'rollout'}.{len(self._history)}"
         ids = list(rollout_ids) if rollout_ids is not None else [f"{stem}.{uuid.uuid4().hex[:8]}" for _ in range(n)]
         branches = []
-        for rollout_id in ids:
+        for i, rollout_id in enumerate(ids):
             branch = ToolCallExecutor(
                 self._client,
                 self.task_id,
@@ -315,8 +336,10 @@ class ToolCallExecutor:
                 snapshots=self.snapshots,
                 single_flight=self._claim,
                 task=self._task,
+                trajectory_ref=None if trajectory_refs is None else trajectory_refs[i],
             )
             branch._history = list(self._history)
+            branch._branch_tokens = tokens
             branch._owns_snapshots = False  # the store is this rollout's to close
             branch.branch_of = (self.rollout_id, len(self._history))
             branches.append(branch)
@@ -331,7 +354,12 @@ class ToolCallExecutor:
         self.flush()
         return self._env
 
-    def execute(self, call: Call) -> ToolResult:
+    def execute(self, call: Call, *, tokens: Mapping[str, Sequence[int]] | None = None) -> ToolResult:
+        """Run the rollout's next call (see the class docstring). `tokens`: the call's token spans
+        in the trajectory, `{"prompt": [start, end], "completion": [start, end]}`, for the
+        rollout tree export; they change nothing else."""
+        self._trace = self._trace_of(tokens)
+        self._calls += 1
         if self.detached:
             return self._execute_detached(call)
         why = inexact_json(call, "the call")
@@ -343,6 +371,22 @@ class ToolCallExecutor:
         except TVCacheError as exc:
             self._go_offline(exc)
             return self._execute_detached(call)
+
+    def _trace_of(self, tokens: Mapping[str, Sequence[int]] | None) -> dict[str, Any] | None:
+        """The call's fields for the tree export (cache.tcg.records.Trace on the service's side)."""
+        if self.rollout_id is None:
+            return None
+        trace: dict[str, Any] = {"seq": self._calls}
+        if self.trajectory_ref is not None:
+            trace["trajectory_ref"] = self.trajectory_ref
+        if tokens is not None:
+            trace["tokens"] = {name: list(span) for name, span in tokens.items()}
+        if self.branch_of is not None and self.branch_of[0] is not None:
+            origin = {"rollout": self.branch_of[0], "step": self.branch_of[1]}
+            if self._branch_tokens is not None:
+                origin["tokens"] = {name: list(span) for name, span in self._branch_tokens.items()}
+            trace["branch_of"] = origin
+        return trace
 
     def _execute_cached(self, call: Call) -> ToolResult:
         if self._task is not None:
@@ -379,6 +423,7 @@ class ToolCallExecutor:
                 claim=self._claim,
                 # An open environment replays what it missed: no snapshot (nor lease) needed.
                 resume=self._env is None,
+                trace=self._trace,
             )
             if lookup.claim != "in_flight":
                 return lookup
@@ -733,7 +778,7 @@ class ToolCallExecutor:
         assert self._env is not None
         started = time.perf_counter()
         result, mutated = self._env.execute_observed(call)
-        return _Executed(history, call, result, mutated, _elapsed_ms(started))
+        return _Executed(history, call, result, mutated, _elapsed_ms(started), trace=self._trace)
 
     def _record(self, executed: _Executed, replay: bool = False) -> RecordResult:
         return self._client.record(
@@ -747,6 +792,7 @@ class ToolCallExecutor:
             mutated=executed.mutated,
             file_times=executed.file_times,
             replay=replay,
+            trace=None if replay else executed.trace,
         )
 
     def _keep_snapshot(
@@ -873,6 +919,8 @@ class AsyncToolCallExecutor:
         epoch: int | None = None,
         snapshots: SnapshotStore | None = None,
         single_flight: bool = True,
+        task: TaskSpec | None = None,
+        trajectory_ref: str | None = None,
     ) -> None:
         self.executor = ToolCallExecutor(
             client,
@@ -882,14 +930,25 @@ class AsyncToolCallExecutor:
             epoch=epoch,
             snapshots=snapshots,
             single_flight=single_flight,
+            task=task,
+            trajectory_ref=trajectory_ref,
         )
 
-    async def execute(self, call: Call) -> ToolResult:
-        return await asyncio.to_thread(self.executor.execute, call)
+    async def execute(self, call: Call, *, tokens: Mapping[str, Sequence[int]] | None = None) -> ToolResult:
+        return await asyncio.to_thread(self.executor.execute, call, tokens=tokens)
 
-    async def branch(self, n: int, *, rollout_ids: Sequence[str] | None = None) -> list[AsyncToolCallExecutor]:
+    async def branch(
+        self,
+        n: int,
+        *,
+        rollout_ids: Sequence[str] | None = None,
+        tokens: Mapping[str, Sequence[int]] | None = None,
+        trajectory_refs: Sequence[str] | None = None,
+    ) -> list[AsyncToolCallExecutor]:
         """ToolCallExecutor.branch for asyncio trainers."""
-        branches = await asyncio.to_thread(self.executor.branch, n, rollout_ids=rollout_ids)
+        branches = await asyncio.to_thread(
+            self.executor.branch, n, rollout_ids=rollout_ids, tokens=tokens, trajectory_refs=trajectory_refs
+        )
         return [AsyncToolCallExecutor.wrapping(branch) for branch in branches]
 
     @classmethod

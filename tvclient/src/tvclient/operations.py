@@ -37,6 +37,7 @@ class Operation(Generic[T]):
     body: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
     timed: bool = False  # the answer carries the service's own time (LookupResult.server_ms)
+    raw: bool = False  # `parse` reads the answer's bytes, not JSON (an NDJSON export)
 
 
 def _segment(value: str | int) -> str:
@@ -103,6 +104,7 @@ def lookup(
     epoch: int | None,
     claim: bool = False,
     resume: bool = True,
+    trace: Mapping[str, Any] | None = None,
 ) -> Operation[LookupResult]:
     body = _without_none(
         history=history,
@@ -111,6 +113,7 @@ def lookup(
         epoch=epoch,
         claim=claim or None,
         resume=None if resume else False,
+        **(trace or {}),
     )
     return Operation("POST", f"{_task_path(task_id)}/lookup", _parse_with(LookupResult), body=body, timed=True)
 
@@ -126,6 +129,7 @@ def record(
     mutated: bool | None = None,
     file_times: Mapping[str, int] | None = None,
     replay: bool = False,
+    trace: Mapping[str, Any] | None = None,
 ) -> Operation[RecordResult]:
     body = _without_none(
         history=history,
@@ -137,6 +141,7 @@ def record(
         mutated=mutated,
         file_times=dict(file_times) if file_times is not None else None,
         replay=True if replay else None,
+        **(trace or {}),
     )
     return Operation("POST", f"{_task_path(task_id)}/record", _parse_with(RecordResult), body=body)
 
@@ -193,10 +198,36 @@ def replay_file_times(
     return Operation("POST", f"{_task_path(task_id)}/file-times", parse, body=body)
 
 
-def rollout_call(task_id: str, rollout_id: str, call: Call, epoch: int | None) -> Operation[CallResult]:
+def rollout_call(
+    task_id: str, rollout_id: str, call: Call, epoch: int | None, trace: Mapping[str, Any] | None = None
+) -> Operation[CallResult]:
     path = f"{_task_path(task_id)}/rollouts/{_segment(rollout_id)}/calls"
-    body = _without_none(call=call, epoch=epoch)
+    body = _without_none(call=call, epoch=epoch, **(trace or {}))
     return Operation("POST", path, _parse_with(CallResult), body=body)
+
+
+def branches(
+    task_id: str,
+    origin: Mapping[str, Any],
+    count: int | None,
+    rollout_ids: list[str] | None,
+    epoch: int | None,
+    tokens: Mapping[str, Any] | None,
+    trajectory_refs: list[str] | None,
+) -> Operation[dict[str, Any]]:
+    body = _without_none(
+        count=count,
+        rollout_ids=rollout_ids,
+        epoch=epoch,
+        tokens=tokens,
+        trajectory_refs=trajectory_refs,
+    )
+    return Operation("POST", f"{_task_path(task_id)}/branches", _object, body={"from": dict(origin), **body})
+
+
+def tree_page(task_id: str, epoch: int | None, after: str | None, limit: int | None) -> Operation[list[bytes]]:
+    params = _without_none(epoch=epoch, after=after, limit=limit)
+    return Operation("GET", f"{_task_path(task_id)}/tree", bytes.splitlines, params=params or None, raw=True)
 
 
 def end_rollout(task_id: str, rollout_id: str) -> Operation[None]:
@@ -229,7 +260,7 @@ def read_response(operation: Operation[T], reply: Reply) -> T:
     if reply.status >= 400:
         raise error_from_response(reply)
     try:
-        payload = json.loads(reply.content) if reply.content else None
+        payload = reply.content if operation.raw else json.loads(reply.content) if reply.content else None
         result = operation.parse(payload)
     except (KeyError, TypeError, ValueError) as exc:
         raise TVCacheError(
