@@ -15,6 +15,7 @@ urlpatterns = [
     path("", views.overview, name="overview"),
     path("tasks/<taskkey:task_id>/", views.task, name="task"),
     path("tasks/<taskkey:task_id>/graph/", views.graph, name="graph"),
+    path("tasks/<taskkey:task_id>/tree/", views.tree, name="tree"),
     path("tasks/<taskkey:task_id>/nodes/<int:node_id>/", views.node, name="node"),
     path("pools/", views.pools, name="pools"),
     path("projects/<slug:name>/", views.project, name="project"),

@@ -13,8 +13,9 @@ from django.views.decorators.http import require_GET
 from accounts.projects import MAINTAINER, key_project
 from cache.models import AuditEntry
 from core.errors import NotFound
+from core.inputs import INT32, INT64
 
-from . import access, selectors
+from . import access, selectors, trees
 
 AUDIT_PAGE_SIZE = 50
 
@@ -75,6 +76,38 @@ def graph(request, task_id: str):
     return render(
         request, "dashboard/graph.html", {**context, **allowed, "initial": initial, "levels": selectors.GRAPH_LEVELS}
     )
+
+
+@require_GET
+@login_required
+def tree(request, task_id: str):
+    """An epoch's rollout tree (?epoch=, default the latest), a page of the export at a time
+    (?after= its cursor; ?page= the page's number, for display), with the sharing ratios."""
+    allowed = _task_context(request, task_id)
+    epoch = _query_int(request, "epoch", INT32)
+    after = _query_int(request, "after", (0, INT64[1])) or 0
+    number = _query_int(request, "page", (1, INT32[1])) or 1
+    try:
+        context = trees.tree_page(task_id=task_id, epoch=epoch, after=after)
+    except NotFound as exc:
+        raise Http404(exc.message) from None
+    first = (number - 1) * trees.PAGE_ROLLOUTS + 1
+    numbering = {"page": number, "first": first, "last": first + len(context["rows"]) - 1}
+    return render(request, "dashboard/tree.html", {**context, **allowed, **numbering})
+
+
+def _query_int(request, name: str, bounds: tuple[int, int]) -> int | None:
+    """An integer query parameter, None when absent; a malformed one is a 404 (no such page)."""
+    value = request.GET.get(name, "")
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or not bounds[0] <= number <= bounds[1]:
+        raise Http404(f"No such page: {name}={value!r}.")
+    return number
 
 
 @require_GET

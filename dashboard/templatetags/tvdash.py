@@ -63,3 +63,12 @@ def tojson(value) -> str:
 def task_name(key: str) -> str:
     """A task's id in its project, from its key (accounts.projects)."""
     return task_public_id(key) if isinstance(key, str) else key
+
+
+@register.filter
+def sharing(value) -> str:
+    """A sharing ratio (dashboard.trees.Sharing): "1.26×"; "n/a" when no token was given, "–"
+    when it was not computed (over the request's bounds)."""
+    if value is None:
+        return "–"
+    return "n/a" if value.ratio is None else f"{value.ratio:.2f}×"
