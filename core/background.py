@@ -20,9 +20,13 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import redis
 from celery import current_app
+from django.conf import settings
 from django.db import connections, transaction
 
 log = logging.getLogger("tvcache.background")
@@ -148,3 +152,87 @@ class _Outbox:
 
 
 _outbox = _Outbox(capacity=MAX_OFFERED)
+
+
+# --- Are the jobs taken? -----------------------------------------------------------------------
+# A broker with no worker takes every job and runs none (the determinism audit, warm sandboxes,
+# snapshot collection): each worker says it is alive in Redis, per queue it consumes, and the
+# health endpoint, /metrics and the dashboard read it (docs/operations/deploy.md).
+
+HEARTBEAT_S = 10.0
+HEARTBEAT_STALE_S = 3 * HEARTBEAT_S
+REDIS_TIMEOUT_S = 0.5
+# kombu's Redis transport keeps a queue as one list per priority step: "<queue>", then
+# "<queue>\x06\x16<step>" for steps 3, 6 and 9 (its default priority_steps).
+KOMBU_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+_redis_clients: dict[str, redis.Redis] = {}
+
+
+def _heartbeats_key(queue_name: str) -> str:
+    return f"tvcache:workers:{queue_name}"
+
+
+def _redis(url: str) -> redis.Redis:
+    client = _redis_clients.get(url)
+    if client is None:
+        client = _redis_clients.setdefault(
+            url, redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        )
+    return client
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """The default queue as the broker holds it: `broker_up` False leaves the rest unknown."""
+
+    queue: str
+    broker_up: bool
+    waiting: int = 0  # jobs in the queue
+    workers: int = 0  # workers that said they were alive in the last HEARTBEAT_STALE_S
+
+    @property
+    def stalled(self) -> bool:
+        """Jobs wait and no worker is there to take them."""
+        return self.broker_up and self.waiting > 0 and self.workers == 0
+
+
+def backlog() -> Backlog | None:
+    """The default queue's backlog and live workers (one Redis round trip, bounded by
+    REDIS_TIMEOUT_S); None when embedded: jobs run in process, there is no queue."""
+    url = settings.REDIS_URL
+    if not url or current_app.conf.task_always_eager:
+        return None
+    queue_name = current_app.conf.task_default_queue
+    now = time.time()
+    try:
+        with _redis(url).pipeline(transaction=False) as pipe:
+            for suffix in KOMBU_PRIORITY_SUFFIXES:
+                pipe.llen(queue_name + suffix)
+            pipe.zcount(_heartbeats_key(queue_name), now - HEARTBEAT_STALE_S, "+inf")
+            *depths, workers = pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("the broker did not answer: %s", exc)
+        return Backlog(queue_name, broker_up=False)
+    return Backlog(queue_name, broker_up=True, waiting=sum(depths), workers=workers)
+
+
+def heartbeat_start(name: str, queue_names: list[str]) -> None:
+    """In a worker: say every HEARTBEAT_S that worker `name` consumes `queue_names`, from a thread
+    of its own, for as long as the process lives. A beat the broker misses is logged, not fatal."""
+
+    def beat() -> None:
+        while True:
+            now = time.time()
+            try:
+                with _redis(settings.REDIS_URL).pipeline(transaction=False) as pipe:
+                    for queue_name in queue_names:
+                        key = _heartbeats_key(queue_name)
+                        pipe.zadd(key, {name: now})
+                        pipe.zremrangebyscore(key, "-inf", now - HEARTBEAT_STALE_S)
+                        pipe.expire(key, int(HEARTBEAT_STALE_S) * 2)
+                    pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("worker heartbeat not sent: %s", exc)
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="tvcache-heartbeat", daemon=True).start()

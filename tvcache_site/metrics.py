@@ -3,7 +3,7 @@
 Two kinds of series. Counted as the service works, by every process (`observability.metrics`:
 lookups, latencies, fork and commit times), added up here from the multiprocess files. Read at
 scrape time, here (the top layer, which may read every app): live sandboxes and snapshots,
-divergences, the Celery queue's depth. A scrape costs a few aggregate queries and one Redis round
+divergences, the Celery queue's depth and workers. A scrape costs a few aggregate queries and one Redis round
 trip; the hot paths never pay for metrics with a statement.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-import redis
 from django.conf import settings
 from django.db.models import Count
 from django.http import HttpResponse
@@ -22,18 +21,12 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from cache.models import Divergence, Snapshot
 from core.api.errors import error_response
+from core.background import backlog
 from core.errors import Forbidden, MethodNotAllowed
 from observability import metrics
 from sandboxes.models import Sandbox
-from tvcache_site.celery import app
 
 log = logging.getLogger("tvcache.metrics")
-
-REDIS_TIMEOUT_S = 0.5
-# kombu's Redis transport keeps a queue as one list per priority step: "<queue>", then
-# "<queue>\x06\x16<step>" for steps 3, 6 and 9 (its default priority_steps).
-KOMBU_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-_redis_clients: dict[str, redis.Redis] = {}
 
 
 def address_allowed(address: str, allow: list[str]) -> bool:
@@ -137,27 +130,26 @@ def _divergences() -> CounterMetricFamily:
 
 
 def _queues():
-    """Messages waiting in the Celery queue; the broker's reachability. Redis down: up 0, no depth."""
-    url = settings.REDIS_URL
-    if not url:  # embedded mode: background work runs in process, there is no queue
+    """The broker's reachability, the jobs waiting in the Celery queue, the workers alive to take
+    them (core.background.backlog) and whether jobs wait with none: nothing when embedded."""
+    found = backlog()
+    if found is None:  # embedded mode: background work runs in process, there is no queue
         return
-    queue = app.conf.task_default_queue
     up = GaugeMetricFamily("tvcache_broker_up", "1 if the Celery broker (Redis) answered this scrape.")
-    try:
-        client = _redis_clients.get(url) or _redis_clients.setdefault(
-            url, redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
-        )
-        with client.pipeline(transaction=False) as pipe:
-            for suffix in KOMBU_PRIORITY_SUFFIXES:
-                pipe.llen(queue + suffix)
-            depth = sum(pipe.execute())
-    except redis.RedisError as exc:
-        log.warning("metrics: the broker did not answer: %s", exc)
-        up.add_metric([], 0)
-        yield up
-        return
-    up.add_metric([], 1)
+    up.add_metric([], int(found.broker_up))
     yield up
-    family = GaugeMetricFamily("tvcache_queue_depth", "Celery jobs waiting in the queue (Redis).", labels=["queue"])
-    family.add_metric([queue], depth)
-    yield family
+    if not found.broker_up:
+        return
+    depth = GaugeMetricFamily("tvcache_queue_depth", "Celery jobs waiting in the queue (Redis).", labels=["queue"])
+    depth.add_metric([found.queue], found.waiting)
+    yield depth
+    workers = GaugeMetricFamily(
+        "tvcache_workers", "Celery workers of the queue alive in the last 30 s (heartbeats).", labels=["queue"]
+    )
+    workers.add_metric([found.queue], found.workers)
+    yield workers
+    stalled = GaugeMetricFamily(
+        "tvcache_background_stalled", "1 while jobs wait in the queue and no worker is alive to take them."
+    )
+    stalled.add_metric([], int(found.stalled))
+    yield stalled

@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from core.api.errors import DATABASE_DOWN, application_error, error_response
 from core.errors import InternalError, NotFound
+from tvcache_site import health
 from tvcache_site.metrics import metrics_view
 
 urlpatterns = [
@@ -17,6 +18,8 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("metrics", metrics_view, name="metrics"),  # Prometheus; TVCACHE_METRICS_ALLOW only
+    path("healthz", health.healthz, name="healthz"),  # liveness and readiness, no token
+    path("readyz", health.readyz, name="readyz"),
     path("", include("dashboard.urls")),  # pages, login/logout, /dashboard-api/ (session auth)
 ]
 

@@ -6,10 +6,12 @@ All are idempotent and acknowledged late, so a task whose worker died runs again
 from __future__ import annotations
 
 from celery import shared_task
+from celery.signals import worker_ready
 from django.conf import settings
 
 from accounts.services import projects as project_services
 from cache import services as cache_services
+from core.background import heartbeat_start
 from sandboxes import services
 
 RETRY = {"autoretry_for": (ConnectionError,), "retry_backoff": True, "max_retries": 5}
@@ -59,3 +61,12 @@ def project_requests_prune() -> int:
 def hit_audit(task_id: str, node_id: int, rollout_pk: int, applied: int, engine: str = "") -> str:
     """Determinism audit of a sampled tool-server hit (sandboxes.services.audit)."""
     return services.hit_audit(task_id=task_id, node_id=node_id, rollout_pk=rollout_pk, applied=applied, engine=engine)
+
+
+@worker_ready.connect
+def _heartbeat(sender, **_) -> None:
+    """A worker says it is alive, for each queue it consumes (core.background.backlog reads it)."""
+    queues = [queue.name for queue in getattr(sender.task_consumer, "queues", ())] or [
+        sender.app.conf.task_default_queue
+    ]
+    heartbeat_start(sender.hostname, queues)
