@@ -263,3 +263,17 @@ def test_the_documented_example_runs(tvcache, tmp_path):
         [sys.executable, "-c", blocks[0]], env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_documented_tree_search_example_runs(tvcache, tmp_path):
+    """docs/design/tree-search.md's SkyRL example: a trajectory branched, and its epoch exported."""
+    page = (Path(__file__).resolve().parents[3] / "docs" / "design" / "tree-search.md").read_text()
+    section = page.split("## A runnable example: tree search in SkyRL", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    environment = {"TVCACHE_URL": tvcache.url, "TVCACHE_TOKEN": tvcache.token, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", block], env=environment, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("4 trajectories, sharing ratio")

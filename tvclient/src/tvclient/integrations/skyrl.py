@@ -117,6 +117,16 @@ class _Options:
     epoch: int | None = None
 
 
+def tool_call(group: str, name: str, *args: Any, **kwargs: Any) -> Call:
+    """The call tvcache keys a tool group's `execute_tool(name, *args, **kwargs)` by: what a branch
+    of the environment's executor (`env.tvcache.branch(n)`) executes for that tool, answering
+    `{"output": <the tool's value>}`."""
+    call_args: dict[str, Any] = {"group": group, "input": list(args)}
+    if kwargs:
+        call_args["kwargs"] = kwargs
+    return {"tool": name, "args": call_args}
+
+
 class _Rollout:
     """One environment instance's tool calls: its tool groups answer through the executor."""
 
@@ -182,11 +192,8 @@ class _Rollout:
             return ToolGroup.execute_tool(group, name, *args, **kwargs)  # its ValueError, as without tvcache
         if self._pristine is None and self._options.sandbox is None:
             self._pristine = self._copy_groups()
-        call_args: dict[str, Any] = {"group": group.name, "input": list(args)}
-        if kwargs:
-            call_args["kwargs"] = kwargs
         try:
-            return self.executor.execute({"tool": name, "args": call_args})["output"]
+            return self.executor.execute(tool_call(group.name, name, *args, **kwargs))["output"]
         except ReplayFailed as exc:  # any other error is the tool's own, as the environment would see it
             raise ToolCallAborted(f"tvcache could not answer {group.name}.{name} as the tool would: {exc!r}") from exc
 
