@@ -6,8 +6,8 @@ Each branch's sandbox is made as a miss after the branch point would make it
 (materialize.rollout_sandbox): a ready pre-fork or a fork of the nearest snapshot along the
 history, else a fresh sandbox, then a replay of the calls past it, verified against the state
 fingerprint the point's node recorded. When the point's own state has no snapshot, the first
-branch's sandbox is snapshotted there and the others fork that snapshot: n branches pay for at
-most one replay. A state with live processes is snapshotted only by a runtime that keeps them
+branch's sandbox is snapshotted there and the others fork that snapshot, side by side: n branches
+pay for at most one replay. A state with live processes is snapshotted only by a runtime that keeps them
 (docs/design/state.md); otherwise each branch replays. Branches count against the project's
 grant of live sandboxes: a request for more than it has room for is refused (429) before any
 rollout is made."""
@@ -15,9 +15,10 @@ rollout is made."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from django.db import transaction
+from django.db import connections, transaction
 
 from cache.models import Node, Task
 from cache.notfound import unknown_task
@@ -30,6 +31,8 @@ from sandboxes.models import Sandbox
 from .materialize import Phases, Run, retire, rollout_sandbox
 from .misses import snapshot_take
 from .pools import SandboxQuotaExceeded, idle_deadline, room_for
+
+PARALLEL_BRANCHES = 4  # branch sandboxes made at once, after the first
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +84,20 @@ def branches_open(
     if not managed:  # client mode: the trainer's environments follow the histories
         return Branches(point, [Branch(row.rollout_id, None, "") for row in rows])
     backend = backend_named(task.env["backend"])
-    return Branches(point, [_prepared(task, backend, row, point, first=i == 0) for i, row in enumerate(rows)])
+    first = _prepared(task, backend, rows[0], point, first=True)  # the one that may snapshot the point
+    if len(rows) == 1:
+        return Branches(point, [first])
+    # The others fork the same state side by side (the engine bounds its concurrent starts).
+    with ThreadPoolExecutor(max_workers=min(len(rows) - 1, PARALLEL_BRANCHES)) as pool:
+        rest = list(pool.map(lambda row: _in_thread(_prepared, task, backend, row, point, first=False), rows[1:]))
+    return Branches(point, [first, *rest])
+
+
+def _in_thread(work, *args, **kwargs):
+    try:
+        return work(*args, **kwargs)
+    finally:
+        connections.close_all()  # this thread's
 
 
 def _prepared(task, backend, rollout, point: BranchPoint, *, first: bool) -> Branch:
