@@ -76,9 +76,14 @@ class BranchSerializer(serializers.Serializer):
 class BranchOpenedSerializer(serializers.Serializer):
     rollout_id = serializers.CharField()
     ready_ms = serializers.FloatField(
-        allow_null=True, help_text="until its sandbox was in the branch point's state (null: no sandbox made)"
+        allow_null=True,
+        help_text="until its sandbox was in the branch point's state (null: none made before the answer: a "
+        "pre-fork warming in the pool, or client mode)",
     )
-    materialized = serializers.CharField(help_text="how: prefork, fork, checkpoint, root, own, rebuilt; empty if none")
+    materialized = serializers.CharField(
+        help_text="how: prefork, fork, checkpoint, root, own, rebuilt; pool: it warms in the pool after the answer "
+        "(the first miss takes it); empty if none",
+    )
 
 
 class BranchesSerializer(serializers.Serializer):

@@ -1,16 +1,18 @@
-"""Branching in tool-server mode: n new rollouts continue from a known state of the graph, each
-with a sandbox already in that state when the request is answered, so that its first call runs
-at once (cache/services/branches.py says which states can be branched).
+"""Branching in tool-server mode: n new rollouts continue from a known state of the graph
+(cache/services/branches.py says which states can be branched), each with a sandbox in that state
+by its first call that needs one.
 
-Each branch's sandbox is made as a miss after the branch point would make it
-(materialize.rollout_sandbox): a ready pre-fork or a fork of the nearest snapshot along the
-history, else a fresh sandbox, then a replay of the calls past it, verified against the state
-fingerprint the point's node recorded. When the point's own state has no snapshot, the first
-branch's sandbox is snapshotted there and the others fork that snapshot, side by side: n branches
-pay for at most one replay. A state with live processes is snapshotted only by a runtime that keeps them
-(docs/design/state.md); otherwise each branch replays. Branches count against the project's
-grant of live sandboxes: a request for more than it has room for is refused (429) before any
-rollout is made."""
+The point's state needs a snapshot: when it has none, the first branch's sandbox is made as a miss
+after the point would make it (materialize.rollout_sandbox: a ready pre-fork or a fork of the
+nearest snapshot along the history, else a fresh sandbox, then a replay of the calls past it,
+verified against the state fingerprint the point's node recorded) and snapshotted there, so n
+branches pay for at most one replay. The other branches' sandboxes are forks of that snapshot,
+warming in the pool from the request on (placed by engine load, as pool sandboxes are); the
+answer does not wait for them. A branch's first miss takes its pre-fork as any miss takes a ready
+one, and a branch whose calls all hit needs none. A state with live processes is snapshotted only
+by a runtime that keeps them (docs/design/state.md); otherwise each branch replays, side by side.
+Branches count against the project's grant of live sandboxes: a request for more than it has room
+for is refused (429) before any rollout is made."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from django.db import connections, transaction
 
-from cache.models import Node, Task
+from cache.models import Node, Snapshot, Task
 from cache.notfound import unknown_task
 from cache.services import history_resume, lease_release
 from cache.services.branches import BranchPoint, branch_ids, branch_point, rollouts_branch
@@ -30,16 +32,17 @@ from sandboxes.models import Sandbox
 
 from .materialize import Phases, Run, retire, rollout_sandbox
 from .misses import snapshot_take
-from .pools import SandboxQuotaExceeded, idle_deadline, room_for
+from .pools import SandboxQuotaExceeded, idle_deadline, pool_request, room_for
 
 PARALLEL_BRANCHES = 4  # branch sandboxes made at once, after the first
+POOL = "pool"  # a branch's `how` when its sandbox warms in the pool after the answer
 
 
 @dataclass(frozen=True, slots=True)
 class Branch:
     rollout_id: str
     ready_ms: float | None  # until its sandbox was in the point's state (None: no sandbox made)
-    how: str  # how the sandbox got there (MaterializationStat.How), "" without one
+    how: str  # how the sandbox got there (MaterializationStat.How), POOL, "" without one
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +86,36 @@ def branches_open(
     )
     if not managed:  # client mode: the trainer's environments follow the histories
         return Branches(point, [Branch(row.rollout_id, None, "") for row in rows])
+    if point.node_id is None:  # the root: fresh sandboxes are its state
+        pool_request(task_id=task.pk, roots=len(rows))
+        return Branches(point, [Branch(row.rollout_id, None, POOL) for row in rows])
     backend = backend_named(task.env["backend"])
-    first = _prepared(task, backend, rows[0], point, first=True)  # the one that may snapshot the point
-    if len(rows) == 1:
-        return Branches(point, [first])
-    # The others fork the same state side by side (the engine bounds its concurrent starts).
-    with ThreadPoolExecutor(max_workers=min(len(rows) - 1, PARALLEL_BRANCHES)) as pool:
-        rest = list(pool.map(lambda row: _in_thread(_prepared, task, backend, row, point, first=False), rows[1:]))
-    return Branches(point, [first, *rest])
+    snapshot = _resumable_snapshot(point.node_id)
+    made = []
+    if snapshot is None:  # the first branch reaches the state and snapshots it, where a snapshot can stand for it
+        made.append(_prepared(task, backend, rows[0], point, first=True))
+        snapshot = _resumable_snapshot(point.node_id)
+    rest = rows[len(made) :]
+    if snapshot is not None:
+        # The others' sandboxes are forks of it warming in the pool from now on, each taken by its
+        # branch's first miss (a branch whose calls all hit needs none); the answer waits for none.
+        pool_request(task_id=task.pk, snapshot_ids=[snapshot] * len(rest))
+        return Branches(point, [*made, *(Branch(row.rollout_id, None, POOL) for row in rest)])
+    # No snapshot stands for the state (live processes, a runtime that cannot keep them): each
+    # branch reaches it by replay, side by side (the engine bounds its concurrent starts).
+    with ThreadPoolExecutor(max_workers=min(len(rest), PARALLEL_BRANCHES) or 1) as pool:
+        replayed = list(pool.map(lambda row: _in_thread(_prepared, task, backend, row, point, first=False), rest))
+    return Branches(point, [*made, *replayed])
+
+
+def _resumable_snapshot(node_id: int) -> int | None:
+    """The node's live snapshot, if a fork of it is the node's state (its processes included)."""
+    row = (
+        Snapshot.objects.filter(node_id=node_id, status=Snapshot.Status.LIVE)
+        .values_list("pk", "keeps_processes", "node__live_processes")
+        .first()
+    )
+    return row[0] if row is not None and (row[1] or not row[2]) else None
 
 
 def _in_thread(work, *args, **kwargs):
