@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Sets everything up and runs one workload replay: bash .ci/replay.sh terminal|sql|bfcl|tree [options]
+# Sets everything up and runs one workload replay: bash .ci/replay.sh terminal|sql|bfcl|video|tree [options]
 # (the options of `manage.py replay_<workload>`, e.g. --tasks 4 --rollouts 8 --epochs 3; tree: the
 # tree-search replay, `--workload terminal|sql` and the branching options of `manage.py replay_tree`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workload=${1:-}
 case "$workload" in
-  terminal|sql|bfcl|tree) shift ;;
-  *) echo "usage: bash .ci/replay.sh terminal|sql|bfcl|tree [replay options]" >&2; exit 2 ;;
+  terminal|sql|bfcl|video|tree) shift ;;
+  *) echo "usage: bash .ci/replay.sh terminal|sql|bfcl|video|tree [replay options]" >&2; exit 2 ;;
 esac
 docker_workload=false
 [ "$workload" = terminal ] && docker_workload=true

@@ -481,6 +481,7 @@ def build_report(
         "seconds": round(seconds, 1),
         "config": config,
         "workload_info": replay.workload.describe(),
+        "workload_figures": replay.workload.figures(replay.runs),
         "server": server,
         "tasks": [task.name for task in replay.tasks],
         "arms": [{"name": a.name, "mode": a.mode, "budget": a.budget} for a in replay.config.arms],

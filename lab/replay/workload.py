@@ -5,11 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tvclient import ToolExecutionEnvironment
 
 from .faults import ENV_FAULTS
+
+if TYPE_CHECKING:
+    from .samples import EpochRun
 
 Call = dict[str, Any]
 VERIFY_STEP = "verify"  # the step label of a call that runs the task's verifier (Workload.steps)
@@ -54,6 +57,11 @@ class Workload(ABC):
         return None
 
     def describe(self) -> dict[str, Any]:
+        return {}
+
+    def figures(self, runs: list[EpochRun]) -> dict[str, Any]:
+        """Figures of the workload's own over the run's samples, once it is over (their results
+        are gone by then): the report's `workload_figures`. {}: none."""
         return {}
 
     def close(self) -> None:
