@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.core.paginator import Paginator
 from django.db import connection
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from accounts.models import Project
@@ -19,8 +19,17 @@ from cache.models import Lease, Node, Rollout, Snapshot, ToolStat
 from cache.notfound import unknown_node
 from core.errors import NotFound
 from sandboxes.handles import service_images
+from sandboxes.selectors import (
+    engines_seen,
+    fork_latency,
+    live_sandboxes_per_task,
+    pool_task_keys,
+    pool_tasks,
+    pool_totals,
+    snapshot_usage,
+    task_live_snapshots,
+)
 from sandboxes.selectors import live_sandboxes as live_sandbox_count
-from sandboxes.selectors import pools_overview
 
 GRAPH_LEVELS = 3  # levels fetched at first paint and per expansion
 # Nodes per fetch. Layout and paint grow with the nodes drawn (on 2 busy cores, ~40 nodes paint in
@@ -31,9 +40,13 @@ LABEL_CHARS = 40
 TEXT_CHARS = 300
 RESULT_FOLD_CHARS = 4000
 RESULT_FOLD_LINES = 60
-ROLLOUTS_SHOWN = 100
+ROLLOUTS_PAGE_SIZE = 50
 DIVERGENCES_SHOWN = 20  # per node, the most recent
 OVERVIEW_PAGE_SIZE = 50
+POOL_TASKS_PAGE_SIZE = 50
+SNAPSHOTS_PAGE_SIZE = 50
+NODE_SNAPSHOTS_PAGE_SIZE = 20
+PROJECT_LIST_PAGE_SIZE = 50
 ZERO_RATES = {**dict.fromkeys(cache_selectors.COUNTERS, 0), "hit_rate": 0.0, "oracle_hit_rate": 0.0}
 
 TOOL_MEDIANS_SQL = """
@@ -69,17 +82,38 @@ def call_label(call: dict) -> str:
 # --- overview ----------------------------------------------------------------------------------
 
 
-def pools(*, project_ids: list[int] | None = None) -> dict[str, Any]:
-    return pools_overview(project_ids=project_ids)
+def pools(*, project_ids: list[int] | None = None, page: int | str | None = 1) -> dict[str, Any]:
+    """The pools page: the engines, fork latency, totals, and one page of the tasks that hold
+    live snapshots or sandboxes, one row each (their snapshots are on the task's own page)."""
+    listed = Paginator(pool_task_keys(project_ids=project_ids), POOL_TASKS_PAGE_SIZE).get_page(page)
+    engine, engines = engines_seen(scoped=project_ids is not None)
+    return {
+        "engine": engine,
+        "engines": engines,
+        "fork_latency_ms": fork_latency(project_ids=project_ids),
+        "totals": {**pool_totals(project_ids=project_ids), "tasks": listed.paginator.count},
+        "tasks": pool_tasks(task_keys=[key for (key,) in listed]),
+        "listed": listed,
+    }
 
 
-def live_sandboxes(pool_rows: list[dict]) -> dict[str, int]:
-    """Sandboxes not on their way out, per task."""
-    counts: dict[str, int] = defaultdict(int)
-    for pool in pool_rows:
-        states = pool.get("states") or {}
-        counts[pool.get("task_id")] += sum(n for state, n in states.items() if state != "stopping")
-    return counts
+def pool_task(*, task_id: str, page: int | str | None = 1) -> dict[str, Any]:
+    """A task's pools page: its summary row, its sandboxes by pool and state, and one page of its
+    live snapshots, newest first."""
+    task = cache_selectors.task_get(task_id=task_id)
+    snapshots = Paginator(task_live_snapshots(task_id=task_id), SNAPSHOTS_PAGE_SIZE).get_page(page)
+    usage = snapshot_usage(snapshot_ids=[row["pk"] for row in snapshots])
+    for row in snapshots:
+        row.update(usage.get(row["pk"], {"open_leases": 0, "preforks": 0}))
+    engine, engines = engines_seen(scoped=True)
+    return {
+        "engine": engine,
+        "engines": engines,
+        "fork_latency_ms": fork_latency(task_id=task_id),
+        "task": task,
+        "summary": pool_tasks(task_keys=[task_id])[0],
+        "snapshots": snapshots,
+    }
 
 
 def overview(*, search: str = "", page: int | str | None = 1, project_ids: list[int] | None = None) -> dict[str, Any]:
@@ -89,10 +123,10 @@ def overview(*, search: str = "", page: int | str | None = 1, project_ids: list[
     listed = Paginator(cache_selectors.task_ids(project_ids=project_ids, search=search), OVERVIEW_PAGE_SIZE).get_page(
         page
     )
-    return {"tasks": _overview_rows(list(listed), project_ids), "listed": listed, "search": search}
+    return {"tasks": _overview_rows(list(listed)), "listed": listed, "search": search}
 
 
-def _overview_rows(task_ids: list[str], project_ids: list[int] | None = None) -> list[dict[str, Any]]:
+def _overview_rows(task_ids: list[str]) -> list[dict[str, Any]]:
     rows = cache_selectors.task_list_stats(task_ids=task_ids)  # first: it writes the buffered lookup counters
     epochs: dict[str, list] = defaultdict(list)
     per_epoch = (
@@ -103,7 +137,7 @@ def _overview_rows(task_ids: list[str], project_ids: list[int] | None = None) ->
     )
     for row in per_epoch:
         epochs[row["task_id"]].append([row["epoch"], row["calls"], row["hits"]])
-    sandboxes = live_sandboxes(pools_overview(project_ids=project_ids)["pools"])
+    sandboxes = live_sandboxes_per_task(task_keys=task_ids)
     return [
         {
             "id": row["task"].pk,
@@ -124,7 +158,9 @@ def _overview_rows(task_ids: list[str], project_ids: list[int] | None = None) ->
 # --- task --------------------------------------------------------------------------------------
 
 
-def task_detail(*, task_id: str) -> dict[str, Any]:
+def task_detail(*, task_id: str, rollouts_page: int | str | None = 1) -> dict[str, Any]:
+    """The task page: its figures, per tool and per epoch, its divergences, and one page of its
+    rollouts, latest first."""
     task = cache_selectors.task_get(task_id=task_id)
     stats = cache_selectors.task_stats(task_id=task_id)
     with connection.cursor() as cursor:
@@ -136,11 +172,12 @@ def task_detail(*, task_id: str) -> dict[str, Any]:
         tools.append({**row, "median_exec_ms": median, "nodes": nodes})
     for tool, (median, nodes) in sorted(medians.items()):  # recorded but never looked up
         tools.append({**ZERO_RATES, "tool": tool, "median_exec_ms": median, "nodes": nodes})
-    rollouts = list(
+    rollouts = Paginator(
         Rollout.objects.filter(task_id=task_id)
         .order_by("-started_at", "-pk")
-        .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at")[:ROLLOUTS_SHOWN]
-    )
+        .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at"),
+        ROLLOUTS_PAGE_SIZE,
+    ).get_page(rollouts_page)
     for rollout in rollouts:
         rollout["misses"] = rollout["calls"] - rollout["hits"]
     divergences = stats["divergences"]
@@ -314,7 +351,9 @@ def result_parts(result_json: str) -> list[dict[str, Any]]:
     return parts
 
 
-def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
+def node_detail(*, task_id: str, node_id: int, snapshots_page: int | str | None = 1) -> dict[str, Any]:
+    """The node page: its call, folded result, path, latest divergences, and one page of its
+    snapshots (live and past), latest first."""
     node = Node.objects.defer("file_times").filter(task_id=task_id, pk=node_id).select_related("task").first()
     if node is None:
         raise unknown_node(task_id, node_id)
@@ -322,11 +361,12 @@ def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
     labels = dict(Node.objects.filter(pk__in=path_ids).values_list("pk", "call"))
     path = [{"id": pk, "label": call_label(labels[pk])} for pk in path_ids]
     now = timezone.now()
-    snapshots = list(
-        node.snapshots.order_by("-created_at").annotate(
+    snapshots = Paginator(
+        node.snapshots.order_by("-created_at", "-pk").annotate(
             open_leases=Count("leases", filter=Q(leases__released_at__isnull=True, leases__expires_at__gt=now))
-        )
-    )
+        ),
+        NODE_SNAPSHOTS_PAGE_SIZE,
+    ).get_page(snapshots_page)
     return {
         "node": node,
         "call_text": call_text(node.call),
@@ -335,7 +375,7 @@ def node_detail(*, task_id: str, node_id: int) -> dict[str, Any]:
         "path": path,
         "children": node.children.count(),
         "snapshots": snapshots,
-        "live_snapshot": next((s for s in snapshots if s.status == Snapshot.Status.LIVE), None),
+        "live_snapshot": node.snapshots.filter(status=Snapshot.Status.LIVE).first(),
         "divergences": [
             {
                 "kind": d.kind,
@@ -360,9 +400,12 @@ def subtree_size(*, task_id: str, node_id: int) -> dict[str, int]:
 # --- project -----------------------------------------------------------------------------------
 
 
-def project_detail(*, name: str) -> dict[str, Any]:
+def project_detail(
+    *, name: str, tokens_page: int | str | None = 1, members_page: int | str | None = 1
+) -> dict[str, Any]:
     """A project's grants with its usage against each (live sandboxes, bytes of live snapshots,
-    requests per second), its tokens (name, role, state, last used, expiry) and members."""
+    requests per second), a page of its tokens (name, role, state, last used, expiry) and one
+    of its members."""
     project = Project.objects.filter(name=name).first()
     if project is None:
         raise NotFound(f"Unknown project '{name}'.", code="unknown_project")
@@ -403,15 +446,17 @@ def project_detail(*, name: str) -> dict[str, Any]:
         ("Processes per sandbox", project.max_pids or "service maximum", service["DOCKER_MAX_PIDS"]),
         ("Rate burst", project.rate_burst or (project.rate_limit and "one second's worth") or "-", "-"),
     ]
-    members = [
-        {"user": m.user.get_username(), "role": m.role}
-        for m in project.memberships.select_related("user").order_by("user__username")
-    ]
+    members = Paginator(
+        project.memberships.order_by("user__username", "pk").values("role", username=F("user__username")),
+        PROJECT_LIST_PAGE_SIZE,
+    ).get_page(members_page)
+    # The tokens are read whole (accounts.selectors answers a project's tokens as one list) and shown a page at a time.
+    tokens = Paginator(project_tokens(project=project), PROJECT_LIST_PAGE_SIZE).get_page(tokens_page)
     return {
         "project": project,
         "usage": usage,
         "caps": caps,
-        "tokens": project_tokens(project=project),
+        "tokens": tokens,
         "members": members,
         "tasks": project.tasks.count(),
         "minutes": rate["minutes"],

@@ -58,7 +58,7 @@ def _task_context(request, task_id: str) -> dict:
 def task(request, task_id: str):
     allowed = _task_context(request, task_id)
     try:
-        detail = selectors.task_detail(task_id=task_id)
+        detail = selectors.task_detail(task_id=task_id, rollouts_page=request.GET.get("page"))
     except NotFound as exc:
         raise Http404(exc.message) from None
     return render(request, "dashboard/task.html", {**detail, **allowed})
@@ -115,7 +115,7 @@ def _query_int(request, name: str, bounds: tuple[int, int]) -> int | None:
 def node(request, task_id: str, node_id: int):
     allowed = _task_context(request, task_id)
     try:
-        detail = selectors.node_detail(task_id=task_id, node_id=node_id)
+        detail = selectors.node_detail(task_id=task_id, node_id=node_id, snapshots_page=request.GET.get("page"))
     except NotFound as exc:
         raise Http404(exc.message) from None
     return render(
@@ -128,12 +128,39 @@ def node(request, task_id: str, node_id: int):
 @require_GET
 @login_required
 def pools(request):
+    """Every task's pools summed up, a page of tasks at a time; ?task=<key> one task's pools and
+    its live snapshots, a page at a time. ?fragment=1: the part the page refreshes live."""
     scope = _scope(request)
+    task_id = request.GET.get("task", "")
+    page = request.GET.get("page")
+    if task_id:
+        context = _pool_task_context(request, task_id, scope, page)
+    else:
+        context = {"pools": selectors.pools(project_ids=scope["project_ids"], page=page)}
+    query = request.GET.copy()
+    query.pop("fragment", None)
+    here = f"{request.path}?{query.urlencode()}" if query else request.path
+    query["fragment"] = "1"
     template = "dashboard/_pools_body.html" if request.GET.get("fragment") else "dashboard/pools.html"
     can_stop = MAINTAINER in (access.roles(request.user) or {}).values()
     return render(
-        request, template, {**scope, "can_stop": can_stop, "pools": selectors.pools(project_ids=scope["project_ids"])}
+        request,
+        template,
+        {**scope, **context, "can_stop": can_stop, "here": here, "fragment_url": f"{request.path}?{query.urlencode()}"},
     )
+
+
+def _pool_task_context(request, task_id: str, scope: dict, page: str | None) -> dict:
+    """One task's pools; a task of a project the user does not see, or not of the chosen one, is a 404."""
+    project = key_project(task_id)
+    if scope["project_filter"] and project != scope["project_filter"]:
+        raise Http404("No such task in this project.")
+    access.task_check(request.user, task_id)
+    try:
+        detail = selectors.pool_task(task_id=task_id, page=page)
+    except NotFound as exc:
+        raise Http404(exc.message) from None
+    return {"pools": detail, "task": detail["task"], "can_control": access.can_control(request.user, project)}
 
 
 @require_GET
@@ -143,7 +170,9 @@ def project(request, name: str):
     tokens and members."""
     access.project_check(request.user, name)
     try:
-        detail = selectors.project_detail(name=name)
+        detail = selectors.project_detail(
+            name=name, tokens_page=request.GET.get("tokens_page"), members_page=request.GET.get("members_page")
+        )
     except NotFound as exc:
         raise Http404(exc.message) from None
     return render(

@@ -1,14 +1,17 @@
-"""Reads about managed sandboxes: the pools overview (dashboard, /api/v1/pools), a task's
-sandboxes (/api/v1/tasks/{id}/sandboxes)."""
+"""Reads about managed sandboxes: the pools overview (/api/v1/pools), the pools per task and a
+task's live snapshots a page at a time (the dashboard's pools page), a task's sandboxes
+(/api/v1/tasks/{id}/sandboxes)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from statistics import median, quantiles
 
-from django.db.models import Count
+from django.db.models import Count, Max, Q, Sum
+from django.utils import timezone
 
 from accounts.projects import key_project, task_public_id
-from cache.models import Snapshot
+from cache.models import Lease, Snapshot, Task
 from cache.selectors import task_get
 from core.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
@@ -76,6 +79,8 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
 
 
 LIVE_EXCLUDED = (Sandbox.State.STOPPED, Sandbox.State.FAILED)
+POOL_STATES = ("warming", "ready", "leased", "stopping")
+LATENCY_SAMPLES = 500
 
 
 def live_sandboxes(*, project_id: int) -> int:
@@ -83,19 +88,17 @@ def live_sandboxes(*, project_id: int) -> int:
     return Sandbox.objects.filter(task__project_id=project_id).exclude(state__in=LIVE_EXCLUDED).count()
 
 
-def pools_overview(
-    *, project_id: int | None = None, project_ids: list[int] | None = None, public_ids: bool = False
-) -> dict:
-    """Pools, live snapshots and fork latency of one project's tasks, of several, or (both None)
-    of every project; the engine's health. `public_ids`: tasks named as their project knows them
-    (the API), else by key (the dashboard), each entry with its project's name."""
+def _pool_scope(project_id: int | None, project_ids: list[int] | None) -> dict:
     scope = {}
     if project_id is not None:
         scope["task__project_id"] = project_id
     if project_ids is not None:
         scope["task__project_id__in"] = project_ids
-    name = task_public_id if public_ids else (lambda key: key)
-    live = Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED)
+    return scope
+
+
+def _pools(live, name: Callable[[str], str]) -> list[dict]:
+    """Live sandboxes by (task, backend, pool), each with its count per state."""
     pools: dict[tuple[str, str, str], dict] = {}
     for row in live.values("task_id", "backend", "pool", "state").annotate(n=Count("id")):
         key = (row["task_id"], row["backend"], row["pool"])
@@ -106,10 +109,61 @@ def pools_overview(
                 "project": key_project(row["task_id"]),
                 "backend": row["backend"],
                 "pool": row["pool"],
-                "states": {state: 0 for state in ("warming", "ready", "leased", "stopping")},
+                "states": dict.fromkeys(POOL_STATES, 0),
             },
         )
         entry["states"][row["state"]] = row["n"]
+    return sorted(pools.values(), key=lambda p: (p["task_id"], p["pool"]))
+
+
+def fork_latency(
+    *, project_id: int | None = None, project_ids: list[int] | None = None, task_id: str | None = None
+) -> dict:
+    """P50 and P95 of the latest forks' start times, warm (pre-forks) and cold (forked for a
+    rollout): of one project's tasks, of several, of one task, or (all None) of every task."""
+    scope = _pool_scope(project_id, project_ids)
+    if task_id is not None:
+        scope["task_id"] = task_id
+    recent = Sandbox.objects.filter(**scope).exclude(start_ms=None).order_by("-created_at")
+    forks = recent.filter(pool=Sandbox.Pool.FORK)
+    warm = list(forks.filter(rollout=None).values_list("start_ms", flat=True)[:LATENCY_SAMPLES])
+    cold = list(forks.exclude(rollout=None).values_list("start_ms", flat=True)[:LATENCY_SAMPLES])
+    warm_p50, warm_p95 = _percentiles(warm)
+    cold_p50, cold_p95 = _percentiles(cold)
+    return {"warm_p50": warm_p50, "warm_p95": warm_p95, "cold_p50": cold_p50, "cold_p95": cold_p95}
+
+
+def engines_seen(*, scoped: bool) -> tuple[dict, list[dict]]:
+    """The engines' health; without their counts of sandboxes when the reader sees only some
+    projects (the counts span every project)."""
+    engine, each = engines_health()
+    if not scoped:
+        return engine, each
+    engine = {k: v for k, v in engine.items() if k != "running_sandboxes"}
+    each = [{k: v for k, v in entry.items() if k not in ("running_sandboxes", "live_sandboxes")} for entry in each]
+    return engine, each
+
+
+def live_sandboxes_per_task(*, task_keys: list[str]) -> dict[str, int]:
+    """Sandboxes not on their way out (warming, ready, leased), per task of the given ones."""
+    rows = (
+        Sandbox.objects.filter(task_id__in=task_keys)
+        .exclude(state__in=(*LIVE_EXCLUDED, Sandbox.State.STOPPING))
+        .values("task_id")
+        .annotate(n=Count("id"))
+    )
+    return {row["task_id"]: row["n"] for row in rows}
+
+
+def pools_overview(
+    *, project_id: int | None = None, project_ids: list[int] | None = None, public_ids: bool = False
+) -> dict:
+    """Pools, live snapshots and fork latency of one project's tasks, of several, or (both None)
+    of every project; the engine's health. `public_ids`: tasks named as their project knows them
+    (the API), else by key (the dashboard), each entry with its project's name."""
+    scope = _pool_scope(project_id, project_ids)
+    name = task_public_id if public_ids else (lambda key: key)
+    live = Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED)
     snapshots = [
         {
             "task_id": name(s["task_id"]),
@@ -124,28 +178,125 @@ def pools_overview(
         .order_by("-created_at")
         .values("task_id", "node_id", "ref", "backend", "size_bytes", "status")[:500]
     ]
-    recent = Sandbox.objects.filter(**scope).exclude(start_ms=None).order_by("-created_at")
-    warm = [ms for ms in recent.filter(pool=Sandbox.Pool.FORK, rollout=None).values_list("start_ms", flat=True)[:500]]
-    cold = [
-        ms
-        for ms in recent.filter(pool=Sandbox.Pool.FORK).exclude(rollout=None).values_list("start_ms", flat=True)[:500]
-    ]
-    warm_p50, warm_p95 = _percentiles(warm)
-    cold_p50, cold_p95 = _percentiles(cold)
-    engine, engines_each = engines_health()
-    if project_id is not None or project_ids is not None:  # the engines' counts span every project
-        engine = {k: v for k, v in engine.items() if k != "running_sandboxes"}
-        engines_each = [
-            {k: v for k, v in entry.items() if k not in ("running_sandboxes", "live_sandboxes")}
-            for entry in engines_each
-        ]
+    engine, engines_each = engines_seen(scoped=bool(scope))
     return {
         "engine": engine,
         "engines": engines_each,
-        "pools": sorted(pools.values(), key=lambda p: (p["task_id"], p["pool"])),
+        "pools": _pools(live, name),
         "snapshots": snapshots,
-        "fork_latency_ms": {"warm_p50": warm_p50, "warm_p95": warm_p95, "cold_p50": cold_p50, "cold_p95": cold_p95},
+        "fork_latency_ms": fork_latency(project_id=project_id, project_ids=project_ids),
     }
+
+
+# --- per task (the dashboard's pools page) ----------------------------------------------------
+# A training run has a task per prompt and each task up to its budget of snapshots, so the page
+# shows one row per task, a page of tasks at a time, and a task's snapshots a page at a time.
+
+
+def pool_task_keys(*, project_ids: list[int] | None = None):
+    """Keys of the tasks that hold a live snapshot or a live sandbox, in key order (a queryset of
+    1-tuples, for a paginator)."""
+    scope = _pool_scope(None, project_ids)
+    snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope).values_list("task_id")
+    sandboxes = Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED).values_list("task_id")
+    return snapshots.union(sandboxes).order_by("task_id")
+
+
+def pool_totals(*, project_ids: list[int] | None = None) -> dict:
+    """Live snapshots, their bytes and live sandboxes of the projects' tasks (None: every one)."""
+    scope = _pool_scope(None, project_ids)
+    snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope).aggregate(
+        n=Count("id"), size=Sum("size_bytes")
+    )
+    return {
+        "snapshots": snapshots["n"],
+        "bytes": snapshots["size"] or 0,
+        "sandboxes": Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED).count(),
+    }
+
+
+def pool_tasks(*, task_keys: list[str]) -> list[dict]:
+    """Per task, in the given order: its live snapshots (count, bytes, newest, leased), backends,
+    budget, live sandboxes by state, pre-forks ready, and its pools (by backend and pool, each by
+    state). Four statements whatever the counts."""
+    rows = {
+        key: {
+            "task_id": key,
+            "project": key_project(key),
+            "budget": None,
+            "snapshots": 0,
+            "bytes": 0,
+            "newest": None,
+            "leased": 0,
+            "backends": set(),
+            "states": dict.fromkeys(POOL_STATES, 0),
+            "preforks": 0,
+            "pools": {},
+        }
+        for key in task_keys
+    }
+    for key, budget in Task.objects.filter(pk__in=task_keys).values_list("pk", "sandbox_budget"):
+        rows[key]["budget"] = budget
+    live = Snapshot.objects.filter(task_id__in=task_keys, status=Snapshot.Status.LIVE)
+    for s in live.values("task_id", "backend").annotate(
+        n=Count("id"), size=Sum("size_bytes"), newest=Max("created_at")
+    ):
+        row = rows[s["task_id"]]
+        row["snapshots"] += s["n"]
+        row["bytes"] += s["size"] or 0
+        row["newest"] = max(filter(None, (row["newest"], s["newest"])))
+        row["backends"].add(s["backend"])
+    leased = (
+        Lease.objects.filter(snapshot__in=live, released_at__isnull=True, expires_at__gt=timezone.now())
+        .values("snapshot__task_id")
+        .annotate(n=Count("snapshot_id", distinct=True))
+    )
+    for lease in leased:
+        rows[lease["snapshot__task_id"]]["leased"] = lease["n"]
+    sandboxes = Sandbox.objects.filter(task_id__in=task_keys).exclude(state__in=LIVE_EXCLUDED)
+    for s in sandboxes.values("task_id", "backend", "pool", "state").annotate(n=Count("id")):
+        row = rows[s["task_id"]]
+        row["states"][s["state"]] += s["n"]
+        row["backends"].add(s["backend"])
+        pool = row["pools"].setdefault(
+            (s["backend"], s["pool"]),
+            {"backend": s["backend"], "pool": s["pool"], "states": dict.fromkeys(POOL_STATES, 0)},
+        )
+        pool["states"][s["state"]] = s["n"]
+        if s["pool"] == Sandbox.Pool.FORK and s["state"] == Sandbox.State.READY:
+            row["preforks"] += s["n"]
+    for row in rows.values():
+        row["backends"] = sorted(row["backends"])
+        row["pools"] = [row["pools"][key] for key in sorted(row["pools"])]
+    return list(rows.values())
+
+
+def task_live_snapshots(*, task_id: str):
+    """The task's live snapshots, newest first (a queryset of dicts, for a paginator: only the
+    page is read; `snapshot_usage` then counts the page's leases and pre-forks)."""
+    return (
+        Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE)
+        .order_by("-created_at", "-pk")
+        .values("pk", "node_id", "ref", "backend", "engine", "size_bytes", "keeps_processes", "created_at")
+    )
+
+
+def snapshot_usage(*, snapshot_ids: list[int]) -> dict[int, dict]:
+    """Open leases and ready pre-forks of each given snapshot (one statement)."""
+    now = timezone.now()
+    rows = (
+        Snapshot.objects.filter(pk__in=snapshot_ids)
+        .annotate(
+            open_leases=Count(
+                "leases", filter=Q(leases__released_at__isnull=True, leases__expires_at__gt=now), distinct=True
+            ),
+            preforks=Count(
+                "forks", filter=Q(forks__pool=Sandbox.Pool.FORK, forks__state=Sandbox.State.READY), distinct=True
+            ),
+        )
+        .values_list("pk", "open_leases", "preforks")
+    )
+    return {pk: {"open_leases": leases, "preforks": forks} for pk, leases, forks in rows}
 
 
 def task_sandboxes(*, task_id: str) -> dict:

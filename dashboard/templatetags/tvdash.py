@@ -72,3 +72,13 @@ def sharing(value) -> str:
     if value is None:
         return "–"
     return "n/a" if value.ratio is None else f"{value.ratio:.2f}×"
+
+
+@register.simple_tag(takes_context=True)
+def page_query(context, number, key: str = "page") -> str:
+    """This page's query string with page `number` of a list (`key`: its parameter), without the
+    live fragment's flag: a pager inside a refreshed fragment leads to pages, not fragments."""
+    query = context["request"].GET.copy()
+    query.pop("fragment", None)
+    query[key] = number
+    return f"?{query.urlencode()}"

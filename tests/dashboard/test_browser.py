@@ -76,11 +76,13 @@ def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
         expect(page.locator("#live-status")).to_have_class("live on")
         shot(page, "overview")
 
-        # Pools: the live snapshot images (sandbox pools come from the sandboxes app).
+        # Pools: one row per task; a task's live snapshot images on its own pools page.
         page.click("text=Pools")
-        expect(page.locator("#snapshots-table")).to_contain_text("snap-test")
+        expect(page.locator(f'#pools-table tr[data-task="{toy_task}"]')).to_contain_text("2 / 4")
         expect(page.locator("#live-status")).to_have_class("live on")
         shot(page, "pools")
+        page.click(f'#pools-table tr[data-task="{toy_task}"] a')
+        expect(page.locator("#snapshots-table")).to_contain_text("snap-test")
         page.click("header.top >> text=Tasks")
 
         # Task page; a lookup through the REST API shows up live.

@@ -124,12 +124,14 @@ def test_node_page_shows_call_result_path_and_snapshot(user_client, tree, toy_ta
     assert user_client.get(f"/tasks/{toy_task}/nodes/999999/").status_code == 404
 
 
-def test_pools_page_falls_back_to_live_snapshots(user_client, tree):
+def test_pools_page_falls_back_to_live_snapshots(user_client, tree, toy_task):
     page = user_client.get("/pools/")
     assert page.status_code == 200
-    html = page.content.decode()
+    assert [(t["task_id"], t["snapshots"]) for t in page.context["pools"]["tasks"]] == [(toy_task, 2)]
+    html = user_client.get(f"/pools/?task={toy_task}").content.decode()  # the task's images
     assert "snap-test" in html and "snap-patch" in html
-    assert user_client.get("/pools/?fragment=1").content.decode().count("<h2>") == 2  # the live fragment
+    assert user_client.get("/pools/?fragment=1").content.decode().count("<h2>") == 1  # the live fragment
+    assert user_client.get(f"/pools/?task={toy_task}&fragment=1").content.decode().count("<h2>") == 2
 
 
 def test_graph_api_needs_a_session(client, tree, toy_task):
@@ -185,10 +187,11 @@ def test_pools_page_renders_the_sandboxes_apps_overview(user_client, tree, toy_t
         task_id=toy_task, backend="docker", pool="fork", snapshot=snapshot, state="stopped", start_ms=85.0
     )
     html = user_client.get("/pools/").content.decode()
-    assert "healthy" in html
-    assert "85 ms" in html and "700.0 MiB" in html and "tvcache-snap:abc" in html
+    assert "healthy" in html and "85 ms" in html
     row = html[html.index('id="pools-table"') :]
     assert all(f'<td class="n">{n}</td>' in row for n in (1, 3, 2, 4))  # warming, ready, leased, stopping
+    html = user_client.get(f"/pools/?task={toy_task}").content.decode()  # the task's images
+    assert "85 ms" in html and "700.0 MiB" in html and "tvcache-snap:abc" in html
     overview = user_client.get("/")
     assert next(t for t in overview.context["tasks"] if t["id"] == toy_task)["sandboxes"] == 6  # not the stopping ones
 

@@ -138,9 +138,10 @@ def test_pools_show_the_users_projects_and_sandboxes_of_others_cannot_be_stopped
     alpha_row = Sandbox.objects.create(task_id=ALPHA_TASK, backend="directory", pool="root", state="ready")
     beta_row = Sandbox.objects.create(task_id=BETA_TASK, backend="directory", pool="root", state="ready")
     pools = world["clients"]["ann"].get("/pools/").context["pools"]
-    assert {p["task_id"] for p in pools["pools"]} == {ALPHA_TASK}
-    assert {s["project"] for s in pools["snapshots"]} == {"alpha"}
-    assert {p["task_id"] for p in world["clients"]["staff"].get("/pools/").context["pools"]["pools"]} == {
+    assert {t["task_id"] for t in pools["tasks"]} == {ALPHA_TASK}
+    assert {t["project"] for t in pools["tasks"]} == {"alpha"}
+    assert world["clients"]["ann"].get(f"/pools/?task={BETA_TASK}").status_code == 404
+    assert {t["task_id"] for t in world["clients"]["staff"].get("/pools/").context["pools"]["tasks"]} == {
         ALPHA_TASK,
         BETA_TASK,
     }
