@@ -77,12 +77,11 @@ class BranchOpenedSerializer(serializers.Serializer):
     rollout_id = serializers.CharField()
     ready_ms = serializers.FloatField(
         allow_null=True,
-        help_text="until its sandbox was in the branch point's state (null: none made before the answer: a "
-        "pre-fork warming in the pool, or client mode)",
+        help_text="until its sandbox was in the branch point's state (null: none made before the answer)",
     )
     materialized = serializers.CharField(
-        help_text="how: prefork, fork, checkpoint, root, own, rebuilt; pool: it warms in the pool after the answer "
-        "(the first miss takes it); empty if none",
+        help_text="how: prefork, fork, checkpoint, root, own, rebuilt; on_miss: none was made before the answer, "
+        "the branch's first miss makes it as any miss does; empty in client mode",
     )
 
 

@@ -6,13 +6,14 @@ The point's state needs a snapshot: when it has none, the first branch's sandbox
 after the point would make it (materialize.rollout_sandbox: a ready pre-fork or a fork of the
 nearest snapshot along the history, else a fresh sandbox, then a replay of the calls past it,
 verified against the state fingerprint the point's node recorded) and snapshotted there, so n
-branches pay for at most one replay. The other branches' sandboxes are forks of that snapshot,
-warming in the pool from the request on (placed by engine load, as pool sandboxes are); the
-answer does not wait for them. A branch's first miss takes its pre-fork as any miss takes a ready
-one, and a branch whose calls all hit needs none. A state with live processes is snapshotted only
-by a runtime that keeps them (docs/design/state.md); otherwise each branch replays, side by side.
-Branches count against the project's grant of live sandboxes: a request for more than it has room
-for is refused (429) before any rollout is made."""
+branches pay for at most one replay. The other branches' sandboxes are made by their first misses,
+as any miss makes one: a ready pre-fork of that snapshot first (one warms from the request on),
+else a fork of it. The answer waits for none of them, and a branch whose calls all hit needs none:
+sandboxes made ahead for every branch sat idle for most of them (docs/lab/tree-search-replay.md).
+A state with live processes is snapshotted only by a runtime that keeps them
+(docs/design/state.md); otherwise each branch replays before the answer, side by side. Branches
+count against the project's grant of live sandboxes: a request for more than it has room for is
+refused (429) before any rollout is made."""
 
 from __future__ import annotations
 
@@ -32,17 +33,17 @@ from sandboxes.models import Sandbox
 
 from .materialize import Phases, Run, retire, rollout_sandbox
 from .misses import snapshot_take
-from .pools import SandboxQuotaExceeded, idle_deadline, pool_request, room_for
+from .pools import SandboxQuotaExceeded, idle_deadline, prefork_if_room, room_for
 
 PARALLEL_BRANCHES = 4  # branch sandboxes made at once, after the first
-POOL = "pool"  # a branch's `how` when its sandbox warms in the pool after the answer
+ON_MISS = "on_miss"  # a branch's `how` when its first miss makes its sandbox (none before the answer)
 
 
 @dataclass(frozen=True, slots=True)
 class Branch:
     rollout_id: str
     ready_ms: float | None  # until its sandbox was in the point's state (None: no sandbox made)
-    how: str  # how the sandbox got there (MaterializationStat.How), POOL, "" without one
+    how: str  # how the sandbox got there (MaterializationStat.How), ON_MISS, "" without one
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,8 @@ def branches_open(
     )
     if not managed:  # client mode: the trainer's environments follow the histories
         return Branches(point, [Branch(row.rollout_id, None, "") for row in rows])
-    if point.node_id is None:  # the root: fresh sandboxes are its state
-        pool_request(task_id=task.pk, roots=len(rows))
-        return Branches(point, [Branch(row.rollout_id, None, POOL) for row in rows])
+    if point.node_id is None:  # the root: a fresh sandbox is its state, started by each branch's first miss
+        return Branches(point, [Branch(row.rollout_id, None, ON_MISS) for row in rows])
     backend = backend_named(task.env["backend"])
     snapshot = _resumable_snapshot(point.node_id)
     made = []
@@ -97,10 +97,12 @@ def branches_open(
         snapshot = _resumable_snapshot(point.node_id)
     rest = rows[len(made) :]
     if snapshot is not None:
-        # The others' sandboxes are forks of it warming in the pool from now on, each taken by its
-        # branch's first miss (a branch whose calls all hit needs none); the answer waits for none.
-        pool_request(task_id=task.pk, snapshot_ids=[snapshot] * len(rest))
-        return Branches(point, [*made, *(Branch(row.rollout_id, None, POOL) for row in rest)])
+        # The others' sandboxes are forks of it, made by their first misses (a ready pre-fork
+        # first, one of which warms from now on): a branch whose calls all hit needs none, and the
+        # answer waits for none.
+        if rest:
+            prefork_if_room(task_id=task.pk, snapshot_id=snapshot)
+        return Branches(point, [*made, *(Branch(row.rollout_id, None, ON_MISS) for row in rest)])
     # No snapshot stands for the state (live processes, a runtime that cannot keep them): each
     # branch reaches it by replay, side by side (the engine bounds its concurrent starts).
     with ThreadPoolExecutor(max_workers=min(len(rest), PARALLEL_BRANCHES) or 1) as pool:

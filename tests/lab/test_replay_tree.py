@@ -21,7 +21,7 @@ from sandboxes.services import tasks_release
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 ARMS = ["nocache", "server", "client"]
-MATERIALIZED = {"prefork", "fork", "checkpoint", "root", "own", "rebuilt", "pool"}
+MATERIALIZED = {"prefork", "fork", "checkpoint", "root", "own", "rebuilt", "on_miss"}
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def check(report: dict, workload: str, *, roots: int, count: int, depth: int, hi
     # Each branch starts with its origin's history, and the service made each one a sandbox.
     assert server["history_mismatches"] == 0, server["history_mismatch_examples"]
     # (Those made before the answer say how long they took; pre-forks warm after it.)
-    assert server["readiness_ms"]["service_ready"]["n"] == branches - server["materialized"].get("pool", 0)
+    assert server["readiness_ms"]["service_ready"]["n"] == branches - server["materialized"].get("on_miss", 0)
     assert set(server["materialized"]) <= MATERIALIZED and sum(server["materialized"].values()) == branches
     assert sum(b["arms"]["server"]["branches"] for b in tree["by_step"]) == branches
     assert [e["epoch"] for e in tree["epochs"]] == [0] and set(tree["epochs"][0]["arms"]) == set(ARMS)
