@@ -32,6 +32,7 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ from ..procs import INSIDE_SCAN, InsideProcess, inside_listing, with_descendants
 from .agent import AGENT_NAME
 from .engine import EngineFacts
 
+_START_ATTEMPTS = 4  # a restore whose checkpoint upload met content already there (checkpoint_start)
+_START_RETRY_S = 0.25
 _RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # A checkpoint holds the sandbox's memory: never more than this is copied (a sandbox's memory
 # limit is at most DockerConfig.max_memory_mb, and the runtime's own state comes on top).
@@ -259,9 +262,17 @@ def checkpoint_create(api: docker.APIClient, container_id: str, name: str) -> No
 
 
 def checkpoint_start(api: docker.APIClient, container_id: str, name: str) -> None:
-    """Starts a stopped container from its checkpoint `name` (in its own folder)."""
-    response = api._post(api._url("/containers/{0}/start", container_id), params={"checkpoint": name})
-    api._raise_for_status(response)
+    """Starts a stopped container from its checkpoint `name` (in its own folder). The engine
+    uploads the checkpoint into containerd's content store first, and that upload fails when a blob
+    of it is already there (an identical one an earlier checkpoint left: moby#42900); nothing was
+    started then, so the start is tried again."""
+    for attempt in range(_START_ATTEMPTS):
+        response = api._post(api._url("/containers/{0}/start", container_id), params={"checkpoint": name})
+        if attempt + 1 < _START_ATTEMPTS and response.status_code >= 500 and "already exists" in response.text:
+            time.sleep(_START_RETRY_S * (attempt + 1))
+            continue
+        api._raise_for_status(response)
+        return
 
 
 def checkpoint_delete(api: docker.APIClient, container_id: str, name: str) -> None:
