@@ -3,6 +3,8 @@ is said so by /readyz, /metrics and a banner on every dashboard page; a worker's
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 import redis
@@ -21,14 +23,19 @@ staff_user, staff_client = dashboard.staff_user, dashboard.staff_client  # the d
 
 @pytest.fixture
 def queued_job():
-    """A job waiting in the test process's default queue, which no worker consumes."""
+    """A job waiting in a default queue of this test's own, which no worker consumes (a worker
+    another test of this process started may consume the session's)."""
     broker = redis.Redis.from_url(settings.REDIS_URL)
-    queue = app.conf.task_default_queue
+    queue = f"tvcache-health-{uuid.uuid4().hex[:8]}"
+    default, app.conf.task_default_queue = app.conf.task_default_queue, queue
     broker.lpush(queue, b'{"body": "a job nobody takes"}')
     context._backlog.clear()
-    yield queue
-    broker.delete(queue)
-    context._backlog.clear()
+    try:
+        yield queue
+    finally:
+        app.conf.task_default_queue = default
+        broker.delete(queue)
+        context._backlog.clear()
 
 
 def test_liveness_and_readiness_answer_without_a_token(client):
