@@ -8,6 +8,7 @@ import uuid
 import httpx
 import pytest
 import redis
+from celery import current_app
 from django.conf import settings
 
 from cache.models import Task
@@ -15,7 +16,6 @@ from dashboard import context
 from lab.server import service_running
 from tests.dashboard import conftest as dashboard
 from tests.support.api import wait_for
-from tvcache_site.celery import app
 
 pytestmark = pytest.mark.django_db(transaction=True)
 staff_user, staff_client = dashboard.staff_user, dashboard.staff_client  # the dashboard's fixtures
@@ -27,13 +27,14 @@ def queued_job():
     another test of this process started may consume the session's)."""
     broker = redis.Redis.from_url(settings.REDIS_URL)
     queue = f"tvcache-health-{uuid.uuid4().hex[:8]}"
-    default, app.conf.task_default_queue = app.conf.task_default_queue, queue
+    conf = current_app.conf  # the app background jobs go through (core.background), whichever is current
+    default, conf.task_default_queue = conf.task_default_queue, queue
     broker.lpush(queue, b'{"body": "a job nobody takes"}')
     context._backlog.clear()
     try:
         yield queue
     finally:
-        app.conf.task_default_queue = default
+        conf.task_default_queue = default
         broker.delete(queue)
         context._backlog.clear()
 
