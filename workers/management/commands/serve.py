@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from django.conf import settings
@@ -39,12 +38,16 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, host, port, workers, grace, web_only, **options):
-        stopping = threading.Event()
+        # A signal handler runs between two bytecodes of the main thread, maybe while it holds a
+        # lock: one that takes a lock (Event.set) can deadlock it for good, and then no signal
+        # stops the service. It only appends to a list; the loop sleeps, which a signal cuts short.
+        stopping: list[int] = []
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stopping.set())
+            signal.signal(signum, lambda signum, _: stopping.append(signum))
         processes = self._started(host, port, workers, celery=bool(settings.REDIS_URL) and not web_only)
         try:
-            while not stopping.wait(0.5):
+            while not stopping:
+                time.sleep(0.5)
                 exited = [p for p in processes if p.poll() is not None]
                 if exited:
                     self.stderr.write(f"{exited[0].args[2]} exited with status {exited[0].returncode}: stopping")
