@@ -38,6 +38,7 @@ DEEP = 14  # a "deep" one at least this many
 CHUNK_NODES = 50_000  # rows generated and copied per round trip
 AT = "2026-11-27 00:00:00+00"
 
+# The columns bulk seeding writes (COPY), also for bench_tree_export.
 NODE_COLUMNS = (
     "id, task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates, result_json, "
     "result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id, first_epoch, pinned, created_at, "

@@ -27,18 +27,9 @@ from django.db import connection
 
 from accounts.services.tokens import token_create
 from cache.services import task_flush, task_put
+from lab.bench.growth import NODE_COLUMNS, ROLLOUT_COLUMNS, STEP_COLUMNS
 from lab.server import process_tree, service_running
 
-NODE_COLUMNS = (
-    "id, task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates, result_json, "
-    "result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id, first_epoch, pinned, created_at, "
-    "state_fingerprint, state_shape, state_order, live_processes, divergent"
-)
-ROLLOUT_COLUMNS = (
-    "id, task_id, rollout_id, epoch, calls, hits, history, started_at, detached_reason, branch_of, branch_step, "
-    "branch_node, trajectory_ref, branch_tokens"
-)
-STEP_COLUMNS = "rollout_id, applied, seq, at, node_id, hit, tokens"
 RESULT = json.dumps({"stdout": "x" * 600, "exit_code": 0})
 
 
