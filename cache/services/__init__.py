@@ -12,6 +12,7 @@ from .lookup import (
     lookup_count,
     replay_file_times,
     tcg_lookup,
+    tcg_lookup_in_memory,
 )
 from .maintenance import claims_clear, tables_vacuum
 from .record import RecordOutcome, node_record
@@ -51,6 +52,7 @@ __all__ = [
     "tables_vacuum",
     "claims_clear",
     "tcg_lookup",
+    "tcg_lookup_in_memory",
     "replay_file_times",
     "tree_export",
 ]

@@ -92,6 +92,11 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
     return handle
 
 
+def cached_task_handle(task_id: str) -> TaskHandle | None:
+    """The handle this process holds for the task, maybe outdated; None if it holds none."""
+    return _handles.get(task_id)
+
+
 def task_version_move(task: Task) -> None:
     """Move the task's version, in the caller's transaction (the caller saves the row): every
     process re-reads its handle before its next lookup, and stops serving its cached hits of the
