@@ -355,6 +355,12 @@ class TaskInput:
     tools: dict[str, dict[str, bool]]  # tool name -> {"mutates_state", "cacheable"}
     sandbox_budget: int | None  # None: the service's default for a new task, the task's own for an update
     audit_rate: float | None  # None: the service's default
+    # Retention bounds the body names (max_nodes, max_result_bytes): a number, or None for the
+    # project's default. One it leaves out keeps the task's (a new task: the project's default).
+    retention: dict[str, int | None]
+
+
+RETENTION_BOUNDS = {"max_nodes": INT32[1], "max_result_bytes": INT64[1]}
 
 
 def parse_task(data: Any) -> TaskInput:
@@ -371,6 +377,11 @@ def parse_task(data: Any) -> TaskInput:
         tools=_tools(data.get("tools")),
         sandbox_budget=sandbox_budget,
         audit_rate=_audit_rate(data.get("audit_rate")),
+        retention={
+            name: None if data[name] is None else parse_int(data[name], name, low=0, high=high)
+            for name, high in RETENTION_BOUNDS.items()
+            if name in data
+        },
     )
 
 

@@ -104,6 +104,7 @@ class TaskView(APIView):
             tools=spec.tools,
             sandbox_budget=spec.sandbox_budget,
             audit_rate=spec.audit_rate,
+            retention=spec.retention,
             actor=request.user,
         )
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)

@@ -29,8 +29,9 @@ from cache.models import AuditEntry, Lease, Node, Snapshot, Task
 from cache.notfound import unknown_node, unknown_task
 from core.errors import ApplicationError, Conflict, InvalidInput, NotFound
 
+from .nodes import nodes_delete
 from .snapshots import snapshot_evict, task_enforce_budget
-from .tasks import task_flush, task_version_move
+from .tasks import task_flush
 
 
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
@@ -144,21 +145,8 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
                 code="snapshot_leased",
                 details={"snapshot_ids": leased},
             )
-        evicted = [_snapshot_json(s) for s in live]
-        # Deleting the nodes cascades to their snapshots (live and evicted) and released leases; the
-        # live ones are announced here since they do not go through snapshot_evict.
-        Node.objects.filter(pk__in=ids).delete()
-        task_version_move(task)
-        task.save(update_fields=["version", "updated_at"])
-        ledger.nodes_removed(task_id, ids)
-        for snapshot in evicted:
-            ledger.snapshot_event(
-                task_id,
-                "evicted",
-                node_id=snapshot["node_id"],
-                ref=snapshot["ref"],
-                snapshot_id=snapshot["snapshot_id"],
-            )
+        # Deleting the nodes cascades to their snapshots (live and evicted) and released leases.
+        evicted = [_snapshot_json(s) for s in nodes_delete(task=task, node_ids=ids)]
         return {
             "node": {"id": node.pk, "tool": node.tool, "depth": node.depth},
             "nodes_deleted": len(ids),
