@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class ReplayCommand(BaseCommand):
             arms.insert(0, Arm("nocache", "nocache"))
         arms.sort(key=lambda a: a.mode != "nocache")  # the fresh executions first, every epoch
         started_at = dt.datetime.now(dt.UTC)
+        load_start = [round(x, 2) for x in os.getloadavg()]  # the machine is shared: each figure with its load
         stamp = started_at.strftime("%Y%m%dt%H%M%S") + (f"-{options['tag']}" if options["tag"] else "")
         out_dir = Path(options["out"])
         workload = self.make_workload(options)
@@ -152,6 +154,7 @@ class ReplayCommand(BaseCommand):
                         seconds=time.perf_counter() - began,
                         server={"url": url, "started_here": service is not None},
                     )
+                    report["load_avg"]["start"] = load_start
         finally:
             workload.close()
         path = write_report(report, out_dir, stamp)
@@ -167,6 +170,7 @@ class ReplayCommand(BaseCommand):
         if "faults" in report:
             self.stdout.write(fault_headline(report))
         self.stdout.write(json.dumps(report["targets"], indent=1))
+        self.stdout.write(json.dumps({"miss_vs_direct": report["miss_vs_direct"], "load_avg": report["load_avg"]}))
         self.stdout.write(f"report: {path}")
         for plot in report["plots"]:
             self.stdout.write(f"plot: {plot}")
