@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -116,3 +117,37 @@ def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, do
             pause.wait(0.1)
         pause.wait(1.0)  # and once more: a second count of the miss would have landed by now
         assert admitted() - before == 3
+
+
+def test_a_rollout_whose_last_call_missed_is_served_exactly_on_its_next_calls(busybox, docker_task):
+    """A rollout whose last call ran its tool starts its next call on the lane that runs tools (a
+    guess that it misses again): a hit there is still the recorded answer, unexecuted, and a miss
+    runs in the rollout's own state; the count of its project's requests is one per call."""
+    task = docker_task("after-miss")
+    token = token_create(name="asgi")
+    with (
+        service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
+    ):
+
+        def call(rollout: str, command: str) -> dict:
+            response = client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls", json={"call": bash(command)})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        first = call("a", "echo one > f; cat /proc/sys/kernel/random/uuid")  # another answer each run
+        assert first["cached"] is False
+        # b misses on a call of its own, then asks for a's: the recorded answer, not a new run
+        assert call("b", "echo hello")["cached"] is False
+        again = call("b", "echo one > f; cat /proc/sys/kernel/random/uuid")
+        assert again["cached"] is True and again["result"] == first["result"]
+        # a misses again, in the state its first call left
+        after = call("a", "cat f; echo two >> f; cat f")
+        assert after["cached"] is False and after["result"]["stdout"] == "one\none\ntwo\n"
+        # and b, which hit a's call, reads the same state from its history (a hit on a's node)
+        assert call("b", "cat f; echo two >> f; cat f") == {
+            **after,
+            "cached": True,
+            "latency_ms": ANY,
+            "phases_ms": ANY,
+        }
