@@ -14,7 +14,6 @@ from cache.api.serializers import ErrorSerializer, PromptSpanSerializer, ToolCal
 from cache.inputs import MAX_BRANCHES, MAX_TRAJECTORY_REF, parse_branch, parse_rollout_call
 from core.inputs import INT32, parse_id
 from core.lanes import HandBack
-from core.missprofile import mark
 from observability import metrics
 from sandboxes import selectors, services
 from sandboxes.models import Sandbox
@@ -139,7 +138,6 @@ class RolloutCallView(FrontDoorView):
 
     @staticmethod
     def answer(*, principal, task_id: str, rollout_id: str, payload) -> bytes:
-        mark("answer")
         parsed = parse_rollout_call(payload)
         outcome = services.rollout_call(
             task_id=principal.task_key(task_id),
@@ -151,9 +149,7 @@ class RolloutCallView(FrontDoorView):
         if isinstance(outcome, HandBack):  # on the front door's lane: it goes on elsewhere (core/lanes.py)
             return outcome
         services.rollout_ran_note(task_id=task_id, rollout_id=rollout_id, ran=not outcome.cached)
-        mark("outcome")
         metrics.tool_call_observed(tool=parsed.call.tool, cached=outcome.cached, ms=outcome.latency_ms)
-        mark("metrics")
         return orjson.dumps(
             {
                 "result": outcome.result,

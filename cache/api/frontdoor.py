@@ -37,7 +37,6 @@ from django.urls import Resolver404, resolve
 from rest_framework.views import APIView
 
 from accounts.services.tokens import INVALID_TOKEN, Principal, admit, principal_cached, principal_for_key
-from core import missprofile
 from core.api.errors import application_error
 from core.errors import NotAuthenticated, Overloaded
 from core.inputs import load_json
@@ -385,7 +384,6 @@ class _Clock:
 
     def __init__(self) -> None:
         self.arrived = time.perf_counter()
-        self.marks = [("arrived", self.arrived)] if missprofile.DIR else None
         self.queue_s = self.app_s = self.db_s = self.wait_s = 0.0
 
     def header(self, answer: Answered) -> tuple[str, str]:
@@ -455,25 +453,15 @@ class FrontDoorASGI:
             return self.hot.overloaded(f"{lane} lane", rid)
         self.busy[lane] += 1
         submitted = time.perf_counter()
-        if clock.marks is not None:
-            clock.marks.append((f"submit:{lane}", submitted))
 
         def timed():
             started = time.perf_counter()
-            missprofile.attach(clock.marks)
-            missprofile.mark(f"start:{lane}")
-            try:
-                return work(), started, time.perf_counter()
-            finally:
-                missprofile.mark(f"done:{lane}")
-                missprofile.attach(None)
+            return work(), started, time.perf_counter()
 
         try:
             answer, started, done = await asyncio.get_running_loop().run_in_executor(self.executors[lane], timed)
         finally:
             self.busy[lane] -= 1
-        if clock.marks is not None:
-            clock.marks.append((f"back:{lane}", time.perf_counter()))
         clock.queue_s += started - submitted
         clock.app_s += done - started
         if isinstance(answer, HandBack):
@@ -520,8 +508,6 @@ class FrontDoorASGI:
             body = await self._read_body(receive)
             if body is None:  # the client went away
                 return
-            if clock.marks is not None:
-                clock.marks.append(("body", time.perf_counter()))
 
         def read_body() -> bytes:
             if body is None:
@@ -539,9 +525,6 @@ class FrontDoorASGI:
         )
         answer = await self._handed_on(view, view.first_lane(path_kwargs), respond, clock, rid)
         await self._send(send, answer, clock.header(answer), unread=body is None and length > 0)
-        if clock.marks is not None and view.lane == "tool":
-            clock.marks.append(("sent", time.perf_counter()))
-            missprofile.write(clock.marks)
 
     async def _handed_on(
         self,

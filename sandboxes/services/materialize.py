@@ -38,7 +38,6 @@ from cache.services import (
 )
 from cache.tcg import Match, TaskPolicy, ToolCall
 from cache.tcg.records import CallContext
-from core.missprofile import mark
 from observability import metrics
 from sandboxes.backends.base import Sandbox as SandboxHandle
 from sandboxes.backends.base import SandboxBackend, SandboxError, SandboxGone, SnapshotMissing
@@ -110,11 +109,8 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
     one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
     root. A sandbox whose replay failed midway is retired: its state is unknown."""
     policy = TaskPolicy.from_json(task.tools)
-    mark("policy")
     waited_ms = wait_unreserved(rollout.pk, timeout_s=RESERVED_WAIT_S)  # work after the previous answer
-    mark("wait_unreserved")
     row = Sandbox.objects.filter(rollout=rollout, state=Sandbox.State.LEASED).first()
-    mark("sandbox_row")
     if waited_ms:
         phases.ms["background_wait"] = waited_ms
     if row is not None and waited_ms is None:
@@ -125,7 +121,6 @@ def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases
         row = None
     try:
         run = _own(task, policy, rollout, row, phases) if row is not None else None
-        mark("own")
         if run is not None:
             pending = [c for c in context.history[row.applied :] if policy.for_tool(c.tool).mutates_state]
             if not pending or _caught_up(run, pending, context, _reached(answer, context)):

@@ -41,7 +41,6 @@ from cache.tcg.records import CallContext, CallRecord
 from cache.tcg.rollout import Ran, RolloutCall
 from core.background import job_enqueue
 from core.errors import ApplicationError, Conflict, Forbidden
-from core.missprofile import mark
 from observability import metrics
 from sandboxes.backends.base import (
     DiskQuotaExceeded,
@@ -88,20 +87,16 @@ def miss_execute(task, backend, rollout, context: CallContext, answer, phases: P
     with phases.timed_outside("prepare"):  # (materialize, replay and verify are phases of their own)
         try:
             run = rollout_sandbox(task, backend, rollout, context, answer, phases)
-            mark("rollout_sandbox")
             restore_ms = run.restore_ms
         finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
             if answer.lease_id:
                 lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
-        mark("lease_release")
         _mark_executing(run)
-        mark("mark_executing")
     observing = run.sandbox.observed_ms()
     try:
         with phases.timed("exec"):
             result, exec_ms, observed = _execute(run, context.call)
         observing = _processes_phase(run, phases, "exec", observing)
-        mark("exec")
     except SandboxGone as exc:  # gone with whatever the call did
         return Execution(run, Ran.ENV_FAILED, error=as_application_error(exc), reason=exc.message)
     except (
@@ -122,9 +117,7 @@ def miss_execute(task, backend, rollout, context: CallContext, answer, phases: P
     if result.get("timed_out") or run.diverged:
         done.reason = run.diverged or "the call timed out and was killed: its effects are unknown"
         return done
-    drifted = run.sandbox.state_drifted()
-    mark("drift")
-    if drifted:  # the state the history reached kept changing: not a function of it
+    if run.sandbox.state_drifted():  # the state the history reached kept changing: not a function of it
         done.drifted = True
         done.reason = (
             "the state the history reached kept changing between calls (a process left running writes "
@@ -136,7 +129,6 @@ def miss_execute(task, backend, rollout, context: CallContext, answer, phases: P
         with phases.timed("fingerprint"):
             done.state = run.sandbox.state_fingerprint() if done.mutates else None
         _processes_phase(run, phases, "fingerprint", observing)
-        mark("fingerprint")
     except SandboxTampered as exc:
         done.error, done.untrusted, done.reason = as_application_error(exc), True, f"{exc.code}: {exc.message}"
         return done
@@ -182,12 +174,10 @@ def miss_record(
             _executed(run, applied=len(context.history) + int(append))
             if append:
                 rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
-        mark("record")
         inline = False
         if outcome.snapshot_wanted:  # handed off before the rollouts waiting for this call see it pending
             with phases.timed("snapshot"):  # the hand-off: the snapshot itself is taken after the answer
                 inline = not _snapshot_after_answer(run, outcome.node_id)
-        mark("snapshot_handoff")
         recorded(outcome.key)  # rollouts waiting for this call take its result now, not after the snapshot
         if inline:
             snapshot_take(run, outcome.node_id)

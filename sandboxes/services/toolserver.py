@@ -50,7 +50,6 @@ from cache.tcg.records import NO_TRACE, CallContext, Trace
 from cache.tcg.rollout import Act, Looked, RolloutCall
 from core.errors import Conflict, NotFound
 from core.lanes import ClaimAwaited, HandBack, SlowWork, lane_current
-from core.missprofile import mark
 from sandboxes.backends.base import SandboxError, SandboxGone
 from sandboxes.handles import as_application_error, backend_named, env_check_granted, sandbox_handle
 from sandboxes.models import Sandbox
@@ -83,16 +82,13 @@ def rollout_call(
     release); the task's row and a sandbox only for a miss. On a front door's lane, a request
     that must run a tool or wait for another rollout's claim is handed back (core/lanes.py)."""
     started = time.perf_counter()
-    mark("call")
     handle = task_handle(task_id=task_id, cached=True)  # outdated at worst: the lookup checks its version
     try:
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
-    mark("handle")
     claimed = time.perf_counter()
     claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra=HAS_SANDBOX)
-    mark("claim")
     serving = _Serving(handle, claim.rollout, claim.history, call, epoch, trace, has_sandbox=claim.extra)
     serving.phases.ms["claim"] = (time.perf_counter() - claimed) * 1000
     lane = lane_current()
@@ -101,9 +97,7 @@ def rollout_call(
     try:
         return serving.drive(claim.detached, started)
     finally:
-        mark("driven")
         serving.close()
-        mark("closed")
 
 
 class _Serving:
@@ -151,7 +145,6 @@ class _Serving:
             act = step.act
             if act is Act.LOOKUP:
                 step = protocol.looked_up(self._lookup(claim=claims and self.flight is None))
-                mark("lookup")
             elif act is Act.MOVE:
                 self._lease_drop()
                 return self._handed_back(protocol, SlowWork())
@@ -159,7 +152,6 @@ class _Serving:
                 self.flight = Flight(step.key, self.answer, self.rollout.rollout_id)
                 led = self.flight.try_lead()
                 step = protocol.lead_tried(led, step.key)
-                mark("lead")
                 if not led:
                     self.flight = None
             elif act is Act.AWAIT:
@@ -230,21 +222,16 @@ class _Serving:
             seen=answer.seen or self.waited,
             saved_ms=0.0,
         )
-        mark("count")
         with self.phases.timed_outside("prepare"):
             task = Task.objects.select_related("project").filter(pk=task_id).first()
-            mark("task")
             if task is None:  # deleted since the lookup
                 raise unknown_task(task_id)
             backend = backend_named(task.env.get("backend", "external"))
             _granted(task)
-            mark("granted")
             if not self.has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
                 answer = self.answer = resume_snapshotted(task_id, self.context, answer, self.phases)
-            mark("resume_snapshotted")
         self.answer = None  # its lease is the execution's to release
         execution = miss_execute(task, backend, self.rollout, self.context, answer, self.phases)
-        mark("miss_execute")
         step = protocol.executed(execution.ran, reason=execution.reason)
         node_id, mutates = None, True
         if step.act is Act.RECORD:
@@ -253,7 +240,6 @@ class _Serving:
             miss_detach(execution, answer, self.context, step.reason)
         elif step.act is Act.RETIRE:
             retire(execution.run.row, step.reason)
-        mark("miss_record")
         if execution.error is not None:
             protocol.logged(self.rollout.rollout_id)
             raise execution.error
@@ -284,9 +270,7 @@ class _Serving:
 
     def close(self) -> None:
         self._release()
-        mark("flight_release")
         self._lease_drop()
-        mark("lease_drop")
         with self.phases.timed("claim"):  # (the answer's phases_ms is this dict: serialized after this)
             rollout_unclaim(rollout_pk=self.rollout.pk)
 
