@@ -45,6 +45,7 @@ class LaneContext:
     waited_s: float  # time this request already spent waiting for claims, on the event loop
     wait_until: float  # time.monotonic() past which it stops waiting and runs anyway
     rerun: bool = False  # a run after a hand-back: the request was admitted (counted) already
+    arrived: float = 0.0  # time.perf_counter() when the front door took the request (0: unknown)
 
     def may_wait(self) -> bool:
         """It may still hand the request back to wait for a claim (else it runs alongside)."""

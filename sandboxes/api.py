@@ -34,9 +34,11 @@ class CallResultSerializer(serializers.Serializer):
     phases_ms = serializers.DictField(
         child=serializers.FloatField(),
         help_text=(
-            "where the call's time went: lookup, wait (for another rollout executing the same call), background_wait "
+            "where the call's time went: lanes (the service's queues before the run that answered), claim (the "
+            "rollout's, and its release), lookup, wait (for another rollout executing the same call), background_wait "
             "(for work on the rollout's sandbox after its previous answer), snapshot_wait (for a snapshot to fork rather "
-            "than replay), materialize, replay, verify, exec, fingerprint, record, snapshot"
+            "than replay), prepare (a miss's bookkeeping before its call runs), materialize, replay, verify, exec, "
+            "fingerprint, record, snapshot"
         ),
     )
     mutates = serializers.BooleanField(
@@ -126,6 +128,14 @@ class RolloutCallView(FrontDoorView):
     route = "/api/v1/tasks/{task_id}/rollouts/{rollout_id}/calls"
     lane = "tool"  # a miss executes the tool
 
+    @classmethod
+    def first_lane(cls, path_kwargs: dict[str, str]) -> str:
+        # A rollout whose last call ran its tool most likely misses again (it is in a state no other
+        # rollout reached yet): it starts where a miss runs rather than look up on the hits' lane
+        # first and again there (docs/design/hot-path.md). A hit there is answered as anywhere.
+        ran = services.rollout_ran_last(task_id=path_kwargs["task_id"], rollout_id=path_kwargs["rollout_id"])
+        return "exec" if ran else cls.lane
+
     @staticmethod
     def answer(*, principal, task_id: str, rollout_id: str, payload) -> bytes:
         parsed = parse_rollout_call(payload)
@@ -138,6 +148,7 @@ class RolloutCallView(FrontDoorView):
         )
         if isinstance(outcome, HandBack):  # on the front door's lane: it goes on elsewhere (core/lanes.py)
             return outcome
+        services.rollout_ran_note(task_id=task_id, rollout_id=rollout_id, ran=not outcome.cached)
         metrics.tool_call_observed(tool=parsed.call.tool, cached=outcome.cached, ms=outcome.latency_ms)
         return orjson.dumps(
             {
@@ -185,6 +196,7 @@ class RolloutView(APIView):
     @extend_schema(responses={204: None, **ERRORS}, summary="End a rollout and free its sandbox")
     def delete(self, request, task_id: str, rollout_id: str):
         services.rollout_end(task_id=request.user.task_key(task_id), rollout_id=rollout_id)
+        services.rollout_ran_note(task_id=task_id, rollout_id=rollout_id, ran=False)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -78,6 +78,20 @@ def _ledger_counts_dropped() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _task_caches_of_this_test():
+    """This process's handles of tasks and its cache of hits start empty: a test's database is
+    rolled back under them, which no change of a task's version announces (a task made again by the
+    next test under the same id and version, within the cache's lease, would be served the last
+    test's hits)."""
+    from cache.services import tasks
+    from cache.services.hitcache import hit_cache_reset
+
+    tasks._handles.clear()
+    hit_cache_reset()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _hits_unaudited_unless_asked(monkeypatch):
     """Hits are sampled for the determinism audit at random (2 % by default), which would add
     `"audit": true` to one hit answer in fifty; tests that exercise the audit set the task's own

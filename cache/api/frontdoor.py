@@ -163,6 +163,12 @@ class FrontDoorView(APIView):
     route: str
     lane: Lane = "read"
 
+    @classmethod
+    def first_lane(cls, path_kwargs: dict[str, str]) -> Lane:
+        """The lane a request starts on under ASGI: the view's, unless the view knows where its
+        work will end up (a guess: the work itself decides, core/lanes.py)."""
+        return cls.lane
+
     def dispatch(self, request, *args, **kwargs):
         if request.method != "POST":
             return super().dispatch(request, *args, **kwargs)
@@ -556,19 +562,25 @@ class FrontDoorASGI:
             request=lambda: ASGIRequest(scope, io.BytesIO(body or b"")),
             incoming_id=rid,
         )
-        answer = await self._handed_on(view, respond, clock, rid)
+        answer = await self._handed_on(view, view.first_lane(path_kwargs), respond, clock, rid)
         await self._send(send, answer, clock.header(answer), unread=body is None and length > 0)
 
     async def _handed_on(
-        self, view: type[FrontDoorView], respond: Callable[..., Answered | HandBack], clock: _Clock, rid: str
+        self,
+        view: type[FrontDoorView],
+        lane: Lane,
+        respond: Callable[..., Answered | HandBack],
+        clock: _Clock,
+        rid: str,
     ) -> Answered:
-        """The answer of `respond` on the view's lane, following the work where it hands the
-        request back (core/lanes.py): on to the "exec" lane, or back to the view's lane once the
-        claim it waits for is free."""
-        lane: Lane = view.lane
+        """The answer of `respond` on `lane` (where the request starts), following the work where
+        it hands the request back (core/lanes.py): on to the "exec" lane, or back to the view's
+        lane once the claim it waits for is free."""
         wait_until, rerun = None, False
         while True:
-            context = LaneContext(fast=lane == "tool", waited_s=clock.wait_s, wait_until=wait_until, rerun=rerun)
+            context = LaneContext(
+                fast=lane == "tool", waited_s=clock.wait_s, wait_until=wait_until, rerun=rerun, arrived=clock.arrived
+            )
             rerun = True
             answer = await self._in_lane(lane, partial(respond, lane=lane, context=context), clock, rid)
             if isinstance(answer, SlowWork):

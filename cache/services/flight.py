@@ -21,7 +21,7 @@ from django.db import connection
 from cache.tcg.records import CallContext
 from cache.tcg.rollout import Looked
 
-from .lookup import CLAIM_INSERT, CLAIM_RELEASE_SQL, LookupHit, LookupMiss
+from .lookup import CLAIM_INSERT, CLAIM_RELEASE_SQL, GRANTED, LookupHit, LookupMiss
 from .tasks import TaskHandle
 
 # Lead (the claim was taken) or go on (the node exists now: its leader recorded it).
@@ -60,7 +60,12 @@ class Flight:
         }
 
     def try_lead(self) -> bool:
-        """True if this rollout leads now, or the leader has recorded the call meanwhile."""
+        """True if this rollout leads now, or the leader has recorded the call meanwhile. A lookup
+        that asked for the claim in its own statement (tcg_lookup's `claim`) answered already: no
+        statement then."""
+        claimed = getattr(self.answer, "claim", None)
+        if claimed is not None:
+            return claimed == GRANTED
         with connection.cursor() as cursor:
             cursor.execute(LEAD_SQL, self._params())
             return cursor.fetchone()[0]
@@ -69,6 +74,7 @@ class Flight:
         """Wait while another rollout leads; True once this one leads. A leader stuck for
         SINGLE_FLIGHT_WAIT_S is given up on (False, no key): the call is executed alongside it."""
         deadline, delay = time.monotonic() + settings.TVCACHE["SINGLE_FLIGHT_WAIT_S"], 0.005
+        self.answer = None  # each try asks the database again
         while not self.try_lead():
             if time.monotonic() > deadline:
                 self.key = None
@@ -77,9 +83,13 @@ class Flight:
             delay = min(delay * 2, 0.1)
         return True
 
-    def release(self) -> None:
+    def release(self, *, recorded: tuple[str, str] | None = None) -> None:
         """Called once the result is recorded (or the execution failed): the waiting rollouts
-        find it, or lead."""
+        find it, or lead. `recorded`: the (anchor, digest) the result was recorded under; when it
+        is the claim's, the release would delete nothing (a claim whose node exists stays until it
+        lapses: record.py), so no statement is sent."""
+        if self.key is not None and recorded is not None and tuple(self.key[1:]) == tuple(recorded):
+            self.key = None
         if self.key is not None:
             with connection.cursor() as cursor:
                 cursor.execute(CLAIM_RELEASE_SQL, self._params())

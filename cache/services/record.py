@@ -9,10 +9,11 @@ from django.conf import settings
 from django.db import connection
 
 from cache import ledger
+from cache.notfound import unknown_task
 from cache.tcg import RecordedState, canonical_call, record_plan, result_json
 from cache.tcg.records import CallRecord
 from cache.tcg.snapshots import snapshot_wanted
-from core.errors import PayloadTooLarge
+from core.errors import Conflict, PayloadTooLarge
 
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs
@@ -25,8 +26,17 @@ from .tasks import task_handle
 # already lapsed too): a rollout whose lookup missed the node just before this commit would
 # otherwise take a free claim and execute the call again; it is told to wait instead, and its
 # next lookup hits.
+#
+# The keys come from this process's handle of the task, which may be outdated: nothing is written
+# unless the task's stamp (version, created_at) is the handle's, and the statement returns the
+# stamp, so that an outdated handle is read again and the statement run again with its keys (as
+# lookups do). It also returns the replay cost since the nearest live snapshot on the path (a
+# subquery per node, an index probe whatever the statistics say: lookup.py), for the snapshot
+# decision; the new node has no snapshot yet. One round trip instead of three.
 INSERT_SQL = """
-WITH parent AS (
+WITH task AS (
+    SELECT version, created_at FROM cache_task WHERE id = %(task)s
+), parent AS (
     SELECT id, cum_exec_ms FROM cache_node
     WHERE task_id = %(task)s AND mutates AND state_key = %(anchor)s
 ), ins AS (
@@ -34,10 +44,11 @@ WITH parent AS (
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
                             first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times,
                             live_processes)
-    VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
-            %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
-            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
-            %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s)
+    SELECT %(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
+           %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
+           coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
+           %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s
+    FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms
 ), stat AS (
@@ -48,21 +59,17 @@ WITH parent AS (
 ), unclaim AS (
     UPDATE cache_claim SET expires_at = clock_timestamp() + interval '2 seconds'
     WHERE task_id = %(task)s AND anchor_key = %(anchor)s AND call_digest = %(digest)s
+      AND EXISTS (SELECT FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s)
 )
-SELECT id, cum_exec_ms, true, %(mutates)s FROM ins
+SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
+    SELECT coalesce(max(n.cum_exec_ms), 0) FROM cache_node n
+    WHERE n.task_id = %(task)s AND n.mutates AND n.state_key = ANY(string_to_array(%(writes)s, ','))
+      AND (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live') IS NOT NULL)
+FROM task LEFT JOIN ins ON true
 """
 
-EXISTING_SQL = """SELECT id, cum_exec_ms, false, mutates FROM cache_node
+EXISTING_SQL = """SELECT id, cum_exec_ms, mutates FROM cache_node
 WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"""
-
-# Replay cost since the nearest live snapshot on the path (the new node's own snapshot included).
-# A subquery per node, not a join: an index probe whatever the statistics say (lookup.py).
-NEAREST_SNAPSHOT_SQL = """
-SELECT coalesce(max(n.cum_exec_ms), 0), bool_or(n.state_key = %s)
-FROM cache_node n
-WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(%s)
-  AND (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live') IS NOT NULL
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,33 +79,15 @@ class RecordOutcome:
     mutates: bool  # the node's: False if the call was recorded as read-only (maybe by another rollout)
     snapshot_wanted: bool
     evicted: list[str]
+    key: tuple[str, str]  # (anchor state key, call digest): the node's, and its call's claim's (flight.py)
 
 
-def node_record(
-    *,
-    task_id: str,
-    record: CallRecord,
-    state: RecordedState = RecordedState(),
-    keeps_processes: bool = False,
-) -> RecordOutcome:
-    """`state`: what the node keeps of the sandbox after the call (RecordedState). A snapshot of a
-    state with live processes is wanted only where it would keep them (`keeps_processes`)."""
-    task = task_handle(task_id=task_id)
-    context = record.context
-    task.check_fingerprint(context.env_fingerprint)
-    stored = result_json(record.result).decode()
-    limit = settings.TVCACHE["MAX_RESULT_BYTES"]
-    if len(stored) > limit:
-        raise PayloadTooLarge(
-            f"Result is {len(stored)} bytes; the limit is {limit}.",
-            code="result_too_large",
-            details={"limit": limit, "size": len(stored)},
-        )
-    chain = task_chain(task, context)
-    last = chain.steps[-1]
-    plan = record_plan(chain, task.policy, record.mutated)
-    params = {
+def _insert_params(task, chain, plan, record: CallRecord, state: RecordedState, stored: str) -> dict:
+    last, context = chain.steps[-1], record.context
+    return {
         "task": task.task_id,
+        "version": task.version,
+        "created_at": task.created_at,
         "anchor": plan.anchor,
         "digest": plan.digest,
         "state_key": plan.state_key,
@@ -117,46 +106,92 @@ def node_record(
         "order": state.order,
         "file_times": json.dumps(dict(state.file_times)) if state.file_times is not None else None,
         "processes": state.processes if plan.mutates else 0,
+        # The path's state-changing nodes, the new one's included (it has no snapshot yet).
+        "writes": ",".join(step.state_key for step in chain.writes),
     }
-    with connection.cursor() as cursor:
-        cursor.execute(INSERT_SQL, params)
-        row = cursor.fetchone()
-        if row is None:
-            cursor.execute(EXISTING_SQL, [task.task_id, plan.anchor, plan.digest])
+
+
+def node_record(
+    *,
+    task_id: str,
+    record: CallRecord,
+    state: RecordedState = RecordedState(),
+    keeps_processes: bool = False,
+    evicted: bool = True,
+) -> RecordOutcome:
+    """`state`: what the node keeps of the sandbox after the call (RecordedState). A snapshot of a
+    state with live processes is wanted only where it would keep them (`keeps_processes`).
+    `evicted=False`: the caller owns no snapshot (the service's own are never listed), so the
+    client-owned snapshots evicted lately are not read."""
+    context = record.context
+    stored = result_json(record.result).decode()
+    limit = settings.TVCACHE["MAX_RESULT_BYTES"]
+    if len(stored) > limit:
+        raise PayloadTooLarge(
+            f"Result is {len(stored)} bytes; the limit is {limit}.",
+            code="result_too_large",
+            details={"limit": limit, "size": len(stored)},
+        )
+    task, row = task_handle(task_id=task_id, cached=True), None
+    for fresh in (False, True, True):  # an outdated handle is read again (the task may change meanwhile)
+        if fresh:
+            task = task_handle(task_id=task_id)
+        try:
+            task.check_fingerprint(context.env_fingerprint)
+        except Conflict:
+            if fresh:
+                raise
+            continue  # the handle may be outdated: the current fingerprint decides
+        chain = task_chain(task, context)
+        plan = record_plan(chain, task.policy, record.mutated)
+        with connection.cursor() as cursor:
+            cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored))
             row = cursor.fetchone()
-        node_id, cum_exec_ms, created, node_mutates = row
-        if created:
-            ledger.node_created(task.task_id, node_id)
-        elif record.replay:
-            ledger.replay_add(task_id=task.task_id, epoch=context.epoch, tool=last.call.tool, ms=record.exec_ms)
-        if not record.replay:
-            ledger.step_add(
-                task_id=task.task_id,
-                rollout_id=context.rollout_id,
-                epoch=context.epoch,
-                applied=len(context.history),
-                trace=context.trace,
-                node_id=node_id,
-            )
-        wanted = False
-        # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
-        # same call (or replaying it) would each pay for one, and all but one be thrown away.
-        if created and plan.mutates and task.sandbox_budget > 0:
-            cursor.execute(
-                NEAREST_SNAPSHOT_SQL, [plan.state_key, task.task_id, [step.state_key for step in chain.writes]]
-            )
-            nearest_cum, has_own = cursor.fetchone()
-            wanted = not has_own and snapshot_wanted(
-                mutates=True,
-                replay_cost_ms=cum_exec_ms - nearest_cum,
-                costs=backend_costs(task.backend),
-                live_processes=state.processes,
-                keeps_processes=keeps_processes,
-            )
+        if row is None:  # the task is gone
+            raise unknown_task(task_id)
+        if (row[0], row[1]) == task.stamp:
+            break
+    else:
+        raise Conflict("The task kept changing while this call was recorded; record it again.", code="task_changed")
+    _, _, node_id, cum_exec_ms, node_mutates, nearest_cum = row
+    created = node_id is not None
+    if not created:
+        with connection.cursor() as cursor:
+            cursor.execute(EXISTING_SQL, [task.task_id, plan.anchor, plan.digest])
+            node_id, cum_exec_ms, node_mutates = cursor.fetchone()
+    last = chain.steps[-1]
+    if created:
+        ledger.node_created(task.task_id, node_id)
+    elif record.replay:
+        ledger.replay_add(task_id=task.task_id, epoch=context.epoch, tool=last.call.tool, ms=record.exec_ms)
+    if not record.replay:
+        ledger.step_add(
+            task_id=task.task_id,
+            rollout_id=context.rollout_id,
+            epoch=context.epoch,
+            applied=len(context.history),
+            trace=context.trace,
+            node_id=node_id,
+        )
+    # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
+    # same call (or replaying it) would each pay for one, and all but one be thrown away.
+    wanted = (
+        created
+        and plan.mutates
+        and task.sandbox_budget > 0
+        and snapshot_wanted(
+            mutates=True,
+            replay_cost_ms=cum_exec_ms - nearest_cum,
+            costs=backend_costs(task.backend),
+            live_processes=state.processes,
+            keeps_processes=keeps_processes,
+        )
+    )
     return RecordOutcome(
         node_id=node_id,
         created=created,
         mutates=node_mutates,
         snapshot_wanted=wanted,
-        evicted=recently_evicted_refs(task_id=task.task_id),
+        evicted=recently_evicted_refs(task_id=task.task_id) if evicted else [],
+        key=(plan.anchor, plan.digest),
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,24 @@ from .workload import Workload
 DEFAULT_OUT = Path(settings.BASE_DIR) / "artifacts" / "replay"
 
 
+def _commit(checkout: Path) -> str | None:
+    """The commit a checkout is at (a dirty tree is marked), or None outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 class ReplayCommand(BaseCommand):
     workload_name = ""
     default_arms = "nocache,client,server"
@@ -34,6 +54,11 @@ class ReplayCommand(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--url", help="a running tvcache; default: start one (uvicorn + a Celery worker)")
         parser.add_argument("--token", help="API token for --url; default: create one")
+        parser.add_argument(
+            "--serve",
+            help="the checkout to serve (default: this one), to measure another revision side by side "
+            "with this one: its schema must be this database's (give each run a database of its own)",
+        )
         parser.add_argument("--tasks", type=int, default=self.default_tasks)
         parser.add_argument("--rollouts", type=int, default=self.default_rollouts, help="rollouts per task and epoch")
         parser.add_argument("--epochs", type=int, default=self.default_epochs)
@@ -95,6 +120,7 @@ class ReplayCommand(BaseCommand):
             arms.insert(0, Arm("nocache", "nocache"))
         arms.sort(key=lambda a: a.mode != "nocache")  # the fresh executions first, every epoch
         started_at = dt.datetime.now(dt.UTC)
+        load_start = [round(x, 2) for x in os.getloadavg()]  # the machine is shared: each figure with its load
         stamp = started_at.strftime("%Y%m%dt%H%M%S") + (f"-{options['tag']}" if options["tag"] else "")
         out_dir = Path(options["out"])
         workload = self.make_workload(options)
@@ -113,6 +139,7 @@ class ReplayCommand(BaseCommand):
             )
         }
         config.update(arms=[a.name for a in arms], **self.workload_config(options))
+        config["served_commit"] = None if options["url"] else _commit(Path(options["serve"] or "."))
         faults = FaultPlan(seed=options["seed"], rate=options["fault_rate"]) if options["faults"] else None
         if faults is not None:
             config["fault_rate"] = faults.rate
@@ -152,6 +179,7 @@ class ReplayCommand(BaseCommand):
                         seconds=time.perf_counter() - began,
                         server={"url": url, "started_here": service is not None},
                     )
+                    report["load_avg"]["start"] = load_start
         finally:
             workload.close()
         path = write_report(report, out_dir, stamp)
@@ -167,6 +195,7 @@ class ReplayCommand(BaseCommand):
         if "faults" in report:
             self.stdout.write(fault_headline(report))
         self.stdout.write(json.dumps(report["targets"], indent=1))
+        self.stdout.write(json.dumps({"miss_vs_direct": report["miss_vs_direct"], "load_avg": report["load_avg"]}))
         self.stdout.write(f"report: {path}")
         for plot in report["plots"]:
             self.stdout.write(f"plot: {plot}")
@@ -197,6 +226,11 @@ class ReplayCommand(BaseCommand):
         token = token_create(name=f"replay-{self.workload_name}-{time.time_ns()}")
         # Proactive forks and the periodic tasks (reaping, eviction, vacuum) run as deployed.
         with service_running(
-            db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, celery=True, beat=True, log_dir=log_dir
+            db=settings.DATABASES["default"],
+            redis_url=settings.REDIS_URL,
+            celery=True,
+            beat=True,
+            log_dir=log_dir,
+            **({"root": Path(options["serve"]).resolve()} if options["serve"] else {}),
         ) as service:
             yield service.url, token, service

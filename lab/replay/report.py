@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,13 @@ MISS_OVERHEAD_P95_MS = 5.0  # target: lookup overhead on a miss, P95, added to t
 VERIFICATION_COST_PCT = 10.0  # target (terminal, tool-server mode): verification's cost on the median miss
 # A tool-server miss's phases as the service names them (Phases, sandboxes/services/materialize.py).
 PHASES = (
+    "lanes",
+    "claim",
     "lookup",
     "wait",
     "background_wait",
     "snapshot_wait",
+    "prepare",
     "materialize",
     "replay",
     "verify",
@@ -450,6 +454,48 @@ def fault_summary(replay: Replay, arms: dict[str, dict[str, Any]], issued: dict[
     return out
 
 
+def miss_vs_direct(by_arm: dict[str, list[EpochRun]]) -> dict[str, Any]:
+    """Per cached arm, its misses against the direct calls of the same run (the no-cache arm's, in
+    its own containers): `median_miss_ms` and `median_direct_ms` (all the no-cache arm's calls),
+    their difference `medians_diff_ms`; `paired_median_diff_ms`, the median over the misses of
+    (the miss - the no-cache arm's run of the same call: epoch, task, rollout, position), the
+    issue's own measure, and `paired_median_exec_diff_ms` the same of the miss's observed run
+    alone (its exec and processes phases: tool-server mode); `tool_time_vs_bound`, the arm's tool time over (1 - its hit rate) x the
+    no-cache arm's tool time. Empty without a no-cache arm."""
+    direct = {
+        (s.epoch, s.task, s.rollout, s.position): s.latency_ms for run in by_arm.get("nocache", []) for s in run.calls
+    }
+    if not direct:
+        return {}
+    direct_tool_s = sum(direct.values()) / 1000
+    out = {}
+    for name, runs in by_arm.items():
+        if Arm.parse(name).mode == "nocache":
+            continue
+        calls = [s for run in runs for s in run.calls]
+        misses = [s for s in calls if s.cached is False]
+        pairs = [(s, direct[k]) for s in misses if (k := (s.epoch, s.task, s.rollout, s.position)) in direct]
+        paired = [s.latency_ms - d for s, d in pairs]
+        # tool-server mode: the observed run itself (exec, processes) against the direct run
+        exec_paired = [
+            s.phases_ms.get("exec", 0.0) + s.phases_ms.get("processes", 0.0) - d for s, d in pairs if s.phases_ms
+        ]
+        median_miss = percentile([s.latency_ms for s in misses], 50, 3)
+        median_direct = percentile(list(direct.values()), 50, 3)
+        bound_s = (1 - sum(1 for s in calls if s.cached) / len(calls)) * direct_tool_s if calls else 0.0
+        out[name] = {
+            "misses": len(misses),
+            "median_miss_ms": median_miss,
+            "median_direct_ms": median_direct,
+            "medians_diff_ms": round(median_miss - median_direct, 3) if median_miss is not None else None,
+            "paired_median_diff_ms": percentile(paired, 50, 3),
+            "paired_p95_diff_ms": percentile(paired, 95, 3),
+            "paired_median_exec_diff_ms": percentile(exec_paired, 50, 3),
+            "tool_time_vs_bound": round(tool_time_s(calls) / bound_s, 3) if bound_s else None,
+        }
+    return out
+
+
 def build_report(
     replay: Replay,
     *,
@@ -492,6 +538,8 @@ def build_report(
         "divergences": replay.divergences,
         **({"faults": fault_summary(replay, arms, issued)} if faults else {}),
         "targets": targets(workload, arms),
+        "miss_vs_direct": miss_vs_direct(by_arm),
+        "load_avg": {"end": [round(x, 2) for x in os.getloadavg()]},
         "plots": [],
     }
 

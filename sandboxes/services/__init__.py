@@ -5,7 +5,7 @@ from .audit import hit_audit, hit_audit_enqueue
 from .branches import branches_open
 from .pools import admin_sandbox_stop, pool_request, sandbox_acquire, sandbox_stop, sandbox_warm, step_announce
 from .reaper import orphans_reap, sandboxes_reap, sandboxes_release, snapshots_collect, tasks_release
-from .toolserver import CallOutcome, rollout_call, rollout_end
+from .toolserver import CallOutcome, rollout_call, rollout_end, rollout_ran_last, rollout_ran_note
 
 __all__ = [
     "CallOutcome",
@@ -17,6 +17,8 @@ __all__ = [
     "pool_request",
     "rollout_call",
     "rollout_end",
+    "rollout_ran_last",
+    "rollout_ran_note",
     "sandbox_acquire",
     "sandbox_stop",
     "sandbox_warm",

@@ -55,12 +55,15 @@ RESERVED_WAIT_S = 300.0
 
 
 class Phases:
-    """Where a call's time goes: lookup, wait (single flight), background_wait (for the work on the
-    rollout's sandbox after its previous answer: a snapshot, a catch-up), snapshot_wait (for a
-    snapshot to fork rather than replay: resume_snapshotted), materialize (start or fork), replay,
-    verify (state fingerprints), exec, fingerprint (of the new state), processes (observing the
-    processes the sandbox keeps running, taken out of exec and fingerprint), record, snapshot (its
-    hand-off: it is taken after the answer)."""
+    """Where a call's time goes: lanes (before the run that answers: the front door's lane queues
+    and a run that handed the request on), claim (the rollout's, and its release), lookup, wait
+    (single flight), background_wait (for the work on the rollout's sandbox after its previous
+    answer: a snapshot, a catch-up), snapshot_wait (for a snapshot to fork rather than replay:
+    resume_snapshotted), prepare (a miss's bookkeeping before its call runs: the task, the sandbox's
+    row, its mark), materialize (start or fork), replay, verify (state fingerprints), exec,
+    fingerprint (of the new state), processes (observing the processes the sandbox keeps running,
+    taken out of exec and fingerprint), record, snapshot (its hand-off: it is taken after the
+    answer)."""
 
     def __init__(self):
         self.ms: dict[str, float] = {}
@@ -72,6 +75,16 @@ class Phases:
             yield
         finally:
             self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - started) * 1000
+
+    @contextmanager
+    def timed_outside(self, name: str):
+        """The block's time less that of the phases timed within it."""
+        started, within = time.perf_counter(), sum(self.ms.values())
+        try:
+            yield
+        finally:
+            spent = (time.perf_counter() - started) * 1000 - (sum(self.ms.values()) - within)
+            self.ms[name] = self.ms.get(name, 0.0) + spent
 
 
 @dataclass

@@ -84,13 +84,14 @@ def miss_execute(task, backend, rollout, context: CallContext, answer, phases: P
     """The call executed in the rollout's sandbox brought to its history's state, and what it did
     observed: how it ran (the known-state rule's input), its result and state fingerprint."""
     restore_ms = None
-    try:
-        run = rollout_sandbox(task, backend, rollout, context, answer, phases)
-        restore_ms = run.restore_ms
-    finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
-        if answer.lease_id:
-            lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
-    _mark_executing(run)
+    with phases.timed_outside("prepare"):  # (materialize, replay and verify are phases of their own)
+        try:
+            run = rollout_sandbox(task, backend, rollout, context, answer, phases)
+            restore_ms = run.restore_ms
+        finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
+            if answer.lease_id:
+                lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
+        _mark_executing(run)
     observing = run.sandbox.observed_ms()
     try:
         with phases.timed("exec"):
@@ -145,11 +146,16 @@ def miss_execute(task, backend, rollout, context: CallContext, answer, phases: P
 
 
 def miss_record(
-    execution: Execution, rollout_call: RolloutCall, context: CallContext, recorded: Callable[[], None], phases: Phases
+    execution: Execution,
+    rollout_call: RolloutCall,
+    context: CallContext,
+    recorded: Callable[[tuple[str, str]], None],
+    phases: Phases,
 ) -> tuple[int, bool]:
     """The execution recorded under the rollout's history, with the sandbox's progress and the
     history's growth in one commit; a snapshot handed off where the graph wants one. `recorded`
-    lets the rollouts waiting for this call go. Its node and whether it joined the history."""
+    lets the rollouts waiting for this call go (given the node's (anchor, digest)). Its node and
+    whether it joined the history."""
     run, state = execution.run, execution.state
     try:
         # One commit for the node, the sandbox's progress and the rollout's history (each commit
@@ -162,6 +168,7 @@ def miss_record(
                 if state
                 else RecordedState(),
                 keeps_processes=run.sandbox.keeps_processes,
+                evicted=False,  # the service's own snapshots: nothing to tell a client
             )
             append = rollout_call.recorded(mutates=execution.mutates).append
             _executed(run, applied=len(context.history) + int(append))
@@ -171,7 +178,7 @@ def miss_record(
         if outcome.snapshot_wanted:  # handed off before the rollouts waiting for this call see it pending
             with phases.timed("snapshot"):  # the hand-off: the snapshot itself is taken after the answer
                 inline = not _snapshot_after_answer(run, outcome.node_id)
-        recorded()  # rollouts waiting for this call take its result now, not after the snapshot
+        recorded(outcome.key)  # rollouts waiting for this call take its result now, not after the snapshot
         if inline:
             snapshot_take(run, outcome.node_id)
     except SandboxTampered as exc:

@@ -18,7 +18,9 @@ calls run in its own sandbox as it is, uncached and unrecorded.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +87,13 @@ def rollout_call(
         backend_named(handle.backend).tool_spec(call.tool)
     except SandboxError as exc:
         raise as_application_error(exc) from None
+    claimed = time.perf_counter()
     claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra=HAS_SANDBOX)
     serving = _Serving(handle, claim.rollout, claim.history, call, epoch, trace, has_sandbox=claim.extra)
+    serving.phases.ms["claim"] = (time.perf_counter() - claimed) * 1000
+    lane = lane_current()
+    if lane is not None and lane.arrived:  # the front door's queues, and a run that handed the request on
+        serving.phases.ms["lanes"] = max(0.0, (started - lane.arrived - lane.waited_s) * 1000)
     try:
         return serving.drive(claim.detached, started)
     finally:
@@ -128,11 +135,16 @@ class _Serving:
             may_wait=lane is None or lane.may_wait(),
             rebuilds=True,
         )
+        # Off the hits' lane, where a rollout that finds the call claimed hands its request back to
+        # wait, the lookup takes the single-flight claim in its own statement (one round trip less
+        # per miss). Elsewhere the lookup does not: a request that executes alongside a leader it
+        # waited for too long needs the lookup's match, which a claimed call's answer lacks.
+        claims = lane is not None and not lane.fast and protocol.may_wait
         step = protocol.start()
         while True:
             act = step.act
             if act is Act.LOOKUP:
-                step = protocol.looked_up(self._lookup())
+                step = protocol.looked_up(self._lookup(claim=claims and self.flight is None))
             elif act is Act.MOVE:
                 self._lease_drop()
                 return self._handed_back(protocol, SlowWork())
@@ -157,13 +169,14 @@ class _Serving:
             else:  # EXECUTE
                 return self._execute(protocol, started)
 
-    def _lookup(self) -> Looked:
+    def _lookup(self, *, claim: bool = False) -> Looked:
         self._lease_drop()  # (a lane that serves hits takes no lease: a miss moves on, core/lanes.py)
         with self.phases.timed("lookup"):
             self.answer = tcg_lookup(
                 task_id=self.handle.task_id,
                 context=self.context,
                 count=False,
+                claim=claim,
                 resume=not self.has_sandbox and not (self.lane is not None and self.lane.fast),
             )
         if self.flight is not None and isinstance(self.answer, LookupHit):
@@ -209,19 +222,20 @@ class _Serving:
             seen=answer.seen or self.waited,
             saved_ms=0.0,
         )
-        task = Task.objects.select_related("project").filter(pk=task_id).first()
-        if task is None:  # deleted since the lookup
-            raise unknown_task(task_id)
-        backend = backend_named(task.env.get("backend", "external"))
-        _granted(task)
-        if not self.has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
-            answer = self.answer = resume_snapshotted(task_id, self.context, answer, self.phases)
+        with self.phases.timed_outside("prepare"):
+            task = Task.objects.select_related("project").filter(pk=task_id).first()
+            if task is None:  # deleted since the lookup
+                raise unknown_task(task_id)
+            backend = backend_named(task.env.get("backend", "external"))
+            _granted(task)
+            if not self.has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
+                answer = self.answer = resume_snapshotted(task_id, self.context, answer, self.phases)
         self.answer = None  # its lease is the execution's to release
         execution = miss_execute(task, backend, self.rollout, self.context, answer, self.phases)
         step = protocol.executed(execution.ran, reason=execution.reason)
         node_id, mutates = None, True
         if step.act is Act.RECORD:
-            node_id, mutates = miss_record(execution, protocol, self.context, self._release, self.phases)
+            node_id, mutates = miss_record(execution, protocol, self.context, self._recorded, self.phases)
         elif step.act is Act.DETACH:
             miss_detach(execution, answer, self.context, step.reason)
         elif step.act is Act.RETIRE:
@@ -234,6 +248,11 @@ class _Serving:
     def _release(self) -> None:
         if self.flight is not None:
             self.flight.release()
+            self.flight = None
+
+    def _recorded(self, key: tuple[str, str]) -> None:
+        if self.flight is not None:
+            self.flight.release(recorded=key)
             self.flight = None
 
     def _lease_drop(self) -> None:
@@ -252,7 +271,8 @@ class _Serving:
     def close(self) -> None:
         self._release()
         self._lease_drop()
-        rollout_unclaim(rollout_pk=self.rollout.pk)
+        with self.phases.timed("claim"):  # (the answer's phases_ms is this dict: serialized after this)
+            rollout_unclaim(rollout_pk=self.rollout.pk)
 
 
 def _granted(task: Task) -> None:
@@ -283,6 +303,44 @@ def _serve_detached(rollout: Rollout, call: ToolCall) -> Any:
         raise as_application_error(exc) from None
     Sandbox.objects.filter(pk=row.pk).update(lease_expires_at=idle_deadline())
     return result
+
+
+class _RanLast:
+    """The rollouts (task as the trainer names it, rollout) whose last call this process answered
+    ran its tool: a guess of where their next call goes, never a fact anything relies on. Bounded:
+    the least recently noted are forgotten first."""
+
+    def __init__(self, size: int = 10_000):
+        self._size = size
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, key: tuple[str, str], ran: bool) -> None:
+        with self._lock:
+            if not ran:
+                self._keys.pop(key, None)
+                return
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self._size:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._keys
+
+
+_ran_last = _RanLast()
+
+
+def rollout_ran_note(*, task_id: str, rollout_id: str, ran: bool) -> None:
+    """The rollout's call just answered ran its tool (a miss), or not (a hit, or the rollout ended)."""
+    _ran_last.note((task_id, rollout_id), ran)
+
+
+def rollout_ran_last(*, task_id: str, rollout_id: str) -> bool:
+    """The rollout's last call that this process answered ran its tool: its next one most likely
+    misses too (it is in a state that no other rollout had reached)."""
+    return (task_id, rollout_id) in _ran_last
 
 
 def rollout_end(*, task_id: str, rollout_id: str) -> None:

@@ -211,6 +211,21 @@ def test_changing_the_environment_means_old_results_never_hit(api, toy_task):
     assert task["env_fingerprint"] != "0" * 64
 
 
+def test_a_record_right_after_the_environment_changed_is_filed_under_the_new_one(api, toy_task):
+    """The record's keys come from this process's handle of the task, outdated here (no lookup
+    since the change): its statement sees the task's new version and is run again with new keys."""
+    first = record(api, toy_task, [], W1, {"ok": 1})
+    api.put(
+        f"/api/v1/tasks/{toy_task}",
+        {"env": {"backend": "external", "name": "toy-v2"}, "tools": {"read": {"mutates_state": False}}},
+        format="json",
+    )
+    second = record(api, toy_task, [], W1, {"ok": 2})
+    assert second["node_id"] != first["node_id"]
+    hit = lookup(api, toy_task, [], W1)
+    assert (hit["hit"], hit["result"], hit["node_id"]) == (True, {"ok": 2}, second["node_id"])
+
+
 def test_stats_per_epoch_and_tool(api, toy_task):
     for epoch in (0, 1):
         lookup(api, toy_task, [], W1, epoch=epoch, rollout_id=f"r{epoch}")
@@ -242,9 +257,11 @@ def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, dja
     record(api, toy_task, [], call("warm", up=1), {})  # token verified and backend costs cached
     with django_assert_num_queries(1):  # one statement: the node, else the longest-prefix match (task handle cached)
         assert lookup(api, toy_task, history, R)["hit"] is False
-    with django_assert_num_queries(3):  # task, insert-or-get, evicted refs (no snapshot test for a read)
+    # The insert checks the task's stamp and reads the nearest snapshot's cost in its own statement
+    # (task handle cached); then the evicted snapshots to tell the client.
+    with django_assert_num_queries(2):
         record(api, toy_task, history, R, {"output": "x"})
-    with django_assert_num_queries(4):  # task, insert-or-get, nearest snapshot, evicted refs
+    with django_assert_num_queries(2):
         record(api, toy_task, history, call("write", path="g", content="x"), {"ok": True})
     with django_assert_num_queries(1):  # hit with counters
         assert lookup(api, toy_task, history, R, rollout_id="r")["hit"] is True

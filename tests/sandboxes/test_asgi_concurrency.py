@@ -4,7 +4,10 @@ rollouts waiting for it."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -16,6 +19,24 @@ from sandboxes.models import Sandbox
 from tests.support.toolserver import bash
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@contextmanager
+def _rollout_calls(task: str) -> Iterator[tuple[Callable[[str, str], dict], httpx.Client]]:
+    """A service as the run command starts it (one process), a rollout's bash call to it and the
+    client that sends it."""
+    token = token_create(name="asgi")
+    with (
+        service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
+    ):
+
+        def call(rollout: str, command: str) -> dict:
+            response = client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls", json={"call": bash(command)})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        yield call, client
 
 
 @pytest.mark.slow
@@ -50,18 +71,8 @@ def test_rollouts_waiting_for_another_ones_run_hold_no_thread(busybox, docker_ta
     event loop. With two threads for tool runs, a leader and six waiters still leave one thread for
     another rollout's miss, and hits are answered meanwhile."""
     task = docker_task("waiters")
-    token = token_create(name="asgi")
     monkeypatch.setenv("TVCACHE_TOOLSERVER_THREADS", "2")
-    with (
-        service_running(db=settings.DATABASES["default"], redis_url=settings.REDIS_URL, workers=1) as service,
-        httpx.Client(base_url=service.url, headers={"Authorization": f"Token {token}"}, timeout=120) as client,
-    ):
-
-        def call(rollout: str, command: str) -> dict:
-            response = client.post(f"/api/v1/tasks/{task}/rollouts/{rollout}/calls", json={"call": bash(command)})
-            assert response.status_code == 200, response.text
-            return response.json()
-
+    with _rollout_calls(task) as (call, client):
         call("first", "echo cached")
         slow = "sleep 15; cat /proc/sys/kernel/random/uuid"  # another answer each time it runs
         with ThreadPoolExecutor(8) as pool:
@@ -116,3 +127,27 @@ def test_a_request_handed_back_counts_once_against_its_projects_rate(busybox, do
             pause.wait(0.1)
         pause.wait(1.0)  # and once more: a second count of the miss would have landed by now
         assert admitted() - before == 3
+
+
+def test_a_rollout_whose_last_call_missed_is_served_exactly_on_its_next_calls(busybox, docker_task):
+    """A rollout whose last call ran its tool starts its next call on the lane that runs tools (a
+    guess that it misses again): a hit there is still the recorded answer, unexecuted, and a miss
+    runs in the rollout's own state; the count of its project's requests is one per call."""
+    task = docker_task("after-miss")
+    with _rollout_calls(task) as (call, _):
+        first = call("a", "echo one > f; cat /proc/sys/kernel/random/uuid")  # another answer each run
+        assert first["cached"] is False
+        # b misses on a call of its own, then asks for a's: the recorded answer, not a new run
+        assert call("b", "echo hello")["cached"] is False
+        again = call("b", "echo one > f; cat /proc/sys/kernel/random/uuid")
+        assert again["cached"] is True and again["result"] == first["result"]
+        # a misses again, in the state its first call left
+        after = call("a", "cat f; echo two >> f; cat f")
+        assert after["cached"] is False and after["result"]["stdout"] == "one\none\ntwo\n"
+        # and b, which hit a's call, reads the same state from its history (a hit on a's node)
+        assert call("b", "cat f; echo two >> f; cat f") == {
+            **after,
+            "cached": True,
+            "latency_ms": ANY,
+            "phases_ms": ANY,
+        }

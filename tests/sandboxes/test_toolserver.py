@@ -235,3 +235,36 @@ def test_rollouts_missing_on_the_same_call_at_once_execute_it_once(api, token, d
     # A rollout that waited has no sandbox yet; its next miss gets one in the same state.
     waited = next(r for r, o in outcomes.items() if o["cached"])
     assert run(api, task, waited, bash("echo ok > /f; cat /f"))["result"]["stdout"] == "ok\n"
+
+
+@pytest.mark.parametrize("depth", [1, 6])
+def test_a_miss_on_the_lane_that_runs_tools_issues_a_constant_number_of_statements(api, docker_task, depth):
+    """A rollout's miss in its own sandbox, as the front door runs it off the hits' lane: the same
+    statements whatever the history's length, the single-flight claim taken by the lookup's own
+    statement and no statement to give it back once the result is recorded."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from cache.tcg import ToolCall
+    from core.lanes import LaneContext, lane_set
+    from sandboxes.services import rollout_call
+
+    task = docker_task(f"counted-{depth}")
+    for i in range(depth):
+        assert run(api, task, "r1", bash(f"echo {i} >> f"))["cached"] is False
+    lane_set(LaneContext(fast=False, waited_s=0.0, wait_until=None))
+    try:
+        with CaptureQueriesContext(connection) as statements:
+            outcome = rollout_call(
+                task_id=task, rollout_id="r1", call=ToolCall("bash", {"command": "echo x >> f; wc -l f"})
+            )
+    finally:
+        lane_set(None)
+    assert (outcome.cached, outcome.result["stdout"]) == (False, f"{depth + 1} f\n")
+    sql = [q["sql"] or "" for q in statements.captured_queries]  # (the lookup's is a prepared statement)
+    assert not any("DELETE FROM cache_claim" in s for s in sql)  # the recorded node's claim lapses by itself
+    assert not any("WITH claimed AS" in s for s in sql)  # the call's claim rode in the lookup's statement
+    assert sum("pg_try_advisory_lock(id)" in s for s in sql) == 1  # the rollout's claim
+    # the rollout's claim, the lookup, the task, the sandbox's reservation and row, its mark; the
+    # record's transaction (the node, the sandbox's progress, the history); the rollout's release
+    assert len(sql) == 12, "\n".join(s[:120] for s in sql)

@@ -173,8 +173,9 @@ class CallResult:
     node_id: int
     latency_ms: float
     mutates: bool = True  # the call changed the rollout's state (False: read-only, declared or observed)
-    # Where the service spent the call's time, by phase (lookup, wait, materialize, replay,
-    # verify, exec, fingerprint, record, snapshot); a phase the call did not go through is absent.
+    # Where the service spent the call's time, by phase (lanes, claim, lookup, wait, prepare,
+    # materialize, replay, verify, exec, fingerprint, record, snapshot, ...); a phase the call did
+    # not go through is absent.
     phases_ms: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
