@@ -5,12 +5,14 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import Project
 from accounts.projects import MAX_TASK_ID, MAX_TASK_KEY
+from cache.tcg.exectimes import BUCKETS
 
 
 class Task(models.Model):
@@ -41,7 +43,8 @@ class Task(models.Model):
 class Node(models.Model):
     """One executed tool call with its result, under (anchor state key, call digest)."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="nodes")
+    # No index of its own: `node_task_depth` (task, depth, id) serves every read by task.
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="nodes", db_index=False)
     anchor_key = models.CharField(max_length=64)
     call_digest = models.CharField(max_length=64)
     state_key = models.CharField(max_length=64)  # state after the call (= anchor for read-only)
@@ -85,7 +88,8 @@ class Node(models.Model):
         ]
         indexes = [
             models.Index(fields=["task", "state_key"], condition=Q(mutates=True), name="node_write_state"),
-            models.Index(fields=["task", "depth"], name="node_task_depth"),
+            # The graph page's first levels, in order (depth, id), read as an index range.
+            models.Index(fields=["task", "depth", "id"], name="node_task_depth_id"),
             # Lookups check that no divergent state-changing node lies on the history (lookup.py).
             models.Index(
                 fields=["task", "state_key"], condition=Q(mutates=True, divergent=True), name="node_divergent_state"
@@ -94,6 +98,25 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id}#{self.pk} {self.tool}"
+
+
+class TaskTotal(models.Model):
+    """What a task's graph holds, per tool: kept exact as nodes are recorded, removed and marked
+    divergent (cache.services.totals, the one place that adjusts them), so stats and pages read a
+    row per tool instead of scanning the task's nodes (docs/operations/growth.md)."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="totals", db_index=False)
+    tool = models.CharField(max_length=200)
+    nodes = models.BigIntegerField(default=0)
+    roots = models.BigIntegerField(default=0)  # nodes with no parent: the graph's top level
+    result_bytes = models.BigIntegerField(default=0)
+    process_states = models.BigIntegerField(default=0)  # state-changing nodes that left live processes
+    divergent = models.BigIntegerField(default=0)  # nodes no longer served (Node.divergent)
+    # Nodes per bucket of exec time (cache.tcg.exectimes): the median without a sort of every node.
+    exec_ms_buckets = ArrayField(models.IntegerField(), size=BUCKETS)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "tool"], name="tasktotal_unique")]
 
 
 class Snapshot(models.Model):
@@ -130,6 +153,11 @@ class Snapshot(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["task", "ref"], name="snapshot_unique_ref"),
             models.UniqueConstraint(fields=["node"], condition=Q(status="live"), name="snapshot_one_live_per_node"),
+        ]
+        indexes = [
+            # A task's live snapshots newest first (its pools page), whether it has any (the pools
+            # list), and their newest: an index range, not a sort of every live snapshot.
+            models.Index(fields=["task", "created_at", "id"], condition=Q(status="live"), name="snapshot_live_task"),
         ]
 
 

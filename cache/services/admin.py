@@ -31,6 +31,7 @@ from core.errors import ApplicationError, Conflict, InvalidInput, NotFound
 
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush, task_version_move
+from .totals import task_totals_remove
 
 
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
@@ -98,6 +99,21 @@ def _node_for_update(task_id: str, node_id: int) -> Node:
     return node
 
 
+def _subtree_taken_off(task_id: str, node_id: int) -> list[int]:
+    """The node's subtree, taken off the task's totals and locked (totals.py), for deletion. A child
+    recorded before the lock is found by the next read of the subtree: until none is, the newcomers
+    are taken off too, so the totals lose exactly the nodes the delete removes."""
+    taken: set[int] = set()
+    while True:
+        ids = set(selectors.node_subtree_ids(task_id=task_id, node_id=node_id))
+        if not ids - taken:
+            return sorted(taken)
+        found = task_totals_remove(task_id=task_id, node_ids=sorted(ids - taken))
+        if not found:  # deleted meanwhile by another
+            return sorted(taken)
+        taken.update(found)
+
+
 def _open_leases(snapshots: list[Snapshot]) -> list[int]:
     from django.utils import timezone
 
@@ -132,8 +148,8 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         task = Task.objects.select_for_update(no_key=True).filter(pk=task_id).first()
         if task is None:
             raise unknown_task(task_id)
+        ids = _subtree_taken_off(task_id, node_id)
         node = _node_for_update(task_id, node_id)
-        ids = selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
         live = list(
             Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE).order_by("pk")
         )

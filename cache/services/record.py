@@ -17,6 +17,7 @@ from core.errors import PayloadTooLarge
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs
 from .tasks import task_handle
+from .totals import RECORD_TOTALS_SQL
 
 # Insert the node (its parent is the history's last state-changing node, if recorded) and, when
 # it is new, count the execution. ON CONFLICT DO NOTHING makes two concurrent records of the
@@ -24,8 +25,8 @@ from .tasks import task_handle
 # client-mode single flight) lapses two seconds after it rather than now (a claim that had
 # already lapsed too): a rollout whose lookup missed the node just before this commit would
 # otherwise take a free claim and execute the call again; it is told to wait instead, and its
-# next lookup hits.
-INSERT_SQL = """
+# next lookup hits. The node counts in its task's totals in the same statement (totals.py).
+INSERT_SQL = f"""
 WITH parent AS (
     SELECT id, cum_exec_ms FROM cache_node
     WHERE task_id = %(task)s AND mutates AND state_key = %(anchor)s
@@ -39,8 +40,8 @@ WITH parent AS (
             coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
             %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s)
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
-    RETURNING id, cum_exec_ms
-), stat AS (
+    RETURNING id, cum_exec_ms, parent_id
+), totals AS ({RECORD_TOTALS_SQL}), stat AS (
     INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
     SELECT %(task)s, %(epoch)s, %(tool)s, 0, 0, 0, 1, %(exec_ms)s, 0 FROM ins
     ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
