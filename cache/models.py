@@ -15,6 +15,28 @@ from accounts.projects import MAX_TASK_ID, MAX_TASK_KEY
 from cache.tcg.exectimes import BUCKETS
 
 
+class DigestField(models.Field):
+    """A SHA-256 digest (a key of cache.tcg): 64 hex characters in Python, its 32 bytes in
+    PostgreSQL (bytea: half the room of the text in rows and indexes). Raw SQL sends and reads
+    the hex: decode(%s, 'hex'), encode(column, 'hex')."""
+
+    description = "SHA-256 digest"
+
+    def db_type(self, connection) -> str:
+        return "bytea"
+
+    def get_prep_value(self, value):
+        if value is None or isinstance(value, bytes):
+            return value
+        return bytes.fromhex(value)
+
+    def from_db_value(self, value, expression, connection):
+        return None if value is None else bytes(value).hex()
+
+    def to_python(self, value):
+        return bytes(value).hex() if isinstance(value, (bytes, memoryview)) else value
+
+
 class Task(models.Model):
     # The internal key: the task's id in the default project, "<project>.<id>" in another one
     # (accounts.projects.task_key); the API speaks `name`, the id its project knows it by.
@@ -45,9 +67,9 @@ class Node(models.Model):
 
     # No index of its own: `node_task_depth` (task, depth, id) serves every read by task.
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="nodes", db_index=False)
-    anchor_key = models.CharField(max_length=64)
-    call_digest = models.CharField(max_length=64)
-    state_key = models.CharField(max_length=64)  # state after the call (= anchor for read-only)
+    anchor_key = DigestField()
+    call_digest = DigestField()
+    state_key = DigestField()  # state after the call (= anchor for read-only)
     parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
     depth = models.PositiveIntegerField()
     tool = models.CharField(max_length=200)

@@ -1,6 +1,7 @@
 """Per-task totals of the graph (TaskTotal), backfilled from the nodes there are; the graph page's
 index (task, depth, id) in place of (task, depth) and of the foreign key's two on task_id; live
-snapshots by task and creation time. docs/operations/growth.md says why.
+snapshots by task and creation time; a node's three keys as their 32 bytes (bytea) instead of
+64 hex characters, in one rewrite of the table. docs/operations/growth.md says why.
 
 Run it with the service stopped: a record committed while the backfill reads would be counted
 twice (by the backfill and by its own statement) or not at all."""
@@ -8,6 +9,8 @@ twice (by the backfill and by its own statement) or not at all."""
 import django.contrib.postgres.fields
 import django.db.models.deletion
 from django.db import migrations, models
+
+import cache.models
 
 # Frozen here as cache.tcg.exectimes had them (6 buckets per octave, 120 buckets) and as
 # cache.services.totals sums nodes: the backfill must count as the service does.
@@ -28,6 +31,15 @@ SELECT p.task_id, p.tool, p.nodes, p.roots, p.result_bytes, p.process_states, p.
         LEFT JOIN hist h ON h.task_id = p.task_id AND h.tool = p.tool AND h.b = s.b)
 FROM per p
 """
+
+
+KEYS = ("anchor_key", "call_digest", "state_key")
+KEYS_TO_BYTES = "ALTER TABLE cache_node " + ", ".join(
+    f"ALTER COLUMN {key} TYPE bytea USING decode({key}, 'hex')" for key in KEYS
+)
+KEYS_TO_HEX = "ALTER TABLE cache_node " + ", ".join(
+    f"ALTER COLUMN {key} TYPE varchar(64) USING encode({key}, 'hex')" for key in KEYS
+)
 
 
 class Migration(migrations.Migration):
@@ -85,4 +97,10 @@ class Migration(migrations.Migration):
             constraint=models.UniqueConstraint(fields=("task", "tool"), name="tasktotal_unique"),
         ),
         migrations.RunSQL(BACKFILL_SQL, reverse_sql=migrations.RunSQL.noop),
+        migrations.SeparateDatabaseAndState(
+            database_operations=[migrations.RunSQL(KEYS_TO_BYTES, reverse_sql=KEYS_TO_HEX)],
+            state_operations=[
+                migrations.AlterField(model_name="node", name=key, field=cache.models.DigestField()) for key in KEYS
+            ],
+        ),
     ]

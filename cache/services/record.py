@@ -29,13 +29,14 @@ from .totals import RECORD_TOTALS_SQL
 INSERT_SQL = f"""
 WITH parent AS (
     SELECT id, cum_exec_ms FROM cache_node
-    WHERE task_id = %(task)s AND mutates AND state_key = %(anchor)s
+    WHERE task_id = %(task)s AND mutates AND state_key = decode(%(anchor)s, 'hex')
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
                             first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times,
                             live_processes)
-    VALUES (%(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
+    VALUES (%(task)s, decode(%(anchor)s, 'hex'), decode(%(digest)s, 'hex'), decode(%(state_key)s, 'hex'),
+            (SELECT id FROM parent), %(depth)s, %(tool)s,
             %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
             coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
             %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s)
@@ -54,14 +55,14 @@ SELECT id, cum_exec_ms, true, %(mutates)s FROM ins
 """
 
 EXISTING_SQL = """SELECT id, cum_exec_ms, false, mutates FROM cache_node
-WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"""
+WHERE task_id = %s AND anchor_key = decode(%s, 'hex') AND call_digest = decode(%s, 'hex')"""
 
 # Replay cost since the nearest live snapshot on the path (the new node's own snapshot included).
 # A subquery per node, not a join: an index probe whatever the statistics say (lookup.py).
 NEAREST_SNAPSHOT_SQL = """
-SELECT coalesce(max(n.cum_exec_ms), 0), bool_or(n.state_key = %s)
+SELECT coalesce(max(n.cum_exec_ms), 0), bool_or(n.state_key = decode(%s, 'hex'))
 FROM cache_node n
-WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(%s)
+WHERE n.task_id = %s AND n.mutates AND n.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(%s::text[]) AS k))
   AND (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live') IS NOT NULL
 """
 

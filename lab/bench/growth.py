@@ -52,6 +52,14 @@ STEP_COLUMNS = "rollout_id, applied, seq, at, node_id, hit, tokens"
 SNAPSHOT_COLUMNS = (
     "task_id, node_id, backend, engine, ref, owner, status, size_bytes, create_ms, keeps_processes, exact, created_at"
 )
+
+
+def copy_digest(key: str) -> str:
+    r"""A node key (64 hex characters) as a bytea in COPY's text format: \\x and the hex (COPY
+    reads the escaped backslash as one, then bytea's hex input)."""
+    return "\\\\x" + key
+
+
 # Text a seeded call writes or a read returns: letters and spaces only, nothing COPY escapes.
 TEXT = "".join(random.Random(0).choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(8192))
 
@@ -239,9 +247,9 @@ class GraphGrowth:
                 (
                     str(node_id),
                     task_id,
-                    plan.anchor,
-                    plan.digest,
-                    plan.state_key,
+                    copy_digest(plan.anchor),
+                    copy_digest(plan.digest),
+                    copy_digest(plan.state_key),
                     "\\N" if parent is None else str(parent),
                     str(plan.depth),
                     step.call.tool,
@@ -550,8 +558,8 @@ PLANS = {
         "SELECT epoch, count(id), sum(calls) FROM cache_rollout WHERE task_id = %(task)s GROUP BY epoch ORDER BY 1 DESC"
     ),
     "lookup: node by key": (
-        "SELECT id, result_json FROM cache_node WHERE task_id = %(task)s AND anchor_key = %(anchor)s"
-        " AND call_digest = %(digest)s"
+        "SELECT id, result_json FROM cache_node WHERE task_id = %(task)s AND anchor_key = decode(%(anchor)s, 'hex')"
+        " AND call_digest = decode(%(digest)s, 'hex')"
     ),
 }
 
