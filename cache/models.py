@@ -178,8 +178,15 @@ class Snapshot(models.Model):
         ]
         indexes = [
             # A task's live snapshots newest first (its pools page), whether it has any (the pools
-            # list), and their newest: an index range, not a sort of every live snapshot.
-            models.Index(fields=["task", "created_at", "id"], condition=Q(status="live"), name="snapshot_live_task"),
+            # list), and their counts, bytes, backends and newest (stats, lists): an index range
+            # read alone, not a sort or a heap read of every live snapshot.
+            models.Index(
+                fields=["task", "created_at", "id"],
+                include=["size_bytes", "backend", "keeps_processes"],
+                condition=Q(status="live"),
+                name="snapshot_live_task",
+            ),
+            models.Index(fields=["task"], condition=Q(status="evicted"), name="snapshot_evicted_task"),
         ]
 
 
@@ -275,6 +282,8 @@ class Rollout(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
+        # The task page's rollouts, latest first, a page at a time.
+        indexes = [models.Index(fields=["task", "started_at", "id"], name="rollout_task_started")]
 
 
 class RolloutStep(models.Model):

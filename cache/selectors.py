@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Exists, Max, OuterRef, Q, Sum
+from django.db.models import Count, Max, OuterRef, Q, Subquery, Sum
 
 from cache.ledger import ledger_flush
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task, TaskTotal, ToolStat
@@ -46,11 +46,11 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
     per_epoch = [dict(epoch=r["epoch"], **_rates(r)) for r in rows.values("epoch").annotate(**sums).order_by("epoch")]
     per_tool = [dict(tool=r["tool"], **_rates(r)) for r in rows.values("tool").annotate(**sums).order_by("tool")]
     graph = TaskTotal.objects.filter(task_id=task_id).aggregate(nodes=Sum("nodes"), results_bytes=Sum("result_bytes"))
-    snapshots = Snapshot.objects.filter(task_id=task_id).aggregate(
-        live=Count("id", filter=Q(status=Snapshot.Status.LIVE)),
-        live_bytes=Sum("size_bytes", filter=Q(status=Snapshot.Status.LIVE)),
-        evicted=Count("id", filter=Q(status=Snapshot.Status.EVICTED)),
+    # Two index-only reads (snapshot_live_task, snapshot_evicted_task), not one of every snapshot row.
+    snapshots = Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).aggregate(
+        live=Count("id"), live_bytes=Sum("size_bytes")
     )
+    snapshots["evicted"] = Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.EVICTED).count()
     return {
         **total,
         "nodes": graph["nodes"] or 0,
@@ -234,8 +234,10 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
     elif max_depth is not None:
         nodes = nodes.filter(depth__lte=max_depth)
     # Whether each exported node has a live snapshot: a probe of `snapshot_one_live_per_node` per
-    # node, not a read of every live snapshot of the task whatever is exported.
-    live = Exists(Snapshot.objects.filter(node_id=OuterRef("pk"), status=Snapshot.Status.LIVE))
+    # node, not a read of every live snapshot of the task whatever is exported. A scalar subquery,
+    # not EXISTS: PostgreSQL may plan an EXISTS as a hash of every live snapshot (113 ms for the
+    # first 150 nodes of a task with 72,000 snapshots), never a LIMIT 1 subquery.
+    live = Subquery(Snapshot.objects.filter(node_id=OuterRef("pk"), status=Snapshot.Status.LIVE).values("pk")[:1])
     rows = (
         nodes.order_by("depth", "pk")
         .annotate(snapshot=live)
@@ -256,7 +258,7 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
             "snapshot",
         )[:limit]
     )
-    out_nodes = list(rows)
+    out_nodes = [{**row, "snapshot": row["snapshot"] is not None} for row in rows]
     edges = [{"source": n["parent_id"], "target": n["id"]} for n in out_nodes if n["parent_id"] is not None]
     return {"task_id": task_id, "nodes": out_nodes, "edges": edges}
 

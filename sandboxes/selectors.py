@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from statistics import median, quantiles
 
-from django.db.models import Count, Exists, Max, OuterRef, Q, Sum
+from django.db.models import Count, Max, OuterRef, Q, Subquery, Sum
 from django.utils import timezone
 
 from accounts.projects import key_project, task_public_id
@@ -169,11 +169,17 @@ def pools_listed(*, project_id: int, limit: int, offset: int) -> dict:
 def pool_task_keys(*, project_ids: list[int] | None = None):
     """Keys of the tasks that hold a live snapshot or a live sandbox, in key order (a queryset of
     1-tuples, for a paginator). One index probe per task (`snapshot_live_task`), not a read of
-    every live snapshot: a task may hold its whole budget of them."""
+    every live snapshot: a task may hold its whole budget of them. Scalar subqueries, not EXISTS,
+    which PostgreSQL may plan as a hash of every live snapshot."""
     tasks = Task.objects.all() if project_ids is None else Task.objects.filter(project_id__in=project_ids)
-    snapshot = Exists(Snapshot.objects.filter(task_id=OuterRef("pk"), status=Snapshot.Status.LIVE))
-    sandbox = Exists(Sandbox.objects.filter(task_id=OuterRef("pk")).exclude(state__in=LIVE_EXCLUDED))
-    return tasks.filter(snapshot | sandbox).order_by("pk").values_list("pk")
+    snapshot = Snapshot.objects.filter(task_id=OuterRef("pk"), status=Snapshot.Status.LIVE).values("pk")[:1]
+    sandbox = Sandbox.objects.filter(task_id=OuterRef("pk")).exclude(state__in=LIVE_EXCLUDED).values("pk")[:1]
+    return (
+        tasks.annotate(snapshot=Subquery(snapshot), sandbox=Subquery(sandbox))
+        .filter(Q(snapshot__isnull=False) | Q(sandbox__isnull=False))
+        .order_by("pk")
+        .values_list("pk")
+    )
 
 
 def pool_totals(*, project_ids: list[int] | None = None) -> dict:

@@ -1,6 +1,7 @@
 """Per-task totals of the graph (TaskTotal), backfilled from the nodes there are; the graph page's
 index (task, depth, id) in place of (task, depth) and of the foreign key's two on task_id; live
-snapshots by task and creation time; a node's three keys as their 32 bytes (bytea) instead of
+snapshots by task and creation time (with what counts and lists read), evicted ones by task, a
+task's rollouts by start; a node's three keys as their 32 bytes (bytea) instead of
 64 hex characters, in one rewrite of the table. docs/operations/growth.md says why.
 
 Run it with the service stopped: a record committed while the backfill reads would be counted
@@ -82,8 +83,21 @@ class Migration(migrations.Migration):
         migrations.AddIndex(
             model_name="snapshot",
             index=models.Index(
-                condition=models.Q(("status", "live")), fields=["task", "created_at", "id"], name="snapshot_live_task"
+                condition=models.Q(("status", "live")),
+                fields=["task", "created_at", "id"],
+                include=("size_bytes", "backend", "keeps_processes"),
+                name="snapshot_live_task",
             ),
+        ),
+        migrations.AddIndex(
+            model_name="snapshot",
+            index=models.Index(
+                condition=models.Q(("status", "evicted")), fields=["task"], name="snapshot_evicted_task"
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="rollout",
+            index=models.Index(fields=["task", "started_at", "id"], name="rollout_task_started"),
         ),
         migrations.AddField(
             model_name="tasktotal",

@@ -544,7 +544,7 @@ PLANS = {
         " FROM cache_tasktotal WHERE task_id = %(task)s ORDER BY tool"
     ),
     "graph page: first levels": (
-        "SELECT n.id, EXISTS (SELECT 1 FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live')"
+        "SELECT n.id, (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live' LIMIT 1)"
         " FROM cache_node n WHERE n.task_id = %(task)s AND n.depth <= 3 ORDER BY n.depth, n.id LIMIT 150"
     ),
     "pools page: a task's newest live snapshots": (
