@@ -53,6 +53,10 @@ class ProjectAdmin(admin.ModelAdmin):
             {"fields": ("network", "images", "max_memory_mb", "max_cpus", "max_pids")},
         ),
         ("Quotas", {"fields": ("max_live_sandboxes", "max_snapshot_bytes", "rate_limit", "rate_burst")}),
+        (
+            "Retention of its tasks' results (a task's own bounds win; docs/operations/retention.md)",
+            {"fields": ("task_max_nodes", "task_max_result_bytes")},
+        ),
     )
 
     @admin.display(description="usage")

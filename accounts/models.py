@@ -32,6 +32,17 @@ class Project(models.Model):
     max_snapshot_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     rate_limit = models.PositiveIntegerField(null=True, blank=True, help_text="Requests per second.")
     rate_burst = models.PositiveIntegerField(null=True, blank=True, help_text="Default: one second's worth.")
+    # Retention defaults for its tasks (a task's own bound wins; NULL: unbounded).
+    task_max_nodes = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Nodes each task keeps at most, unless the task sets its own; empty: unbounded.",
+    )
+    task_max_result_bytes = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="Result bytes each task keeps at most, unless the task sets its own; empty: unbounded.",
+    )
     members = models.ManyToManyField(
         settings.AUTH_USER_MODEL, through="Membership", related_name="projects", blank=True
     )

@@ -14,14 +14,22 @@ its column's range is `invalid_id`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from hashlib import sha256
 from typing import Any
 
+import orjson
 from django.conf import settings
 
 from cache.tcg import ToolCall
 from cache.tcg.records import NO_TRACE, CallContext, CallRecord, Trace
 from core.errors import InvalidInput, PayloadTooLarge
 from core.inputs import INT32, INT64, INVALID_STRING, MAX_ID_LENGTH, check_json, depth_limit, parse_id, parse_int
+from core.ttl import RecentMemo
+
+# Histories this process parsed lately, by the digest of their JSON (history_digests): a rollout's
+# next call sends its history again with one call more, which parse_call_context stored.
+HISTORY_MEMO_ENTRIES = 8192
+_parsed_histories: RecentMemo[bytes, tuple[ToolCall, ...]] = RecentMemo(HISTORY_MEMO_ENTRIES)
 
 # Durations (exec_ms, create_ms, restore_ms) and snapshot sizes are added up in float8 and bigint
 # columns and sums (path costs, time saved, a task's snapshot bytes), where PostgreSQL refuses an
@@ -83,7 +91,28 @@ def parse_call(value: Any, field: str, limit: int | None = None) -> ToolCall:
     return ToolCall(tool, args)
 
 
-def parse_history(value: Any, field: str = "history") -> tuple[ToolCall, ...]:
+def history_digests(history: Any, call: Any) -> tuple[bytes, bytes]:
+    """sha256 of the history's JSON and of the JSON of the history after the call (the history
+    with the call appended), or (b"", b"") when they do not serialize. The JSON is orjson's compact
+    form of the parsed values: equal bytes are equal values, types included (1, 1.0 and true
+    differ), so the memos these key never take one history for another. A client that sends
+    the same calls with their keys in another order only misses the memos."""
+    if not isinstance(history, list):
+        return b"", b""
+    try:
+        listed, appended = orjson.dumps(history), orjson.dumps(call)
+    except orjson.JSONEncodeError:
+        return b"", b""
+    after = (listed[:-1] + b"," if history else b"[") + appended + b"]"
+    return sha256(listed).digest(), sha256(after).digest()
+
+
+def parse_history(value: Any, field: str = "history", digest: bytes = b"") -> tuple[ToolCall, ...]:
+    """The history's calls; with its `digest` (history_digests), from the memo if this process
+    parsed it lately (a value that parsed once parses again the same)."""
+    parsed = _parsed_histories.get(digest) if digest else None
+    if parsed is not None:
+        return parsed
     if not isinstance(value, list):
         raise InvalidInput(f"'{field}' must be a list of calls.", code="invalid_payload", details={"field": field})
     limit = settings.TVCACHE["MAX_HISTORY"]
@@ -108,16 +137,23 @@ def _optional(data: dict, field: str, kind: type, default: Any) -> Any:
 
 def parse_call_context(data: Any) -> CallContext:
     data = _object(data)
-    history = parse_history(_required(data, "history"))
-    call = parse_call(_required(data, "call"), "call")
-    return CallContext(
+    items, call_item = _required(data, "history"), _required(data, "call")
+    history_digest, next_digest = history_digests(items, call_item)
+    history = parse_history(items, digest=history_digest)
+    call = parse_call(call_item, "call")
+    context = CallContext(
         history=history,
         call=call,
         rollout_id=_rollout_id(data),
         epoch=parse_epoch(data),
         env_fingerprint=_optional(data, "env_fingerprint", str, None),
         trace=parse_trace(data),
+        history_digest=history_digest,
+        next_digest=next_digest,
     )
+    if next_digest:
+        _parsed_histories.put(next_digest, (*history, call))
+    return context
 
 
 # An opaque trajectory reference, as long as a trainer's ids reasonably get.
@@ -319,6 +355,12 @@ class TaskInput:
     tools: dict[str, dict[str, bool]]  # tool name -> {"mutates_state", "cacheable"}
     sandbox_budget: int | None  # None: the service's default for a new task, the task's own for an update
     audit_rate: float | None  # None: the service's default
+    # Retention bounds the body names (max_nodes, max_result_bytes): a number, or None for the
+    # project's default. One it leaves out keeps the task's (a new task: the project's default).
+    retention: dict[str, int | None]
+
+
+RETENTION_BOUNDS = {"max_nodes": INT32[1], "max_result_bytes": INT64[1]}
 
 
 def parse_task(data: Any) -> TaskInput:
@@ -335,6 +377,11 @@ def parse_task(data: Any) -> TaskInput:
         tools=_tools(data.get("tools")),
         sandbox_budget=sandbox_budget,
         audit_rate=_audit_rate(data.get("audit_rate")),
+        retention={
+            name: None if data[name] is None else parse_int(data[name], name, low=0, high=high)
+            for name, high in RETENTION_BOUNDS.items()
+            if name in data
+        },
     )
 
 

@@ -43,6 +43,7 @@ from cache import events
 from cache.prepared import prepared_cursor
 from cache.tcg.records import NO_TRACE, Trace
 from core.inputs import INT32, MAX_ID_LENGTH
+from observability import metrics
 
 log = logging.getLogger("tvcache.ledger")
 
@@ -288,6 +289,8 @@ class _Ledger:
             taken, self.fresh = self.fresh, Counts()
             if taken:
                 self.counted.append(taken)
+        for (_, _, tool), (calls, hits, _, _) in taken.stats.items():  # /metrics' lookups, counted once
+            metrics.lookups_counted(tool=tool, hits=hits, misses=calls - hits)
         with self.flush_lock:
             self.unwritten.merge(taken)
             if write and self.unwritten:
@@ -444,10 +447,11 @@ def request_add(*, project_id: int, admitted: bool) -> None:
         counts[0 if admitted else 1] += 1
 
 
-def ledger_flush() -> None:
+def ledger_flush(*, write: bool = True) -> None:
     """Write the counts this process holds (readers of stats call it first). Raises if the write
-    fails; the counts stay for the next one."""
-    _ledger.flush()
+    fails; the counts stay for the next one. Without `write`, only /metrics' counters are brought
+    up to date (the ledger's thread writes the rest as usual)."""
+    _ledger.flush(write=write)
 
 
 def node_created(task_id: str, node_id: int) -> None:

@@ -52,6 +52,11 @@ class Task(models.Model):
     audit_rate = models.FloatField(default=0.02)
     uncacheable_tools = models.JSONField(default=list)
     version = models.PositiveIntegerField(default=1)  # bumped by every update; hot paths check it
+    # Retention (docs/operations/retention.md): the nodes and result bytes the task keeps at most;
+    # the periodic job evicts its coldest subtrees beyond them. NULL: the project's default
+    # (Project.task_max_nodes, task_max_result_bytes), and if that is NULL too, unbounded.
+    max_nodes = models.PositiveIntegerField(null=True, blank=True)
+    max_result_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

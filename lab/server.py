@@ -136,6 +136,7 @@ def service_running(
     ready_path: str = "/api/schema/",
     root: Path = ROOT,
     release_on_stop: bool = False,
+    app: str | None = None,
 ) -> Iterator[RunningServer]:
     """Serve tvcache as deployed (`manage.py serve --web-only`: production settings, `workers`
     processes, a psycopg pool of 16 per process) on a free loopback port, on `db` and `redis_url`
@@ -148,7 +149,8 @@ def service_running(
     background work in process (its embedded default). Logs go to `log_dir` if given. `root`: the
     checkout served (another one than this, to measure it). With `release_on_stop`, once stopped
     it stops the sandboxes of the instance's database, as the run command does
-    (`manage.py release_sandboxes`)."""
+    (`manage.py release_sandboxes`). `app`: another ASGI application served the same way (the
+    hits benchmark's bare floor)."""
     broker = os.environ.get("REDIS_URL", "") if redis_url is None else redis_url
     queue = f"tvcache-{uuid.uuid4().hex[:8]}" if broker else None
     env = {
@@ -175,6 +177,7 @@ def service_running(
             str(port),
             "--workers",
             str(workers),
+            *(["--app", app] if app else []),
         ]
     }
     if queue and celery:

@@ -129,27 +129,34 @@ def _trouble() -> None:
         log.exception("metrics: could not count (further failures are not logged)")
 
 
-def lookup_counted(*, tool: str, hit: bool, project: str = PROJECT_DEFAULT) -> None:
-    """One lookup answered (hot path)."""
+def lookups_counted(*, tool: str, hits: int, misses: int, project: str = PROJECT_DEFAULT) -> None:
+    """Lookups answered, added up by the cache's ledger (off the hot path, every flush)."""
     try:
-        _child(LOOKUPS, project, _tool(tool), "hit" if hit else "miss").inc()
+        for result, count in (("hit", hits), ("miss", misses)):
+            if count:
+                _child(LOOKUPS, project, _tool(tool), result).inc(count)
     except Exception:
         _trouble()
 
 
 def lookup_timed(answer):
-    """Decorates a lookup endpoint's answer function: its duration goes to LOOKUP_SECONDS."""
+    """Decorates a lookup endpoint's answer function: its duration goes to LOOKUP_SECONDS, unless
+    it answered None (not answered here: whatever answers it instead is timed)."""
 
     @functools.wraps(answer)
     def timed(**kwargs):
         started = time.perf_counter()
+        answered = True  # an error answered too
         try:
-            return answer(**kwargs)
+            result = answer(**kwargs)
+            answered = result is not None
+            return result
         finally:
-            try:
-                LOOKUP_SECONDS.observe(time.perf_counter() - started)
-            except Exception:
-                _trouble()
+            if answered:
+                try:
+                    LOOKUP_SECONDS.observe(time.perf_counter() - started)
+                except Exception:
+                    _trouble()
 
     return timed
 

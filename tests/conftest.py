@@ -118,6 +118,17 @@ def _hit_cache_off_in_counted_tests(request, monkeypatch):
 
 
 @pytest.fixture
+def celery_worker(transactional_db, settings):
+    """A real worker thread consuming the test session's queue on the real Redis broker."""
+    from tests.support.toolserver import worker_on
+    from tvcache_site.celery import app as celery_app
+
+    assert not settings.CELERY_TASK_ALWAYS_EAGER, "set REDIS_URL: the tests need a real broker"
+    with worker_on([celery_app.conf.task_default_queue]):
+        yield
+
+
+@pytest.fixture
 def token(db) -> str:
     return token_create(name="trainer")
 

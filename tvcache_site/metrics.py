@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, REGISTRY, CollectorRegis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from cache.ledger import ledger_flush
 from cache.models import Divergence, Snapshot
 from core.api.errors import error_response
 from core.background import backlog
@@ -54,6 +55,7 @@ def metrics_view(request):
         return error_response(
             Forbidden("Metrics are readable from TVCACHE_METRICS_ALLOW's addresses only.", code="permission_denied")
         )
+    ledger_flush(write=False)  # the lookups this process counted since the ledger's last flush
     return HttpResponse(_exposition(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 

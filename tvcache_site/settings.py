@@ -280,6 +280,14 @@ TVCACHE = {
     "HIT_CACHE_WINDOW_MS": env.float("TVCACHE_HIT_CACHE_WINDOW_MS", default=50.0),
     # A tool-server rollout idle this long loses its sandbox (the reaper stops it).
     "ROLLOUT_IDLE_S": env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0),
+    # Retention (tasks' max_nodes, max_result_bytes; docs/operations/retention.md): a node created
+    # or hit this recently is on a live rollout's path and is never evicted, nor are its ancestors
+    # (default: as long as an idle tool-server rollout keeps its sandbox). Each enforcement deletes
+    # at most RETENTION_BATCH nodes per transaction.
+    "RETENTION_LIVE_S": env.float(
+        "TVCACHE_RETENTION_LIVE_S", default=env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0)
+    ),
+    "RETENTION_BATCH": env.int("TVCACHE_RETENTION_BATCH", default=5000),
     # Ready pre-forks kept per task (idle containers cost memory), and how long a ready sandbox
     # nobody takes stays up.
     "PREFORKS_PER_TASK": env.int("TVCACHE_PREFORKS_PER_TASK", default=4),

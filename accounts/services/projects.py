@@ -23,6 +23,8 @@ LIMITS = (
     "max_snapshot_bytes",
     "rate_limit",
     "rate_burst",
+    "task_max_nodes",
+    "task_max_result_bytes",
 )
 # Caps on a sandbox's limits, and the service's maximum each must stay within.
 SERVICE_MAXIMA = {"max_memory_mb": "DOCKER_MAX_MEMORY_MB", "max_cpus": "DOCKER_MAX_CPUS", "max_pids": "DOCKER_MAX_PIDS"}

@@ -65,7 +65,18 @@ _verified: TTLCache[str, Principal] = TTLCache()  # by key digest
 
 
 def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    digest = _digests.get(key)
+    if digest is None:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if len(key) <= 128:  # a key is 47 characters: longer ones are not kept
+            if len(_digests) >= 1024:
+                _digests.clear()
+            _digests[key] = digest
+    return digest
+
+
+# The digests of the keys this process saw lately: a hot-path request would hash its key again.
+_digests: dict[str, str] = {}
 
 
 def token_create(
@@ -100,9 +111,9 @@ def token_revoke(*, name: str) -> bool:
     return bool(ApiToken.objects.filter(name=name, revoked_at__isnull=True).update(revoked_at=timezone.now()))
 
 
-def principal_cached(key: str) -> bool:
-    """The key was verified lately in this process (no database read)."""
-    return _verified.get(key_digest(key)) is not None
+def principal_cached(key: str) -> Principal | None:
+    """The key's principal if it was verified lately in this process (no database read)."""
+    return _verified.get(key_digest(key))
 
 
 def principal_for_key(key: str) -> Principal | None:
@@ -146,8 +157,8 @@ class _Bucket:
 
     __slots__ = ("tokens", "stamp")
 
-    def __init__(self, burst: float):
-        self.tokens, self.stamp = burst, time.monotonic()
+    def __init__(self, burst: float, stamp: float):
+        self.tokens, self.stamp = burst, stamp
 
 
 _buckets: dict[int, _Bucket] = {}
@@ -169,7 +180,8 @@ def admit(principal: Principal) -> None:
     with _buckets_lock:
         bucket = _buckets.get(principal.project_id)
         if bucket is None:
-            bucket = _buckets[principal.project_id] = _Bucket(burst)
+            # Full as of `now`: stamped later, it would be a hair short of a request when burst is 1.
+            bucket = _buckets[principal.project_id] = _Bucket(burst, now)
         bucket.tokens = min(burst, bucket.tokens + (now - bucket.stamp) * rate_here)
         bucket.stamp = now
         admitted = bucket.tokens >= 1.0

@@ -50,6 +50,8 @@ log = logging.getLogger("tvcache.api")
 # An endpoint's work once the request is authenticated and parsed: JSON body out, or an
 # ApplicationError with its status and code; or, on a lane, the request handed back (core/lanes.py).
 Answer = Callable[..., bytes | HandBack]
+# The same from memory alone, given `admit` to call once the answer is certain; None: not from memory.
+AnswerInMemory = Callable[..., bytes | None]
 # An answer's status, JSON body and the headers an error answer adds.
 Reply = tuple[int, bytes, list[tuple[str, str]]]
 # Under ASGI: "read" lookups, "write" records, "tool" tool-server calls until they need a tool run
@@ -87,11 +89,11 @@ def front_door_refusal(authorization: str) -> Reply | None:
     return _answered(check)
 
 
-def token_verified(authorization: str) -> bool:
-    """The request's token was verified lately by this process (no database read): its body may
-    be read before the token is checked again."""
+def token_verified(authorization: str) -> Principal | None:
+    """The request's principal if its token was verified lately by this process (no database
+    read): its body may be read before the token is checked again."""
     parts = authorization.split()
-    return len(parts) == 2 and parts[0].lower() == "token" and principal_cached(parts[1])
+    return principal_cached(parts[1]) if len(parts) == 2 and parts[0].lower() == "token" else None
 
 
 def front_door_answer(
@@ -109,6 +111,31 @@ def front_door_answer(
         return body if isinstance(body, HandBack) else (200, body, [])
 
     return _answered(work)
+
+
+def front_door_answer_in_memory(
+    answer_in_memory: AnswerInMemory, *, principal: Principal, path_kwargs: dict[str, str], body: bytes
+) -> Reply | None:
+    """The answer the process can give from memory alone, on the event loop (no statement, no
+    wait: a hit from the hit cache), or None: then the lane answers the request as it always
+    does, errors included. The request is admitted against its project's rate limit only once the
+    answer is certain, so a request answered by the lane is admitted once."""
+    admitted = []
+
+    def admit_once() -> None:
+        admitted.append(True)
+        admit(principal)
+
+    try:
+        answer = answer_in_memory(principal=principal, **path_kwargs, payload=load_json(body), admit=admit_once)
+    except Exception as exc:
+        if not admitted:
+            return None
+        error = application_error(exc)
+        if error is None:
+            raise
+        return error.status, error.body(), error.headers()
+    return None if answer is None else (200, answer, [])
 
 
 def _answered(work: Callable[[], Reply | HandBack | None]) -> Reply | HandBack | None:
@@ -132,6 +159,7 @@ def _answered(work: Callable[[], Reply | HandBack | None]) -> Reply | HandBack |
 # drf-spectacular would publish a docstring as the operation's description.)
 class FrontDoorView(APIView):
     answer: Answer
+    answer_in_memory: AnswerInMemory | None = None  # under ASGI, tried on the event loop first
     route: str
     lane: Lane = "read"
 
@@ -489,7 +517,8 @@ class FrontDoorASGI:
         clock = _Clock()
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         rid = request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
-        if not token_verified(authorization):
+        principal = token_verified(authorization)
+        if principal is None:
             # Checked before the body is read: a client without a valid token never gets its
             # body buffered (a flood of large unauthenticated bodies costs a header each).
             refusal = await self._refusal(view, scope, authorization, rid, clock)
@@ -502,6 +531,16 @@ class FrontDoorASGI:
             body = await self._read_body(receive)
             if body is None:  # the client went away
                 return
+
+        if principal is not None and body is not None and view.answer_in_memory is not None:
+            started = time.perf_counter()
+            reply = front_door_answer_in_memory(
+                view.answer_in_memory, principal=principal, path_kwargs=path_kwargs, body=body
+            )
+            clock.app_s += time.perf_counter() - started
+            if reply is not None:
+                answer = self.hot.plain(reply, rid)
+                return await self._send(send, answer, clock.header(answer))
 
         def read_body() -> bytes:
             if body is None:

@@ -39,6 +39,23 @@ class TaskPutSerializer(serializers.Serializer):
             "0 turns it off). Changing it keeps the graph."
         ),
     )
+    max_nodes = serializers.IntegerField(
+        min_value=0,
+        max_value=INT32[1],
+        required=False,
+        allow_null=True,
+        help_text=(
+            "Retention: the nodes the task keeps at most; its coldest subtrees beyond are evicted (their lookups "
+            "miss, their stats stay). null: the project's default (none: unbounded); left out: unchanged."
+        ),
+    )
+    max_result_bytes = serializers.IntegerField(
+        min_value=0,
+        max_value=INT64[1],
+        required=False,
+        allow_null=True,
+        help_text="Retention: the bytes of results the task keeps at most (as max_nodes).",
+    )
 
 
 class TaskSerializer(serializers.Serializer):
@@ -48,6 +65,8 @@ class TaskSerializer(serializers.Serializer):
     tools = serializers.DictField()
     sandbox_budget = serializers.IntegerField()
     audit_rate = serializers.FloatField()
+    max_nodes = serializers.IntegerField(allow_null=True, help_text="null: the project's default")
+    max_result_bytes = serializers.IntegerField(allow_null=True, help_text="null: the project's default")
     uncacheable_tools = serializers.ListField(
         child=serializers.CharField(),
         help_text=(

@@ -104,6 +104,7 @@ class TaskView(APIView):
             tools=spec.tools,
             sandbox_budget=spec.sandbox_budget,
             audit_rate=spec.audit_rate,
+            retention=spec.retention,
             actor=request.user,
         )
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
@@ -131,6 +132,16 @@ _CLONE = {"tool": "bash", "args": {"command": "git clone /src/repo /repo"}}
 _TEST = {"tool": "bash", "args": {"command": "cd /repo && make test", "timeout_s": 600}}
 
 
+def _hit_body(hit) -> bytes:
+    # The stored result is canonical JSON already: splice it in rather than re-encode it.
+    return b'{"hit":true,"node_id":%d,"mutates":%s,%s"result":%s}' % (
+        hit.node_id,
+        b"true" if hit.mutates else b"false",
+        b'"audit":true,' if hit.audit else b"",
+        hit.result_json.encode(),
+    )
+
+
 @extend_schema_view(
     post=extend_schema(
         request=s.LookupSerializer,
@@ -150,19 +161,20 @@ class LookupView(FrontDoorView):
 
     @staticmethod
     @metrics.lookup_timed
+    def answer_in_memory(*, principal, task_id: str, payload, admit) -> bytes | None:
+        query = parse_lookup(payload)
+        hit = services.tcg_lookup_in_memory(task_id=principal.task_key(task_id), context=query.context, admit=admit)
+        return None if hit is None else _hit_body(hit)
+
+    @staticmethod
+    @metrics.lookup_timed
     def answer(*, principal, task_id: str, payload) -> bytes:
         query = parse_lookup(payload)
         answer = services.tcg_lookup(
             task_id=principal.task_key(task_id), context=query.context, claim=query.claim, resume=query.resume
         )
         if isinstance(answer, services.LookupHit):
-            # The stored result is canonical JSON already: splice it in rather than re-encode it.
-            return b'{"hit":true,"node_id":%d,"mutates":%s,%s"result":%s}' % (
-                answer.node_id,
-                b"true" if answer.mutates else b"false",
-                b'"audit":true,' if answer.audit else b"",
-                answer.result_json.encode(),
-            )
+            return _hit_body(answer)
         match = answer.match
         resume = None
         if match.resume is not None:

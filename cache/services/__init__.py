@@ -12,9 +12,12 @@ from .lookup import (
     lookup_count,
     replay_file_times,
     tcg_lookup,
+    tcg_lookup_in_memory,
 )
 from .maintenance import claims_clear, tables_vacuum
+from .nodes import nodes_delete
 from .record import RecordOutcome, node_record
+from .retention import task_enforce_retention, tasks_enforce_retention
 from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
 from .snapshots import backend_costs, lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
@@ -37,6 +40,9 @@ __all__ = [
     "lease_release",
     "lookup_count",
     "node_record",
+    "nodes_delete",
+    "task_enforce_retention",
+    "tasks_enforce_retention",
     "rollout_claim",
     "rollout_detach",
     "rollout_history_append",
@@ -51,6 +57,7 @@ __all__ = [
     "tables_vacuum",
     "claims_clear",
     "tcg_lookup",
+    "tcg_lookup_in_memory",
     "replay_file_times",
     "tree_export",
 ]

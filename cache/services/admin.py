@@ -29,9 +29,10 @@ from cache.models import AuditEntry, Lease, Node, Snapshot, Task
 from cache.notfound import unknown_node, unknown_task
 from core.errors import ApplicationError, Conflict, InvalidInput, NotFound
 
+from .nodes import nodes_delete
 from .snapshots import snapshot_evict, task_enforce_budget
-from .tasks import task_flush, task_version_move
-from .totals import task_totals_remove
+from .tasks import task_flush
+from .totals import task_totals_lock
 
 
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
@@ -99,16 +100,18 @@ def _node_for_update(task_id: str, node_id: int) -> Node:
     return node
 
 
-def _subtree_taken_off(task_id: str, node_id: int) -> list[int]:
-    """The node's subtree, taken off the task's totals and locked (totals.py), for deletion. A child
-    recorded before the lock is found by the next read of the subtree: until none is, the newcomers
-    are taken off too, so the totals lose exactly the nodes the delete removes."""
+def _subtree_locked(task_id: str, node_id: int) -> list[int]:
+    """The node's subtree, its rows locked for deletion (the task's totals are locked already:
+    totals.task_totals_lock). A child recorded before its parent's lock is found by the next read
+    of the subtree: until none is, the newcomers are locked too, so the delete removes the whole
+    subtree and the totals lose exactly the nodes it removes."""
     taken: set[int] = set()
     while True:
-        ids = set(selectors.node_subtree_ids(task_id=task_id, node_id=node_id))
-        if not ids - taken:
+        new = sorted(set(selectors.node_subtree_ids(task_id=task_id, node_id=node_id)) - taken)
+        if not new:
             return sorted(taken)
-        found = task_totals_remove(task_id=task_id, node_ids=sorted(ids - taken))
+        found = Node.objects.select_for_update().filter(task_id=task_id, pk__in=new).values_list("pk", flat=True)
+        found = list(found)
         if not found:  # deleted meanwhile by another
             return sorted(taken)
         taken.update(found)
@@ -148,8 +151,9 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         task = Task.objects.select_for_update(no_key=True).filter(pk=task_id).first()
         if task is None:
             raise unknown_task(task_id)
-        ids = _subtree_taken_off(task_id, node_id)
+        task_totals_lock(task_id=task_id)  # then the nodes: the order a record takes them in
         node = _node_for_update(task_id, node_id)
+        ids = _subtree_locked(task_id, node_id)
         live = list(
             Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE).order_by("pk")
         )
@@ -160,21 +164,8 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
                 code="snapshot_leased",
                 details={"snapshot_ids": leased},
             )
-        evicted = [_snapshot_json(s) for s in live]
-        # Deleting the nodes cascades to their snapshots (live and evicted) and released leases; the
-        # live ones are announced here since they do not go through snapshot_evict.
-        Node.objects.filter(pk__in=ids).delete()
-        task_version_move(task)
-        task.save(update_fields=["version", "updated_at"])
-        ledger.nodes_removed(task_id, ids)
-        for snapshot in evicted:
-            ledger.snapshot_event(
-                task_id,
-                "evicted",
-                node_id=snapshot["node_id"],
-                ref=snapshot["ref"],
-                snapshot_id=snapshot["snapshot_id"],
-            )
+        # Deleting the nodes cascades to their snapshots (live and evicted) and released leases.
+        evicted = [_snapshot_json(s) for s in nodes_delete(task=task, node_ids=ids)]
         return {
             "node": {"id": node.pk, "tool": node.tool, "depth": node.depth},
             "nodes_deleted": len(ids),

@@ -56,6 +56,7 @@ class HitCache:
         self._entries: OrderedDict[tuple[str, str, str], tuple[TaskStamp, CachedHit]] = OrderedDict()
         self._bytes = 0
         self._leases: dict[str, tuple[TaskStamp, float]] = {}  # task -> (stamp, valid until, monotonic)
+        self._renewing: set[str] = set()  # tasks whose lease a read is renewing (renewal_due)
         self._lock = threading.Lock()
 
     @property
@@ -75,6 +76,22 @@ class HitCache:
             lease = self._leases.get(task_id)
             if lease is None or lease[1] < until:
                 self._leases[task_id] = (stamp, until)
+
+    def renewal_due(self, task_id: str) -> bool:
+        """The task's lease is past half its window and no renewal is under way: the caller
+        renews it now (and says so with `renewal_done`), so that a steady flow of hits never meets
+        a lapsed lease."""
+        lease = self._leases.get(task_id)
+        if lease is None or lease[1] - time.monotonic() > self.window_s / 2:
+            return False
+        with self._lock:
+            if task_id in self._renewing:
+                return False
+            self._renewing.add(task_id)
+            return True
+
+    def renewal_done(self, task_id: str) -> None:
+        self._renewing.discard(task_id)
 
     def lease_drop(self, task_id: str) -> None:
         self._leases.pop(task_id, None)

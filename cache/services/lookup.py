@@ -6,9 +6,11 @@ A hit this process served lately, under the task's current version, is served ag
 
 from __future__ import annotations
 
+import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,6 +19,7 @@ from django.db import connection
 from django.utils import timezone
 
 from cache import ledger
+from cache.inputs import HISTORY_MEMO_ENTRIES
 from cache.models import Node
 from cache.notfound import unknown_task
 from cache.prepared import prepared_cursor
@@ -28,16 +31,17 @@ from cache.tcg import (
     ToolCall,
     call_digest,
     catch_up,
+    chain_extended,
     longest_prefix_match,
     state_chain,
 )
 from cache.tcg.records import CallContext
 from cache.tcg.snapshots import snapshot_after_ms
-from observability import metrics
+from core.ttl import RecentMemo
 
 from .hitcache import CachedHit, TaskStamp, hit_cache
 from .snapshots import backend_costs
-from .tasks import TaskHandle, task_handle
+from .tasks import TaskHandle, cached_task_handle, task_handle
 
 # The task's current version (a cached handle may be outdated), the node under (anchor, digest)
 # and, only when that is no hit (CASE evaluates the subquery lazily), the history's state-changing
@@ -145,6 +149,11 @@ RETURNING id
 
 
 GRANTED, IN_FLIGHT = "granted", "in_flight"
+log = logging.getLogger("tvcache.cache")
+
+# State chains this process computed lately: (task, stamp, history digest) -> the history's chain
+# (task_chain). 8,192 chains of 32 calls take about 2 MB (their steps are shared).
+_chains: RecentMemo[tuple[str, TaskStamp, bytes], StateChain] = RecentMemo(HISTORY_MEMO_ENTRIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +251,39 @@ def tcg_lookup(
     )
 
 
+def tcg_lookup_in_memory(*, task_id: str, context: CallContext, admit: Callable[[], None]) -> LookupHit | None:
+    """The hit this process's cache serves for the context with no statement and no wait: the
+    task's handle is cached, this process holds a lease on the task's stamp (hitcache.py) and the
+    handle and the entry carry it. None otherwise: `tcg_lookup` then answers, the same way.
+    `admit` runs once the hit is certain, before it is counted (a refusal counts nothing). Cheap
+    enough for the event loop, which then answers without a hop to a lane's thread."""
+    task = cached_task_handle(task_id)
+    if task is None:
+        return None
+    last = _chain(task, context).steps[-1]
+    cached = _hit_cached(task, last.anchor, last.digest, renew=False)
+    if cached is None:
+        return None
+    if hit_cache().renewal_due(task_id):
+        _renewer.submit(_lease_renewed, task_id)
+    admit()
+    return _hit(task, context, cached, True)
+
+
+# Renews leases before they lapse, off the event loop (tcg_lookup_in_memory).
+_renewer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvcache-lease")
+
+
+def _lease_renewed(task_id: str) -> None:
+    try:
+        _stamp_read(task_id)
+    except Exception:
+        log.warning("renewing the hit cache's lease on %s failed", task_id, exc_info=True)
+    finally:
+        hit_cache().renewal_done(task_id)
+        connection.close()  # rarely used: its connection goes back to the pool (or is closed)
+
+
 def _snapshot_after_ms(task: TaskHandle, match: Match, history_length: int) -> float | None:
     """What the record of this miss will decide about a snapshot, as far as the graph tells now:
     one is wanted if the call changes the state and runs longer than this (record.py: replaying
@@ -286,7 +328,6 @@ def lookup_count(
         applied=len(context.history),
         trace=context.trace,
     )
-    metrics.lookup_counted(tool=call.tool, hit=hit)
 
 
 def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool) -> LookupHit:
@@ -307,17 +348,18 @@ def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool)
     )
 
 
-def _hit_cached(task: TaskHandle, anchor: str, digest: str) -> CachedHit | None:
+def _hit_cached(task: TaskHandle, anchor: str, digest: str, *, renew: bool = True) -> CachedHit | None:
     """The hit this process keeps under (task, anchor, digest), if it holds a lease on the task's
     current stamp and the entry and the handle (whose keys found it) carry that stamp. A lapsed
-    lease is renewed by reading the task's stamp, only when an entry waits (hitcache.py)."""
+    lease is renewed by reading the task's stamp, only when an entry waits (hitcache.py), and
+    only with `renew`."""
     cache = hit_cache()
     if not cache.enabled:
         return None
     key = (task.task_id, anchor, digest)
     stamp = cache.leased(task.task_id)
     if stamp is None:
-        if not cache.waiting(key):
+        if not renew or not cache.waiting(key):
             return None
         stamp = _stamp_read(task.task_id)
     if stamp is None or stamp != task.stamp:
@@ -413,7 +455,25 @@ def _leased(match: Match, full_replay: tuple, rollout_id: str | None) -> tuple[M
 
 
 def task_chain(task: TaskHandle, context: CallContext) -> StateChain:
-    return state_chain(task.fingerprint, [*context.history, context.call], task.policy)
+    """The state chain of the context's history and call. The history's comes from this process's
+    memo when a lookup or record of the history computed it (typically the rollout's previous
+    call, whose chain is kept under the digest of the history after it): then no call of the
+    history is hashed again; the chain with the call is kept too (under the digest of the history
+    after it), which this call's record and the rollout's next call find. Memo entries are the task's at one stamp: a version move (a changed
+    policy) or a task made again never finds them."""
+    if not context.history_digest:
+        return state_chain(task.fingerprint, [*context.history, context.call], task.policy)
+    done = _chains.get((task.task_id, task.stamp, context.next_digest))  # this call's lookup's, for its record
+    if done is not None:
+        return done
+    history = _chains.get((task.task_id, task.stamp, context.history_digest))
+    if history is None:
+        history = state_chain(task.fingerprint, context.history, task.policy)
+        _chains.put((task.task_id, task.stamp, context.history_digest), history)
+    chain = chain_extended(history, context.call, task.policy)
+    if context.next_digest:
+        _chains.put((task.task_id, task.stamp, context.next_digest), chain)
+    return chain
 
 
 def replay_file_times(

@@ -24,6 +24,7 @@ from .hitcache import TaskStamp, hit_cache, version_move_wait_s
 from .totals import task_totals_clear
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
+RETENTION_FIELDS = ("max_nodes", "max_result_bytes")  # Task's retention bounds
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,11 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         _handles.clear()
     _handles[task_id] = handle
     return handle
+
+
+def cached_task_handle(task_id: str) -> TaskHandle | None:
+    """The handle this process holds for the task, maybe outdated; None if it holds none."""
+    return _handles.get(task_id)
 
 
 def task_version_move(task: Task) -> None:
@@ -161,12 +167,14 @@ def task_put(
     tools: dict | None = None,
     sandbox_budget: int | None = None,
     audit_rate: float | None = None,
+    retention: dict[str, int | None] | None = None,
     actor: Any = None,
 ) -> tuple[Task, bool]:
     """Create or update the task keyed `task_id` (accounts.projects.task_key: its project is part of
     the key). A changed environment changes the fingerprint and drops the task's old nodes: they
     can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
-    keeps them; an update that names no budget keeps the task's.
+    keeps them; an update that names no budget keeps the task's. `retention`: the bounds it names
+    (max_nodes, max_result_bytes; None: the project's default); those it leaves out are kept.
 
     `actor`: the API principal asking, if any. Changing an existing task's env, tools or budget
     takes the maintainer role (a trainer gets 403 maintainer_required; creating a task, or
@@ -174,6 +182,7 @@ def task_put(
     The arguments are parsed already (cache.inputs.parse_task: the API's body)."""
     _check_backend(env)
     tools = tools or {}
+    retention = _retention(retention or {})
     if audit_rate is None:
         audit_rate = settings.TVCACHE["DEFAULT_AUDIT_RATE"]
     project = _project_of(task_id)
@@ -198,17 +207,21 @@ def task_put(
             tools=tools,
             sandbox_budget=sandbox_budget,
             audit_rate=audit_rate,
+            **retention,
         )
         ledger.task_changed(task_id, "created")
         return task, True
     if sandbox_budget is None:
         sandbox_budget = task.sandbox_budget
+    bounds = {name: getattr(task, name) for name in RETENTION_FIELDS}
+    new_bounds = {**bounds, **retention}
     changed = [
         field
         for field, differs in (
             ("env", task.env_fingerprint != fingerprint),
             ("tools", task.tools != tools),
             ("sandbox_budget", task.sandbox_budget != sandbox_budget),
+            ("retention", bounds != new_bounds),
         )
         if differs
     ]
@@ -219,9 +232,16 @@ def task_put(
         # A changed tool policy changes the state keys too (what counts as a write).
         dropped = task.nodes.count()
         _drop_nodes(task)
-    old = {"env_fingerprint": task.env_fingerprint, "tools": task.tools, "sandbox_budget": task.sandbox_budget}
+    old = {
+        "env_fingerprint": task.env_fingerprint,
+        "tools": task.tools,
+        "sandbox_budget": task.sandbox_budget,
+        **bounds,
+    }
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
     task.audit_rate = audit_rate
+    for name, value in new_bounds.items():
+        setattr(task, name, value)
     task_version_move(task)  # every process re-reads its handle (keys, policy, audit rate)
     task.save()
     if changed and actor is not None:
@@ -236,7 +256,12 @@ def task_put(
                 "changed": changed,
                 "nodes_dropped": dropped,
                 "old": old,
-                "new": {"env_fingerprint": fingerprint, "tools": tools, "sandbox_budget": sandbox_budget},
+                "new": {
+                    "env_fingerprint": fingerprint,
+                    "tools": tools,
+                    "sandbox_budget": sandbox_budget,
+                    **new_bounds,
+                },
             },
         )
     ledger.task_changed(task_id, "updated")
@@ -251,6 +276,13 @@ def _drop_nodes(task: Task) -> None:
     Node.objects.filter(task=task).delete()
     Divergence.objects.filter(task=task).delete()
     task.uncacheable_tools = []
+
+
+def _retention(retention: dict[str, int | None]) -> dict[str, int | None]:
+    unknown = set(retention) - set(RETENTION_FIELDS)
+    if unknown:
+        raise InvalidInput(f"Unknown retention bounds {sorted(unknown)}.", code="invalid_payload")
+    return retention
 
 
 @transaction.atomic

@@ -97,6 +97,14 @@ VALUES (%(task)s, %(tool)s, 0, 0, 0, 0, %(divergent)s, array_fill(0, ARRAY[{BUCK
 """
 
 
+def task_totals_lock(*, task_id: str) -> None:
+    """Lock the task's totals rows, in the caller's transaction, before it locks any of the task's
+    nodes to delete them: a record holds its totals row and then checks its parent's key, so
+    locking nodes first could deadlock with it."""
+    with connection.cursor() as cursor:
+        cursor.execute(LOCK_TOTALS_SQL, [task_id])
+
+
 def task_totals_remove(*, task_id: str, node_ids: list[int]) -> list[int]:
     """Take the task's nodes of `node_ids` off its totals, before they are deleted in the caller's
     transaction: locks the task's totals rows, then those nodes (a record cannot add a child

@@ -74,12 +74,20 @@ def state_chain(fingerprint: str, calls: Iterable[ToolCall], policy: TaskPolicy)
     state = root = root_state_key(fingerprint)
     steps = []
     for position, call in enumerate(calls):
-        digest = call_digest(call)
-        mutates = policy.for_tool(call.tool).mutates_state
-        after = next_state_key(state, digest) if mutates else state
-        steps.append(ChainStep(position, call, digest, state, after, mutates))
-        state = after
+        steps.append(_step(position, call, state, policy))
+        state = steps[-1].state_key
     return StateChain(root=root, steps=tuple(steps))
+
+
+def chain_extended(chain: StateChain, call: ToolCall, policy: TaskPolicy) -> StateChain:
+    """`chain` with one call more: state_chain(f, [*calls, call], p) from state_chain(f, calls, p)."""
+    return StateChain(root=chain.root, steps=(*chain.steps, _step(len(chain.steps), call, chain.final, policy)))
+
+
+def _step(position: int, call: ToolCall, state: str, policy: TaskPolicy) -> ChainStep:
+    digest = call_digest(call)
+    mutates = policy.for_tool(call.tool).mutates_state
+    return ChainStep(position, call, digest, state, next_state_key(state, digest) if mutates else state, mutates)
 
 
 @dataclass(frozen=True, slots=True)

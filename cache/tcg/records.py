@@ -40,6 +40,12 @@ class CallContext:
     epoch: int
     env_fingerprint: str | None
     trace: Trace = NO_TRACE
+    # sha256 of the history's JSON as the client sent it, and of the history the rollout's next
+    # call sends when this call is part of it (b"": not known). Keys of the process's memos of
+    # parsed histories and of their state chains: a rollout's next call then costs no work per
+    # call of its history (cache.inputs.history_digests).
+    history_digest: bytes = b""
+    next_digest: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

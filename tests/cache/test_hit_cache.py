@@ -14,7 +14,6 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from accounts.services import tokens
 from accounts.services.tokens import token_create
 from cache.models import Divergence, Node
 from cache.services import divergence_record
@@ -22,7 +21,6 @@ from cache.services.hitcache import (
     CachedHit,
     HitCache,
     hit_cache,
-    hit_cache_reset,
     version_move_wait_s,
 )
 from lab.server import service_running
@@ -32,23 +30,6 @@ W = call("write", path="f", content="1")
 W2 = call("write", path="g", content="2")
 R = call("read", path="f")
 EXTERNAL = {"env": {"backend": "external", "name": "hits"}, "tools": {"read": {"mutates_state": False}}}
-
-
-@pytest.fixture
-def hit_cache_window(monkeypatch):
-    """The cache with a window of `ms` (default a minute: a lease never lapses in a test), and
-    tokens verified for the whole test, so that a counted request's statements are its own."""
-    monkeypatch.setattr(tokens, "TOKEN_CACHE_TTL_S", 600.0)
-
-    def configure(ms: float = 60_000.0, entries: int = 16_384, mb: int = 64) -> HitCache:
-        monkeypatch.setitem(settings.TVCACHE, "HIT_CACHE_WINDOW_MS", ms)
-        monkeypatch.setitem(settings.TVCACHE, "HIT_CACHE_ENTRIES", entries)
-        monkeypatch.setitem(settings.TVCACHE, "HIT_CACHE_MB", mb)
-        hit_cache_reset()
-        return hit_cache()
-
-    yield configure
-    hit_cache_reset()
 
 
 def lookup_raw(api, task: str, history: list, c: dict, **extra):

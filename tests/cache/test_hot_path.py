@@ -12,8 +12,12 @@ import pytest
 from django.db import connections
 from django.test import override_settings
 
+from accounts.models import Project
+from accounts.projects import DEFAULT_PROJECT
+from accounts.services import tokens
 from cache.api.frontdoor import FrontDoor, FrontDoorASGI
 from cache.api.views import LookupView, RecordView
+from cache.tcg import match
 from sandboxes.api import RolloutCallView
 from tests.support.api import call
 from tvcache_site import asgi as asgi_module
@@ -266,3 +270,72 @@ def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(door
     assert json.loads(body)["error"]["code"] == (
         "invalid_token" if authorization == "Token wrong" else "not_authenticated"
     )
+
+
+def test_a_hit_the_process_holds_is_answered_on_the_event_loop(door, toy_task, auth, api, hit_cache_window):
+    """A hit the process's hit cache holds under a lease needs no lane thread: the event loop
+    answers it, with the bytes the lane gave, counted like any hit."""
+    send, fast, _, _ = door
+    hit_cache_window()
+    task = f"/api/v1/tasks/{toy_task}"
+    send(fast, "POST", f"{task}/record", body(history=[], call=W, result={"ok": True}, exec_ms=1.0), token=auth)
+    looked_up = body(history=[], call=W, rollout_id="r")
+    first = send(fast, "POST", f"{task}/lookup", looked_up, token=auth)  # on the read lane: kept
+
+    def no_lane(*args, **kwargs):
+        raise AssertionError("answered on a lane")
+
+    fast.hot.respond = no_lane
+    again = send(fast, "POST", f"{task}/lookup", looked_up, token=auth)
+    assert again[0] == 200 and again[2] == first[2] and json.loads(again[2])["hit"] is True
+    stats = api.get(f"{task}/stats").json()
+    assert (stats["calls"], stats["hits"]) == (2, 2)
+
+
+def test_a_hit_from_memory_is_refused_over_the_rate_limit_and_not_counted(door, toy_task, auth, api, hit_cache_window):
+    send, fast, _, _ = door
+    hit_cache_window()
+    task = f"/api/v1/tasks/{toy_task}"
+    send(fast, "POST", f"{task}/record", body(history=[], call=W, result={"ok": True}, exec_ms=1.0), token=auth)
+    looked_up = body(history=[], call=W, rollout_id="r")
+    assert send(fast, "POST", f"{task}/lookup", looked_up, token=auth)[0] == 200
+    Project.objects.filter(name=DEFAULT_PROJECT).update(rate_limit=1, rate_burst=1)
+    tokens._verified.clear()  # the principal carries its project's limit: verified again, on the auth lane
+    assert send(fast, "POST", f"{task}/lookup", looked_up, token=auth)[0] == 200  # the bucket's one request
+    fast.hot.respond = None  # from here on, only the event loop may answer
+    status, headers, content = send(fast, "POST", f"{task}/lookup", looked_up, token=auth)
+    assert status == 429 and json.loads(content)["error"]["code"] == "rate_limited" and ("retry-after", "1") in headers
+    Project.objects.filter(name=DEFAULT_PROJECT).update(rate_limit=None, rate_burst=None)
+    tokens._verified.clear()
+    stats = api.get(f"{task}/stats").json()
+    assert (stats["calls"], stats["hits"]) == (2, 2)
+
+
+def test_a_history_is_hashed_once_per_rollout_step(door, toy_task, auth, monkeypatch):
+    """A rollout's next lookup sends its history again with one call more: the process kept the
+    history's state chain from the last call, so each lookup hashes its own call alone, however
+    long the history grows (cache.inputs.history_digests, lookup.task_chain)."""
+    send, fast, _, _ = door
+    task = f"/api/v1/tasks/{toy_task}"
+    hashed = []
+    real = match.call_digest
+    monkeypatch.setattr(match, "call_digest", lambda c: hashed.append(c) or real(c))
+    history = []
+    for step in range(12):
+        c = call("write", path=f"f{step}", content=step)
+        looked = send(fast, "POST", f"{task}/lookup", body(history=history, call=c, rollout_id="r"), token=auth)
+        assert json.loads(looked[2])["hit"] is False
+        recorded = body(history=history, call=c, result={"ok": step}, exec_ms=1.0, rollout_id="r")
+        assert send(fast, "POST", f"{task}/record", recorded, token=auth)[0] == 200
+        history.append(c)
+    # Each call once (its lookup's), not the history again; the first maybe twice: the process may
+    # hold a handle of an earlier test's task of the same name, whose chain is then made again.
+    assert len(hashed) <= len(history) + 1 and {c.to_json()["args"]["path"] for c in hashed} == {
+        c["args"]["path"] for c in history
+    }
+    # The same history with a value of another JSON type (equal in Python: 0 == 0.0 == False)
+    # is another history: never served from the memo of the first.
+    for value, hit in ((0, True), (0.0, False), (False, False)):
+        first = call("write", path="f0", content=value)
+        answer = json.loads(send(fast, "POST", f"{task}/lookup", body(history=[first], call=history[1]), token=auth)[2])
+        assert answer["hit"] is hit and (hit or answer["matched"] == 0)

@@ -186,6 +186,7 @@ def test_a_trainer_creates_and_puts_again_but_cannot_change_env_tools_or_budget(
         "env": {**EXTERNAL, "env": {"backend": "external", "name": "other"}},
         "tools": {**EXTERNAL, "tools": {}},
         "sandbox_budget": {**EXTERNAL, "sandbox_budget": 9},
+        "retention": {**EXTERNAL, "max_nodes": 5},
     }
     for field, body in changes.items():
         response = trainer.put("/api/v1/tasks/t", body, format="json")

@@ -9,8 +9,6 @@ from cache.models import BackendCost
 from cache.services import snapshots as snapshot_costs
 from sandboxes.handles import backend_named, labels
 from sandboxes.images import build_busybox_image
-from tests.support.toolserver import worker_on
-from tvcache_site.celery import app as celery_app
 
 from .dockerd import SecondEngine
 
@@ -21,14 +19,6 @@ def busybox(django_db_blocker):
     client.ping()  # a missing engine fails the run
     build_busybox_image(client)
     return client
-
-
-@pytest.fixture
-def celery_worker(transactional_db, settings):
-    """A real worker thread consuming the test session's queue on the real Redis broker."""
-    assert not settings.CELERY_TASK_ALWAYS_EAGER, "set REDIS_URL: the tests need a real broker"
-    with worker_on([celery_app.conf.task_default_queue]):
-        yield
 
 
 @pytest.fixture

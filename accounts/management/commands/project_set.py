@@ -63,6 +63,20 @@ class Command(BaseCommand):
             help="default: one second's worth",
         )
         parser.add_argument(
+            "--task-max-nodes",
+            type=_number(int),
+            default=argparse.SUPPRESS,
+            metavar="N",
+            help="retention: nodes each task keeps at most unless it sets its own",
+        )
+        parser.add_argument(
+            "--task-max-result-bytes",
+            type=_number(int),
+            default=argparse.SUPPRESS,
+            metavar="BYTES",
+            help="retention: result bytes each task keeps at most unless it sets its own, e.g. 2G",
+        )
+        parser.add_argument(
             "--member",
             action="append",
             default=[],

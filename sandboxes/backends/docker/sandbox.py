@@ -161,7 +161,7 @@ class DockerSandbox(Sandbox):
                 with engine_errors():
                     result = self._run(command, timeout_s)
                 if before is not None:
-                    self._layer = self._layer_state()
+                    self._layer = self._layer_state(settle=True)
             finally:
                 self._session_keep()
             if before is None:
@@ -187,11 +187,7 @@ class DockerSandbox(Sandbox):
             try:
                 with engine_errors():
                     session = self._session_synced()
-                    live = self._processes()
-                    deadline = time.monotonic() + _BUSY_WAIT_S
-                    while live and any(p.runnable for p in live) and time.monotonic() < deadline:
-                        time.sleep(_BUSY_POLL_S)  # a daemon still starting settles; a loop at work does not
-                        live = self._processes()
+                    live = self._settled_processes()
                 if live is None:  # processes out of view: a state is not vouched for without them
                     return None
                 digest = watch.fingerprint(
@@ -228,16 +224,18 @@ class DockerSandbox(Sandbox):
             finally:  # the next call starts a tick after these changes (their ctimes are not its own)
                 self._last_end_ns = time.time_ns()
 
-    def _layer_state(self) -> LayerState | None:
+    def _layer_state(self, *, settle: bool = False) -> LayerState | None:
         """The layer, the session and the live processes as they are now (`_live` set to those);
         None when they are not observed: out of reach, gone (the container is being removed), or
-        too large to list per call (then never again)."""
+        too large to list per call (then never again). With `settle` (after a call), processes at
+        work are given time to settle first: one the call left exiting would otherwise be seen
+        alive or not by chance, and the call taken for a change of state."""
         watch = self._layer_watch()
         if watch is None:
             return None
         try:
             with engine_errors():
-                self._live = self._processes()
+                self._live = self._settled_processes() if settle else self._processes()
             if self._live is None:
                 return None
             return watch.state(self._extra(self._session or b"", self._live))
@@ -253,6 +251,16 @@ class DockerSandbox(Sandbox):
         return b"session\0" + session + b"\0processes\0" + b"\n".join(sorted(p.line() for p in live))
 
     # --- the processes it keeps running (procs.py) ----------------------------------------------
+
+    def _settled_processes(self) -> tuple[LiveProcess, ...] | None:
+        """The live processes, once none is at work or after _BUSY_WAIT_S: a daemon still starting
+        or a process exiting settles; a loop at work does not."""
+        live = self._processes()
+        deadline = time.monotonic() + _BUSY_WAIT_S
+        while live and any(p.runnable for p in live) and time.monotonic() < deadline:
+            time.sleep(_BUSY_POLL_S)
+            live = self._processes()
+        return live
 
     def _processes(self) -> tuple[LiveProcess, ...] | None:
         started = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache.tcg import ToolCall, env_fingerprint
+from cache.tcg import ToolCall, chain_extended, env_fingerprint, state_chain
 from cache.tcg.graph import Hit, ToolCallGraph
 
 from .toy import POLICY, ToyEnvironment, fresh_result
@@ -115,3 +115,11 @@ def test_changed_environment_never_hits():
     new = ToolCallGraph(env_fingerprint({"image": "v2"}), POLICY)
     new._nodes = old._nodes  # same store, new fingerprint: keys differ
     assert not isinstance(new.lookup([], call), Hit)
+
+
+@given(history=st.lists(calls, max_size=12), call=calls)
+def test_a_chain_extended_by_a_call_is_the_chain_of_the_longer_history(history, call):
+    fingerprint = env_fingerprint({"toy": 1})
+    assert chain_extended(state_chain(fingerprint, history, POLICY), call, POLICY) == state_chain(
+        fingerprint, [*history, call], POLICY
+    )

@@ -36,15 +36,20 @@ class Command(BaseCommand):
         parser.add_argument(
             "--web-only", action="store_true", help="no Celery worker, and stopping leaves the sandboxes running"
         )
+        parser.add_argument(
+            "--app",
+            default="tvcache_site.asgi:application",
+            help="the ASGI application uvicorn serves (the hits benchmark serves its bare floor this way)",
+        )
 
-    def handle(self, *args, host, port, workers, grace, web_only, **options):
+    def handle(self, *args, host, port, workers, grace, web_only, app, **options):
         # A signal handler runs between two bytecodes of the main thread, maybe while it holds a
         # lock: one that takes a lock (Event.set) can deadlock it for good, and then no signal
         # stops the service. It only appends to a list; the loop sleeps, which a signal cuts short.
         stopping: list[int] = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda signum, _: stopping.append(signum))
-        processes = self._started(host, port, workers, celery=bool(settings.REDIS_URL) and not web_only)
+        processes = self._started(app, host, port, workers, celery=bool(settings.REDIS_URL) and not web_only)
         try:
             while not stopping:
                 time.sleep(0.5)
@@ -61,7 +66,7 @@ class Command(BaseCommand):
                 )
 
     @staticmethod
-    def _started(host: str, port: int, workers: int, *, celery: bool) -> list[subprocess.Popen]:
+    def _started(app: str, host: str, port: int, workers: int, *, celery: bool) -> list[subprocess.Popen]:
         # The pool: the tool-run lane's threads hold a connection each while a tool runs, plus the
         # other lanes' threads and Django's own.
         env = {
@@ -73,7 +78,7 @@ class Command(BaseCommand):
                 sys.executable,
                 "-m",
                 "uvicorn",
-                "tvcache_site.asgi:application",
+                app,
                 "--host",
                 host,
                 "--port",

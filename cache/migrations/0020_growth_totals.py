@@ -45,7 +45,7 @@ KEYS_TO_HEX = "ALTER TABLE cache_node " + ", ".join(
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("cache", "0018_rollout_steps"),
+        ("cache", "0019_retention"),
     ]
 
     operations = [
