@@ -5,12 +5,36 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import Project
 from accounts.projects import MAX_TASK_ID, MAX_TASK_KEY
+from cache.tcg.exectimes import BUCKETS
+
+
+class DigestField(models.Field):
+    """A SHA-256 digest (a key of cache.tcg): 64 hex characters in Python, its 32 bytes in
+    PostgreSQL (bytea: half the room of the text in rows and indexes). Raw SQL sends and reads
+    the hex: decode(%s, 'hex'), encode(column, 'hex')."""
+
+    description = "SHA-256 digest"
+
+    def db_type(self, connection) -> str:
+        return "bytea"
+
+    def get_prep_value(self, value):
+        if value is None or isinstance(value, bytes):
+            return value
+        return bytes.fromhex(value)
+
+    def from_db_value(self, value, expression, connection):
+        return None if value is None else bytes(value).hex()
+
+    def to_python(self, value):
+        return bytes(value).hex() if isinstance(value, (bytes, memoryview)) else value
 
 
 class Task(models.Model):
@@ -46,10 +70,11 @@ class Task(models.Model):
 class Node(models.Model):
     """One executed tool call with its result, under (anchor state key, call digest)."""
 
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="nodes")
-    anchor_key = models.CharField(max_length=64)
-    call_digest = models.CharField(max_length=64)
-    state_key = models.CharField(max_length=64)  # state after the call (= anchor for read-only)
+    # No index of its own: `node_task_depth` (task, depth, id) serves every read by task.
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="nodes", db_index=False)
+    anchor_key = DigestField()
+    call_digest = DigestField()
+    state_key = DigestField()  # state after the call (= anchor for read-only)
     parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="children")
     depth = models.PositiveIntegerField()
     tool = models.CharField(max_length=200)
@@ -90,7 +115,8 @@ class Node(models.Model):
         ]
         indexes = [
             models.Index(fields=["task", "state_key"], condition=Q(mutates=True), name="node_write_state"),
-            models.Index(fields=["task", "depth"], name="node_task_depth"),
+            # The graph page's first levels, in order (depth, id), read as an index range.
+            models.Index(fields=["task", "depth", "id"], name="node_task_depth_id"),
             # Lookups check that no divergent state-changing node lies on the history (lookup.py).
             models.Index(
                 fields=["task", "state_key"], condition=Q(mutates=True, divergent=True), name="node_divergent_state"
@@ -99,6 +125,25 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_id}#{self.pk} {self.tool}"
+
+
+class TaskTotal(models.Model):
+    """What a task's graph holds, per tool: kept exact as nodes are recorded, removed and marked
+    divergent (cache.services.totals, the one place that adjusts them), so stats and pages read a
+    row per tool instead of scanning the task's nodes (docs/operations/growth.md)."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="totals", db_index=False)
+    tool = models.CharField(max_length=200)
+    nodes = models.BigIntegerField(default=0)
+    roots = models.BigIntegerField(default=0)  # nodes with no parent: the graph's top level
+    result_bytes = models.BigIntegerField(default=0)
+    process_states = models.BigIntegerField(default=0)  # state-changing nodes that left live processes
+    divergent = models.BigIntegerField(default=0)  # nodes no longer served (Node.divergent)
+    # Nodes per bucket of exec time (cache.tcg.exectimes): the median without a sort of every node.
+    exec_ms_buckets = ArrayField(models.IntegerField(), size=BUCKETS)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "tool"], name="tasktotal_unique")]
 
 
 class Snapshot(models.Model):
@@ -135,6 +180,18 @@ class Snapshot(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["task", "ref"], name="snapshot_unique_ref"),
             models.UniqueConstraint(fields=["node"], condition=Q(status="live"), name="snapshot_one_live_per_node"),
+        ]
+        indexes = [
+            # A task's live snapshots newest first (its pools page), whether it has any (the pools
+            # list), and their counts, bytes, backends and newest (stats, lists): an index range
+            # read alone, not a sort or a heap read of every live snapshot.
+            models.Index(
+                fields=["task", "created_at", "id"],
+                include=["size_bytes", "backend", "keeps_processes"],
+                condition=Q(status="live"),
+                name="snapshot_live_task",
+            ),
+            models.Index(fields=["task"], condition=Q(status="evicted"), name="snapshot_evicted_task"),
         ]
 
 
@@ -230,6 +287,8 @@ class Rollout(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
+        # The task page's rollouts, latest first, a page at a time.
+        indexes = [models.Index(fields=["task", "started_at", "id"], name="rollout_task_started")]
 
 
 class RolloutStep(models.Model):

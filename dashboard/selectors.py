@@ -49,11 +49,6 @@ NODE_SNAPSHOTS_PAGE_SIZE = 20
 PROJECT_LIST_PAGE_SIZE = 50
 ZERO_RATES = {**dict.fromkeys(cache_selectors.COUNTERS, 0), "hit_rate": 0.0, "oracle_hit_rate": 0.0}
 
-TOOL_MEDIANS_SQL = """
-SELECT tool, percentile_cont(0.5) WITHIN GROUP (ORDER BY exec_ms), count(*)
-FROM cache_node WHERE task_id = %s GROUP BY tool
-"""
-
 PATH_SQL = """
 WITH RECURSIVE up(id, parent_id, level) AS (
     SELECT id, parent_id, 0 FROM cache_node WHERE task_id = %s AND id = %s
@@ -163,9 +158,10 @@ def task_detail(*, task_id: str, rollouts_page: int | str | None = 1) -> dict[st
     rollouts, latest first."""
     task = cache_selectors.task_get(task_id=task_id)
     stats = cache_selectors.task_stats(task_id=task_id)
-    with connection.cursor() as cursor:
-        cursor.execute(TOOL_MEDIANS_SQL, [task_id])
-        medians = {tool: (median, nodes) for tool, median, nodes in cursor.fetchall()}
+    medians = {
+        tool: (row["median_exec_ms"], row["nodes"])
+        for tool, row in cache_selectors.task_totals(task_id=task_id).items()
+    }
     tools = []
     for row in stats["per_tool"]:
         median, nodes = medians.pop(row["tool"], (None, 0))
@@ -203,7 +199,7 @@ def task_counts(*, task_id: str) -> dict[str, Any]:
         "stats": {
             "calls": calls["calls"] or 0,
             "hits": calls["hits"] or 0,
-            "nodes": Node.objects.filter(task_id=task_id).count(),
+            "nodes": sum(row["nodes"] for row in cache_selectors.task_totals(task_id=task_id).values()),
         },
     }
 
@@ -249,7 +245,9 @@ def graph_slice(
         data = cache_selectors.graph_export(task_id=task_id, root=root, max_depth=levels, limit=limit + 1)
     rows = data["nodes"]
     children = _child_counts([row["id"] for row in rows])
-    top_level = Node.objects.filter(task_id=task_id, parent__isnull=True).count() if root is None else None
+    top_level = None
+    if root is None:
+        top_level = sum(row["roots"] for row in cache_selectors.task_totals(task_id=task_id).values())
     return {
         "task_id": task_id,
         "root": root,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import orjson
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -12,13 +12,15 @@ from accounts.projects import task_public_id
 from cache.api.frontdoor import FrontDoorView
 from cache.api.serializers import ErrorSerializer, PromptSpanSerializer, ToolCallSerializer, TraceSerializer
 from cache.inputs import MAX_BRANCHES, MAX_TRAJECTORY_REF, parse_branch, parse_rollout_call
-from core.inputs import INT32, parse_id
+from core.inputs import INT32, parse_id, parse_query_int
 from core.lanes import HandBack
 from observability import metrics
 from sandboxes import selectors, services
 from sandboxes.models import Sandbox
 
 ERRORS = {code: ErrorSerializer for code in (400, 401, 403, 404, 409, 429, 503)}
+POOL_PAGE = 50  # tasks per answer of GET /pools unless ?limit= says otherwise
+POOL_PAGE_MAX = 500
 
 
 class CallSerializer(TraceSerializer):
@@ -229,8 +231,15 @@ class TaskSandboxesView(APIView):
 
 class PoolsView(APIView):
     @extend_schema(
-        responses={200: dict},
-        summary="The project's sandboxes by pool and state, live snapshots, fork latency; engine health",
+        parameters=[
+            OpenApiParameter("limit", int, description=f"tasks per page, 1 to {POOL_PAGE_MAX}, default {POOL_PAGE}"),
+            OpenApiParameter("offset", int),
+        ],
+        responses={200: dict, **ERRORS},
+        summary="The project's tasks holding sandboxes or live snapshots, a page at a time, one row each;"
+        " totals, fork latency, engine health",
     )
     def get(self, request):
-        return Response(selectors.pools_overview(project_id=request.user.project_id, public_ids=True))
+        limit = parse_query_int(request.query_params, "limit", POOL_PAGE, low=1, high=POOL_PAGE_MAX)
+        offset = parse_query_int(request.query_params, "offset", 0, low=0, high=INT32[1])
+        return Response(selectors.pools_listed(project_id=request.user.project_id, limit=limit, offset=offset))

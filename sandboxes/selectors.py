@@ -1,13 +1,12 @@
-"""Reads about managed sandboxes: the pools overview (/api/v1/pools), the pools per task and a
-task's live snapshots a page at a time (the dashboard's pools page), a task's sandboxes
+"""Reads about managed sandboxes: the pools per task a page at a time (/api/v1/pools and the
+dashboard's pools page), a task's live snapshots a page at a time, a task's sandboxes
 (/api/v1/tasks/{id}/sandboxes)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from statistics import median, quantiles
 
-from django.db.models import Count, Max, Q, Sum
+from django.db.models import Count, Max, OuterRef, Q, Subquery, Sum
 from django.utils import timezone
 
 from accounts.projects import key_project, task_public_id
@@ -97,25 +96,6 @@ def _pool_scope(project_id: int | None, project_ids: list[int] | None) -> dict:
     return scope
 
 
-def _pools(live, name: Callable[[str], str]) -> list[dict]:
-    """Live sandboxes by (task, backend, pool), each with its count per state."""
-    pools: dict[tuple[str, str, str], dict] = {}
-    for row in live.values("task_id", "backend", "pool", "state").annotate(n=Count("id")):
-        key = (row["task_id"], row["backend"], row["pool"])
-        entry = pools.setdefault(
-            key,
-            {
-                "task_id": name(row["task_id"]),
-                "project": key_project(row["task_id"]),
-                "backend": row["backend"],
-                "pool": row["pool"],
-                "states": dict.fromkeys(POOL_STATES, 0),
-            },
-        )
-        entry["states"][row["state"]] = row["n"]
-    return sorted(pools.values(), key=lambda p: (p["task_id"], p["pool"]))
-
-
 def fork_latency(
     *, project_id: int | None = None, project_ids: list[int] | None = None, task_id: str | None = None
 ) -> dict:
@@ -155,36 +135,29 @@ def live_sandboxes_per_task(*, task_keys: list[str]) -> dict[str, int]:
     return {row["task_id"]: row["n"] for row in rows}
 
 
-def pools_overview(
-    *, project_id: int | None = None, project_ids: list[int] | None = None, public_ids: bool = False
-) -> dict:
-    """Pools, live snapshots and fork latency of one project's tasks, of several, or (both None)
-    of every project; the engine's health. `public_ids`: tasks named as their project knows them
-    (the API), else by key (the dashboard), each entry with its project's name."""
-    scope = _pool_scope(project_id, project_ids)
-    name = task_public_id if public_ids else (lambda key: key)
-    live = Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED)
-    snapshots = [
-        {
-            "task_id": name(s["task_id"]),
-            "project": key_project(s["task_id"]),
-            "node_id": s["node_id"],
-            "ref": s["ref"],
-            "backend": s["backend"],
-            "size_bytes": s["size_bytes"],
-            "status": s["status"],
-        }
-        for s in Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope)
-        .order_by("-created_at")
-        .values("task_id", "node_id", "ref", "backend", "size_bytes", "status")[:500]
-    ]
-    engine, engines_each = engines_seen(scoped=bool(scope))
+def pools_listed(*, project_id: int, limit: int, offset: int) -> dict:
+    """GET /api/v1/pools: the engines' health, the fork latency and totals of the project's tasks,
+    and one page of those tasks that hold live snapshots or sandboxes, in id order, each summarized
+    in one row (pool_tasks; named as the project knows them), with `count` (every page's) and
+    `next_offset` (None on the last page). `pools`: the page's pools by task, backend and pool, each
+    with its count per state. Statements bounded by the page, not by the snapshots."""
+    keys = pool_task_keys(project_ids=[project_id])
+    count = keys.count()
+    tasks = pool_tasks(task_keys=[key for (key,) in keys[offset : offset + limit]])
+    pools = []
+    for row in tasks:
+        row["task_id"] = task_public_id(row["task_id"])
+        pools.extend({"task_id": row["task_id"], "project": row["project"], **pool} for pool in row["pools"])
+    engine, engines_each = engines_seen(scoped=True)
     return {
         "engine": engine,
         "engines": engines_each,
-        "pools": _pools(live, name),
-        "snapshots": snapshots,
-        "fork_latency_ms": fork_latency(project_id=project_id, project_ids=project_ids),
+        "fork_latency_ms": fork_latency(project_id=project_id),
+        "totals": {**pool_totals(project_ids=[project_id]), "tasks": count},
+        "tasks": tasks,
+        "pools": pools,
+        "count": count,
+        "next_offset": offset + limit if offset + limit < count else None,
     }
 
 
@@ -195,11 +168,18 @@ def pools_overview(
 
 def pool_task_keys(*, project_ids: list[int] | None = None):
     """Keys of the tasks that hold a live snapshot or a live sandbox, in key order (a queryset of
-    1-tuples, for a paginator)."""
-    scope = _pool_scope(None, project_ids)
-    snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope).values_list("task_id")
-    sandboxes = Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED).values_list("task_id")
-    return snapshots.union(sandboxes).order_by("task_id")
+    1-tuples, for a paginator). One index probe per task (`snapshot_live_task`), not a read of
+    every live snapshot: a task may hold its whole budget of them. Scalar subqueries, not EXISTS,
+    which PostgreSQL may plan as a hash of every live snapshot."""
+    tasks = Task.objects.all() if project_ids is None else Task.objects.filter(project_id__in=project_ids)
+    snapshot = Snapshot.objects.filter(task_id=OuterRef("pk"), status=Snapshot.Status.LIVE).values("pk")[:1]
+    sandbox = Sandbox.objects.filter(task_id=OuterRef("pk")).exclude(state__in=LIVE_EXCLUDED).values("pk")[:1]
+    return (
+        tasks.annotate(snapshot=Subquery(snapshot), sandbox=Subquery(sandbox))
+        .filter(Q(snapshot__isnull=False) | Q(sandbox__isnull=False))
+        .order_by("pk")
+        .values_list("pk")
+    )
 
 
 def pool_totals(*, project_ids: list[int] | None = None) -> dict:

@@ -23,8 +23,8 @@ SELECT c.task_id, c.anchor_key, c.call_digest
 FROM unnest(%s::varchar[], %s::varchar[], %s::varchar[]) AS k(task_id, anchor_key, call_digest)
 JOIN cache_claim c USING (task_id, anchor_key, call_digest)
 WHERE c.expires_at > clock_timestamp()
-  AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = c.anchor_key
-                                              AND n.call_digest = c.call_digest)
+  AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = decode(c.anchor_key, 'hex')
+                                              AND n.call_digest = decode(c.call_digest, 'hex'))
 """
 POLL_FIRST_S = 0.005  # after a new waiter: a short call's result is taken about as soon as it exists
 # Backing off to this while nothing new waits (a slow tool's waiters): one statement per process

@@ -32,6 +32,7 @@ from core.errors import ApplicationError, Conflict, InvalidInput, NotFound
 from .nodes import nodes_delete
 from .snapshots import snapshot_evict, task_enforce_budget
 from .tasks import task_flush
+from .totals import task_totals_lock
 
 
 def action_audited(*, actor, action: str, task_id: str, target: str, run: Callable[[], dict]) -> AuditEntry:
@@ -99,6 +100,23 @@ def _node_for_update(task_id: str, node_id: int) -> Node:
     return node
 
 
+def _subtree_locked(task_id: str, node_id: int) -> list[int]:
+    """The node's subtree, its rows locked for deletion (the task's totals are locked already:
+    totals.task_totals_lock). A child recorded before its parent's lock is found by the next read
+    of the subtree: until none is, the newcomers are locked too, so the delete removes the whole
+    subtree and the totals lose exactly the nodes it removes."""
+    taken: set[int] = set()
+    while True:
+        new = sorted(set(selectors.node_subtree_ids(task_id=task_id, node_id=node_id)) - taken)
+        if not new:
+            return sorted(taken)
+        found = Node.objects.select_for_update().filter(task_id=task_id, pk__in=new).values_list("pk", flat=True)
+        found = list(found)
+        if not found:  # deleted meanwhile by another
+            return sorted(taken)
+        taken.update(found)
+
+
 def _open_leases(snapshots: list[Snapshot]) -> list[int]:
     from django.utils import timezone
 
@@ -133,8 +151,9 @@ def admin_subtree_evict(*, actor, task_id: str, node_id: int) -> AuditEntry:
         task = Task.objects.select_for_update(no_key=True).filter(pk=task_id).first()
         if task is None:
             raise unknown_task(task_id)
+        task_totals_lock(task_id=task_id)  # then the nodes: the order a record takes them in
         node = _node_for_update(task_id, node_id)
-        ids = selectors.node_subtree_ids(task_id=task_id, node_id=node_id)
+        ids = _subtree_locked(task_id, node_id)
         live = list(
             Snapshot.objects.select_for_update().filter(node_id__in=ids, status=Snapshot.Status.LIVE).order_by("pk")
         )

@@ -20,12 +20,13 @@ from django.conf import settings
 from django.db import transaction
 
 from cache import ledger
-from cache.models import AuditEntry, Divergence, Node, Task
+from cache.models import AuditEntry, Divergence, Node, Task, TaskTotal
 from cache.notfound import unknown_node, unknown_task
 from cache.tcg import same_result
 
 from .admin import system_entry
 from .tasks import task_version_move
+from .totals import task_totals_add
 
 
 def divergence_record(
@@ -75,10 +76,11 @@ def _mark(task: Task, node_id: int) -> bool:
     task's version moves (the caller moves it) so that every process's handle learns that lookups
     must check for it, and no process serves the node from its cache of hits. False: divergent
     already."""
-    mutates = Node.objects.filter(pk=node_id, divergent=False).values_list("mutates", flat=True).first()
-    if mutates is None:
+    tool = Node.objects.filter(pk=node_id, divergent=False).values_list("tool", flat=True).first()
+    # The UPDATE decides: of two marks at once only one matches the row, and only it counts.
+    if tool is None or not Node.objects.filter(pk=node_id, divergent=False).update(divergent=True):
         return False
-    Node.objects.filter(pk=node_id).update(divergent=True)
+    task_totals_add(task_id=task.pk, tool=tool, divergent=1)
     ledger.node_changed(task.pk, node_id, divergent=True)
     return True
 
@@ -90,7 +92,7 @@ def _limit_tool(task: Task, tool: str) -> dict | None:
     limit = settings.TVCACHE["AUDIT_MAX_DIVERGENT"]
     if tool in task.uncacheable_tools:
         return None
-    divergent = Node.objects.filter(task_id=task.pk, tool=tool, divergent=True).count()
+    divergent = TaskTotal.objects.filter(task_id=task.pk, tool=tool).values_list("divergent", flat=True).first() or 0
     if divergent <= limit:
         return None
     task.uncacheable_tools = [*task.uncacheable_tools, tool]

@@ -27,8 +27,8 @@ from .tasks import TaskHandle
 # Lead (the claim was taken) or go on (the node exists now: its leader recorded it).
 LEAD_SQL = (
     "WITH claimed AS (" + CLAIM_INSERT.format(condition="true") + ") SELECT EXISTS (SELECT FROM claimed)"
-    " OR EXISTS (SELECT FROM cache_node n WHERE n.task_id = %(task)s AND n.anchor_key = %(anchor)s"
-    " AND n.call_digest = %(digest)s)"
+    " OR EXISTS (SELECT FROM cache_node n WHERE n.task_id = %(task)s AND n.anchor_key = decode(%(anchor)s, 'hex')"
+    " AND n.call_digest = decode(%(digest)s, 'hex'))"
 )
 
 

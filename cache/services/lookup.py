@@ -80,7 +80,8 @@ CLAIM_INSERT = """
     WHERE {condition} AND t.id = %(task)s
       AND set_config('synchronous_commit', 'off', true) IS NOT NULL
       AND NOT EXISTS (SELECT FROM cache_node n
-                      WHERE n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s)
+                      WHERE n.task_id = t.id AND n.anchor_key = decode(%(anchor)s, 'hex')
+                        AND n.call_digest = decode(%(digest)s, 'hex'))
     ON CONFLICT (task_id, anchor_key, call_digest) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
     WHERE c.expires_at < clock_timestamp() OR c.holder = EXCLUDED.holder
     RETURNING true AS granted"""
@@ -91,16 +92,16 @@ CLAIM_INSERT = """
 CLAIM_RELEASE_SQL = """
 DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor)s AND c.call_digest = %(digest)s
   AND c.holder = %(holder)s
-  AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = c.anchor_key
-                                              AND n.call_digest = c.call_digest)"""
+  AND NOT EXISTS (SELECT FROM cache_node n WHERE n.task_id = c.task_id AND n.anchor_key = decode(c.anchor_key, 'hex')
+                                              AND n.call_digest = decode(c.call_digest, 'hex'))"""
 
 # The history's state-changing nodes that exist, each with its live snapshot if it has one (and
 # whether that keeps processes) and the processes its state keeps running.
-_WRITES_SQL = """SELECT json_agg(json_build_array(w.id, w.state_key, w.depth, w.cum_exec_ms, (
+_WRITES_SQL = """SELECT json_agg(json_build_array(w.id, encode(w.state_key, 'hex'), w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref, s.keeps_processes) FROM cache_snapshot s
                WHERE s.node_id = w.id AND s.status = 'live'), w.live_processes))
            FROM cache_node w
-           WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(string_to_array(%(keys)s, ','))"""
+           WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))"""
 
 _READ_SQL = (
     """
@@ -114,7 +115,8 @@ SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.div
     + """) END,
        EXISTS (SELECT FROM claimed)
 FROM cache_task t
-LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = %(anchor)s AND n.call_digest = %(digest)s
+LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = decode(%(anchor)s, 'hex')
+                      AND n.call_digest = decode(%(digest)s, 'hex')
 {below}
 WHERE t.id = %(task)s
 """
@@ -125,7 +127,7 @@ READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(
     below="""CROSS JOIN LATERAL (
     SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
         SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
-                                   AND d.state_key = ANY(string_to_array(%(keys)s, ','))) END AS tainted) x""",
+                                   AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))) END AS tainted) x""",
 )
 
 # The task's stamp alone, to renew this process's lease on it when a cached hit waits (hitcache.py).

@@ -18,6 +18,7 @@ from core.errors import Conflict, PayloadTooLarge
 from .lookup import task_chain
 from .snapshots import backend_costs, recently_evicted_refs
 from .tasks import task_handle
+from .totals import RECORD_TOTALS_SQL
 
 # Insert the node (its parent is the history's last state-changing node, if recorded) and, when
 # it is new, count the execution. ON CONFLICT DO NOTHING makes two concurrent records of the
@@ -25,7 +26,7 @@ from .tasks import task_handle
 # client-mode single flight) lapses two seconds after it rather than now (a claim that had
 # already lapsed too): a rollout whose lookup missed the node just before this commit would
 # otherwise take a free claim and execute the call again; it is told to wait instead, and its
-# next lookup hits.
+# next lookup hits. The node counts in its task's totals in the same statement (totals.py).
 #
 # The keys come from this process's handle of the task, which may be outdated: nothing is written
 # unless the task's stamp (version, created_at) is the handle's, and the statement returns the
@@ -33,25 +34,26 @@ from .tasks import task_handle
 # lookups do). It also returns the replay cost since the nearest live snapshot on the path (a
 # subquery per node, an index probe whatever the statistics say: lookup.py), for the snapshot
 # decision; the new node has no snapshot yet. One round trip instead of three.
-INSERT_SQL = """
+INSERT_SQL = f"""
 WITH task AS (
     SELECT version, created_at FROM cache_task WHERE id = %(task)s
 ), parent AS (
     SELECT id, cum_exec_ms FROM cache_node
-    WHERE task_id = %(task)s AND mutates AND state_key = %(anchor)s
+    WHERE task_id = %(task)s AND mutates AND state_key = decode(%(anchor)s, 'hex')
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
                             first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times,
                             live_processes)
-    SELECT %(task)s, %(anchor)s, %(digest)s, %(state_key)s, (SELECT id FROM parent), %(depth)s, %(tool)s,
+    SELECT %(task)s, decode(%(anchor)s, 'hex'), decode(%(digest)s, 'hex'), decode(%(state_key)s, 'hex'),
+           (SELECT id FROM parent), %(depth)s, %(tool)s,
            %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
            %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s
     FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
-    RETURNING id, cum_exec_ms
-), stat AS (
+    RETURNING id, cum_exec_ms, parent_id
+), totals AS ({RECORD_TOTALS_SQL}), stat AS (
     INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
     SELECT %(task)s, %(epoch)s, %(tool)s, 0, 0, 0, 1, %(exec_ms)s, 0 FROM ins
     ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
@@ -63,13 +65,14 @@ WITH task AS (
 )
 SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
     SELECT coalesce(max(n.cum_exec_ms), 0) FROM cache_node n
-    WHERE n.task_id = %(task)s AND n.mutates AND n.state_key = ANY(string_to_array(%(writes)s, ','))
+    WHERE n.task_id = %(task)s AND n.mutates
+      AND n.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(writes)s, ',')) AS k))
       AND (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live') IS NOT NULL)
 FROM task LEFT JOIN ins ON true
 """
 
 EXISTING_SQL = """SELECT id, cum_exec_ms, mutates FROM cache_node
-WHERE task_id = %s AND anchor_key = %s AND call_digest = %s"""
+WHERE task_id = %s AND anchor_key = decode(%s, 'hex') AND call_digest = decode(%s, 'hex')"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,14 +28,15 @@ from cache.tcg.eviction import NodeCandidate, RetentionBudget, retention_order
 
 from .nodes import nodes_delete
 from .snapshots import EVICTION_NOTICE_S
+from .totals import task_totals_lock
 
 log = logging.getLogger("tvcache.retention")
 
 # The bounded tasks with their bounds (the task's own, else the project's) and totals.
 BOUNDED_SQL = """
 SELECT t.id, coalesce(t.max_nodes, p.task_max_nodes), coalesce(t.max_result_bytes, p.task_max_result_bytes),
-       (SELECT count(*) FROM cache_node n WHERE n.task_id = t.id),
-       (SELECT coalesce(sum(n.result_bytes), 0) FROM cache_node n WHERE n.task_id = t.id)
+       (SELECT coalesce(sum(tt.nodes), 0) FROM cache_tasktotal tt WHERE tt.task_id = t.id),
+       (SELECT coalesce(sum(tt.result_bytes), 0) FROM cache_tasktotal tt WHERE tt.task_id = t.id)
 FROM cache_task t JOIN accounts_project p ON p.id = t.project_id
 WHERE coalesce(t.max_nodes, p.task_max_nodes) IS NOT NULL
    OR coalesce(t.max_result_bytes, p.task_max_result_bytes) IS NOT NULL
@@ -46,7 +47,7 @@ ORDER BY t.id
 PROTECTED = """(
     n.pinned
     OR greatest(n.created_at, n.last_hit_at) > now() - make_interval(secs => %(live_s)s)
-    OR (n.mutates AND EXISTS (SELECT FROM cache_claim c WHERE c.task_id = n.task_id AND c.anchor_key = n.state_key
+    OR (n.mutates AND EXISTS (SELECT FROM cache_claim c WHERE c.task_id = n.task_id AND decode(c.anchor_key, 'hex') = n.state_key
                                                           AND c.expires_at > clock_timestamp()))
     OR EXISTS (SELECT FROM cache_snapshot s WHERE s.node_id = n.id AND (
         s.status = 'live'
@@ -118,6 +119,7 @@ def _retention_batch(task_id: str, live_s: float, batch: int) -> tuple[list[int]
         )
         if not budget.bounded:
             return [], False
+        task_totals_lock(task_id=task_id)  # before any node (totals.py)
         order = retention_order(_candidates(params), budget)
         full = len(order) > batch
         chosen = order[:batch]  # every prefix of the order keeps what stays closed under parents

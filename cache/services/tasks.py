@@ -21,6 +21,7 @@ from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 from core.errors import Conflict, InvalidInput, NotFound
 
 from .hitcache import TaskStamp, hit_cache, version_move_wait_s
+from .totals import task_totals_clear
 
 BACKENDS = {"docker", "directory", "sqlite", "external"}
 RETENTION_FIELDS = ("max_nodes", "max_result_bytes")  # Task's retention bounds
@@ -270,6 +271,7 @@ def task_put(
 def _drop_nodes(task: Task) -> None:
     """A new graph starts with a clean audit: its divergences and the tools they made uncacheable
     were those of nodes that are gone (an environment or a policy that no longer holds)."""
+    task_totals_clear(task_id=task.pk)  # first: it takes the totals rows before any node (totals.py)
     Snapshot.objects.filter(task=task).delete()
     Node.objects.filter(task=task).delete()
     Divergence.objects.filter(task=task).delete()

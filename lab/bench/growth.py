@@ -25,9 +25,9 @@ from cache.models import Task, ToolStat
 from cache.services import task_flush, task_put
 from cache.services.lookup import task_chain
 from cache.services.tasks import task_handle
+from cache.services.totals import task_totals_count
 from cache.tcg import StateChain, ToolCall, canonical_call, record_plan, result_json
 from cache.tcg.records import CallContext
-from dashboard.selectors import TOOL_MEDIANS_SQL
 from lab.figures import percentile
 
 ENV = {"backend": "directory", "files": {"README": "growth"}}
@@ -52,6 +52,14 @@ STEP_COLUMNS = "rollout_id, applied, seq, at, node_id, hit, tokens"
 SNAPSHOT_COLUMNS = (
     "task_id, node_id, backend, engine, ref, owner, status, size_bytes, create_ms, keeps_processes, exact, created_at"
 )
+
+
+def copy_digest(key: str) -> str:
+    r"""A node key (64 hex characters) as a bytea in COPY's text format: \\x and the hex (COPY
+    reads the escaped backslash as one, then bytea's hex input)."""
+    return "\\\\x" + key
+
+
 # Text a seeded call writes or a read returns: letters and spaces only, nothing COPY escapes.
 TEXT = "".join(random.Random(0).choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(8192))
 
@@ -140,10 +148,12 @@ class GraphGrowth:
         while self.totals["nodes"] < nodes:
             buffers = {name: io.StringIO() for name in ("cache_node", "cache_rollout", "cache_rolloutstep", "snap")}
             chunk_end = min(nodes, self.totals["nodes"] + CHUNK_NODES)
+            first = ids.node
             while self.totals["nodes"] < chunk_end:
                 task_id = self._task_for_next_group()
                 self._group(task_id, ids, buffers)
             self._copy(buffers)
+            task_totals_count(first_id=first, last_id=ids.node - 1)  # as records would have counted them
         copied = time.perf_counter()
         self._sequences_reset()
         with connection.cursor() as cursor:
@@ -237,9 +247,9 @@ class GraphGrowth:
                 (
                     str(node_id),
                     task_id,
-                    plan.anchor,
-                    plan.digest,
-                    plan.state_key,
+                    copy_digest(plan.anchor),
+                    copy_digest(plan.digest),
+                    copy_digest(plan.state_key),
                     "\\N" if parent is None else str(parent),
                     str(plan.depth),
                     step.call.tool,
@@ -526,26 +536,30 @@ def storage() -> dict:
     }
 
 
-# The statements behind the reads that scan a task's nodes or snapshots, as the selectors send them.
+# The statements behind the reads that once scanned a task's nodes or snapshots, as the selectors
+# send them now (the table of docs/operations/growth.md says what each replaced).
 PLANS = {
-    "task_stats: nodes and result bytes": "SELECT count(id), sum(result_bytes) FROM cache_node WHERE task_id = %(task)s",
-    "task_processes: states with processes": (
-        "SELECT count(*) FROM cache_node WHERE task_id = %(task)s AND mutates AND live_processes > 0"
+    "task totals (stats, task page, overview, graph page)": (
+        "SELECT tool, nodes, roots, result_bytes, process_states, divergent, exec_ms_buckets"
+        " FROM cache_tasktotal WHERE task_id = %(task)s ORDER BY tool"
     ),
-    "task_divergences: divergent nodes per tool": (
-        "SELECT tool, count(id) FROM cache_node WHERE task_id = %(task)s AND divergent GROUP BY tool"
+    "graph page: first levels": (
+        "SELECT n.id, (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live' LIMIT 1)"
+        " FROM cache_node n WHERE n.task_id = %(task)s AND n.depth <= 3 ORDER BY n.depth, n.id LIMIT 150"
     ),
-    "task page: median exec time per tool": TOOL_MEDIANS_SQL.replace("%s", "%(task)s"),
-    "graph_export: live snapshots of the task": (
-        "SELECT node_id FROM cache_snapshot WHERE task_id = %(task)s AND status = 'live'"
+    "pools page: a task's newest live snapshots": (
+        "SELECT id FROM cache_snapshot WHERE task_id = %(task)s AND status = 'live'"
+        " ORDER BY created_at DESC, id DESC LIMIT 50"
     ),
-    "graph page: top-level nodes": "SELECT count(*) FROM cache_node WHERE task_id = %(task)s AND parent_id IS NULL",
+    "pools page: whether a task holds live snapshots": (
+        "SELECT EXISTS (SELECT 1 FROM cache_snapshot WHERE task_id = %(task)s AND status = 'live')"
+    ),
     "tree page: epochs": (
         "SELECT epoch, count(id), sum(calls) FROM cache_rollout WHERE task_id = %(task)s GROUP BY epoch ORDER BY 1 DESC"
     ),
     "lookup: node by key": (
-        "SELECT id, result_json FROM cache_node WHERE task_id = %(task)s AND anchor_key = %(anchor)s"
-        " AND call_digest = %(digest)s"
+        "SELECT id, result_json FROM cache_node WHERE task_id = %(task)s AND anchor_key = decode(%(anchor)s, 'hex')"
+        " AND call_digest = decode(%(digest)s, 'hex')"
     ),
 }
 

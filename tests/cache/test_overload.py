@@ -42,12 +42,12 @@ def test_a_full_lane_answers_503_overloaded_at_once_and_the_queued_requests_are_
         with psycopg.connect(database_url(db)) as blocker, ThreadPoolExecutor(3) as pool:
             blocker.execute("LOCK TABLE cache_node IN ACCESS EXCLUSIVE MODE")
             # The lane's thread waits for the lock (a hit this process has not served yet: the one
-            # above may be served again from its cache, without the database) ...
+            # above may be served again from its cache, on the event loop, without the lane) ...
             stalled = [pool.submit(lookup, W2)]
             wait_for(lambda: waiting_on_locks(db["NAME"]) == 1, what="a lookup waiting for the lock")
-            stalled += [pool.submit(lookup), pool.submit(lookup)]  # ... and two wait for the thread
+            stalled += [pool.submit(lookup, W2), pool.submit(lookup, W2)]  # ... and two wait for the thread
             time.sleep(0.5)  # (they are in the lane's queue by then: nothing else to wait for)
-            refused = lookup()
+            refused = lookup(W2)
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["code"] == "overloaded"
             assert refused.headers["Retry-After"] == "1"

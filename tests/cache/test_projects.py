@@ -110,8 +110,9 @@ def test_another_projects_task_node_and_lease_are_404_on_every_route(clients, wo
     steps = beta.post("/api/v1/steps", {"tasks": ["only-alpha"], "rollouts_per_task": 2}, format="json")
     assert steps.status_code == 202 and steps.json()["planned"] == {}
     pools = beta.get("/api/v1/pools").json()
-    assert pools["pools"] == [] and pools["snapshots"] == []
-    assert [s["task_id"] for s in clients["alpha", role].get("/api/v1/pools").json()["snapshots"]] == ["only-alpha"]
+    assert pools["pools"] == [] and pools["tasks"] == [] and pools["count"] == 0
+    alpha = clients["alpha", role].get("/api/v1/pools").json()
+    assert [(t["task_id"], t["snapshots"]) for t in alpha["tasks"]] == [("only-alpha", 1)]
 
 
 def test_the_owning_project_reaches_every_route_and_roles_split_the_changes(clients, world):

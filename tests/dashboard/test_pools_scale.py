@@ -6,6 +6,7 @@ The other lists that grow (rollouts, a node's snapshots, the audit log, members)
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import re
 from pathlib import Path
 
@@ -38,6 +39,11 @@ TASK_ROW = re.compile(r'<tr data-task="([^"]+)">')
 T0 = timezone.now() - dt.timedelta(days=1)
 
 
+def key(text: str) -> str:
+    """A node key as cache.tcg makes them (a SHA-256 digest in hex)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def ref(task: str, k: int) -> str:
     return f"tvcache-snap:{task}-{k:03d}"
 
@@ -48,9 +54,9 @@ def images(task: str, first: int, count: int) -> None:
     nodes = Node.objects.bulk_create(
         Node(
             task_id=task,
-            anchor_key=f"a{k}",
-            call_digest=f"c{k}",
-            state_key=f"s{k}",
+            anchor_key=key(f"a{k}"),
+            call_digest=key(f"c{k}"),
+            state_key=key(f"s{k}"),
             depth=1,
             tool="bash",
             call={"tool": "bash", "args": {"command": f"step {k}"}},
@@ -303,9 +309,9 @@ def test_the_pools_page_stays_short_in_chromium(server, api, token, staff_user):
     seed(api)
     spare = Node.objects.create(
         task_id="scale-2",
-        anchor_key="spare",
-        call_digest="spare",
-        state_key="spare",
+        anchor_key=key("spare"),
+        call_digest=key("spare"),
+        state_key=key("spare"),
         depth=1,
         tool="bash",
         call={"tool": "bash", "args": {"command": "spare"}},

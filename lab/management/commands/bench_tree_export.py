@@ -27,7 +27,8 @@ from django.db import connection
 
 from accounts.services.tokens import token_create
 from cache.services import task_flush, task_put
-from lab.bench.growth import NODE_COLUMNS, ROLLOUT_COLUMNS, STEP_COLUMNS
+from cache.services.totals import task_totals_count
+from lab.bench.growth import NODE_COLUMNS, ROLLOUT_COLUMNS, STEP_COLUMNS, copy_digest
 from lab.server import process_tree, service_running
 
 RESULT = json.dumps({"stdout": "x" * 600, "exit_code": 0})
@@ -86,7 +87,7 @@ class Command(BaseCommand):
         node_rows, rollout_rows, step_rows = io.StringIO(), io.StringIO(), io.StringIO()
         with connection.cursor() as cursor:
             cursor.execute("SELECT coalesce(max(id), 0) FROM cache_node")
-            next_node = cursor.fetchone()[0] + 1
+            next_node = first_node = cursor.fetchone()[0] + 1
             cursor.execute("SELECT coalesce(max(id), 0) FROM cache_rollout")
             next_rollout = cursor.fetchone()[0] + 1
         made = {"rollouts": 0, "steps": 0, "nodes": 0}
@@ -108,9 +109,9 @@ class Command(BaseCommand):
                             [
                                 str(next_node),
                                 task,
-                                key,
-                                key,
-                                key,
+                                copy_digest(key),
+                                copy_digest(key),
+                                copy_digest(key),
                                 "\\N" if parent is None else str(parent),
                                 str(d + 1),
                                 "bash",
@@ -164,6 +165,7 @@ class Command(BaseCommand):
                 cursor.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT max(id) FROM {table}))")
             cursor.execute("ANALYZE cache_node; ANALYZE cache_rollout; ANALYZE cache_rolloutstep")
         raw.commit()
+        task_totals_count(first_id=first_node, last_id=next_node - 1)  # as records would have counted them
         return task, made
 
 

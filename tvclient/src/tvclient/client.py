@@ -261,8 +261,8 @@ class TVCacheClient:
     def stats(self, task_id: str) -> dict[str, Any]:
         return self._send(operations.stats(task_id))
 
-    def pools(self) -> dict[str, Any]:
-        return self._send(operations.pools())
+    def pools(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
+        return self._send(operations.pools(offset, limit))
 
     def sandboxes(self, task_id: str) -> dict[str, Any]:
         return self._send(operations.sandboxes(task_id))
@@ -453,8 +453,8 @@ class AsyncTVCacheClient:
     async def stats(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.stats(task_id))
 
-    async def pools(self) -> dict[str, Any]:
-        return await self._send(operations.pools())
+    async def pools(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
+        return await self._send(operations.pools(offset, limit))
 
     async def sandboxes(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.sandboxes(task_id))

@@ -247,8 +247,9 @@ def stats(task_id: str) -> Operation[dict[str, Any]]:
     return Operation("GET", f"{_task_path(task_id)}/stats", _object)
 
 
-def pools() -> Operation[dict[str, Any]]:
-    return Operation("GET", f"{API}/pools", _object)
+def pools(offset: int = 0, limit: int | None = None) -> Operation[dict[str, Any]]:
+    """One page of the project's tasks holding sandboxes or snapshots (`next_offset` for the next)."""
+    return Operation("GET", f"{API}/pools", _object, params=_without_none(offset=offset or None, limit=limit) or None)
 
 
 def sandboxes(task_id: str) -> Operation[dict[str, Any]]:

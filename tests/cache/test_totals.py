@@ -1,0 +1,190 @@
+"""A task's totals (nodes, top-level nodes, result bytes, states with processes, divergent nodes,
+exec times by bucket) are kept as counters, not scanned: after records, divergences, subtree
+evictions, flushes and a new environment, and under concurrent records, they equal a count of the
+nodes there are; the stats and the migration that backfills them say the same."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+
+import pytest
+from django.db import connection, connections
+from django.db.migrations.loader import MigrationLoader
+
+from cache.models import Divergence, Node, TaskTotal
+from cache.selectors import task_stats, task_totals
+from cache.services import admin_subtree_evict, divergence_record, node_record, task_flush, task_put
+from cache.tcg import RecordedState, ToolCall
+from cache.tcg.exectimes import BUCKETS, bucket, histogram_median
+from cache.tcg.records import CallContext, CallRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ENV = {"backend": "external", "name": "totals"}
+TOOLS = {"read": {"mutates_state": False}, "write": {}, "run": {}}
+
+
+def counted(task_id: str) -> dict[str, dict]:
+    """The totals as a scan of the task's nodes gives them (what the counters replace)."""
+    out: dict[str, dict] = {}
+    for tool, parent, size, mutates, processes, divergent, ms in Node.objects.filter(task_id=task_id).values_list(
+        "tool", "parent_id", "result_bytes", "mutates", "live_processes", "divergent", "exec_ms"
+    ):
+        row = out.setdefault(
+            tool,
+            {"nodes": 0, "roots": 0, "result_bytes": 0, "process_states": 0, "divergent": 0, "buckets": [0] * BUCKETS},
+        )
+        row["nodes"] += 1
+        row["roots"] += parent is None
+        row["result_bytes"] += size
+        row["process_states"] += mutates and processes > 0
+        row["divergent"] += divergent
+        row["buckets"][bucket(ms)] += 1
+    return out
+
+
+def kept(task_id: str) -> dict[str, dict]:
+    out = {}
+    for row in TaskTotal.objects.filter(task_id=task_id):
+        if row.nodes == 0:  # every node of the tool gone: nothing else may be left over
+            assert (row.roots, row.result_bytes, row.process_states, row.divergent) == (0, 0, 0, 0)
+            assert set(row.exec_ms_buckets) == {0}
+            continue
+        out[row.tool] = {
+            "nodes": row.nodes,
+            "roots": row.roots,
+            "result_bytes": row.result_bytes,
+            "process_states": row.process_states,
+            "divergent": row.divergent,
+            "buckets": list(row.exec_ms_buckets),
+        }
+    return out
+
+
+def exact(task_id: str) -> None:
+    assert kept(task_id) == counted(task_id)
+    stats = task_stats(task_id=task_id)
+    nodes = Node.objects.filter(task_id=task_id)
+    assert stats["nodes"] == nodes.count()
+    assert stats["results_bytes"] == sum(nodes.values_list("result_bytes", flat=True))
+    assert stats["processes"]["states"] == nodes.filter(mutates=True, live_processes__gt=0).count()
+    assert stats["divergences"]["divergent_nodes"] == nodes.filter(divergent=True).count()
+
+
+def rollout(task_id: str, calls: list[ToolCall], rng: random.Random, prefix: list[ToolCall] | None = None) -> list[int]:
+    """Records `calls` one after the other (after `prefix`); the node ids."""
+    history = list(prefix or [])
+    ids = []
+    for c in calls:
+        state = RecordedState(processes=rng.choice((0, 0, 2))) if c.tool == "run" else RecordedState()
+        result = {"out": "x" * rng.randint(1, 300)}
+        record = CallRecord(CallContext(tuple(history), c, "r", 0, None), result, rng.uniform(0.1, 90_000))
+        ids.append(node_record(task_id=task_id, record=record, state=state).node_id)
+        history.append(c)
+    return ids
+
+
+def calls(tag: str, n: int) -> list[ToolCall]:
+    tools = ("write", "read", "run")
+    return [ToolCall(tools[i % 3], {"path": f"{tag}/{i}"}) for i in range(n)]
+
+
+@pytest.fixture
+def task() -> str:
+    task_put(task_id="totals", env=ENV, tools=TOOLS, sandbox_budget=0, audit_rate=0.0)
+    return "totals"
+
+
+def test_totals_equal_a_count_after_records_divergences_evictions_and_a_flush(task):
+    rng = random.Random(3)
+    trunk = rollout(task, calls("trunk", 9), rng)
+    branch = rollout(task, calls("branch", 6), rng, prefix=calls("trunk", 9)[:4])
+    rollout(task, calls("other", 5), rng)
+    again = rollout(task, calls("trunk", 9), rng)  # the same calls again: nothing new to count
+    assert again == trunk
+    exact(task)
+    assert set(kept(task)) == {"write", "read", "run"} and kept(task)["write"]["roots"] == 2
+
+    for node_id in (trunk[2], branch[1], branch[1]):  # the second mark of a node counts nothing
+        tool = Node.objects.get(pk=node_id).tool
+        divergence_record(task_id=task, node_id=node_id, tool=tool, kind="audit", expected=1, observed=2)
+    assert Divergence.objects.filter(task_id=task).count() == 3
+    exact(task)
+    assert task_stats(task_id=task)["divergences"]["divergent_nodes"] == 2
+
+    # A subtree holding a divergent node goes; the totals lose exactly its nodes.
+    admin_subtree_evict(actor=None, task_id=task, node_id=branch[0])
+    assert not Node.objects.filter(pk__in=branch).exists()
+    exact(task)
+
+    task_flush(task_id=task)
+    assert kept(task) == {} and task_stats(task_id=task)["nodes"] == 0
+    rollout(task, calls("after", 4), rng)
+    exact(task)
+
+    # A new environment drops the graph as a flush does.
+    task_put(task_id=task, env={**ENV, "v": 2}, tools=TOOLS, sandbox_budget=0, audit_rate=0.0)
+    assert kept(task) == {} and not Node.objects.filter(task_id=task).exists()
+
+
+def test_totals_stay_exact_when_records_race_a_subtree_eviction(task):
+    """Rollouts record below a subtree and beside it while a maintainer evicts the subtree: a record
+    either lands before the eviction (its node goes with the subtree) or fails on its deleted parent
+    (nothing counted); the totals still equal the count."""
+    rng = random.Random(5)
+    base = calls("base", 3)
+    trunk = rollout(task, base, rng)
+    errors: list[BaseException] = []
+    start = threading.Barrier(5)
+
+    def record_many(worker: int) -> None:
+        try:
+            start.wait()
+            history = list(base) if worker % 2 else []
+            for i in range(15):
+                c = ToolCall("write", {"path": f"w{worker}/{i}"})
+                record = CallRecord(CallContext(tuple(history), c, f"r{worker}", 0, None), {"i": i}, 5.0)
+                try:
+                    node_record(task_id=task, record=record)
+                except Exception as exc:  # a parent evicted under it: the record fails whole
+                    errors.append(exc)
+                history.append(c)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=record_many, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    admin_subtree_evict(actor=None, task_id=task, node_id=trunk[0])
+    for thread in threads:
+        thread.join()
+    exact(task)
+
+
+def test_the_median_exec_time_comes_within_a_bucket_of_the_exact_one(task):
+    rng = random.Random(7)
+    rollout(task, calls("m", 60), rng)
+    for tool, row in task_totals(task_id=task).items():
+        times = sorted(Node.objects.filter(task_id=task, tool=tool).values_list("exec_ms", flat=True))
+        exact_median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
+        # A bucket spans 2**(1/6) (12%) of 1 + t: the estimate is within that of the exact median.
+        assert (1 + exact_median) / 1.123 <= 1 + row["median_exec_ms"] <= (1 + exact_median) * 1.123, tool
+    assert histogram_median([0] * BUCKETS) is None
+
+
+def test_the_migration_backfills_the_totals_of_existing_graphs(task):
+    rng = random.Random(11)
+    rollout(task, calls("old", 12), rng)
+    node = Node.objects.filter(task_id=task, tool="run").first()
+    Node.objects.filter(pk=node.pk).update(divergent=True)  # as the audit had marked it
+    expected = counted(task)
+    # The graph as it was before the migration: no totals; then the migration's backfill.
+    TaskTotal.objects.all().delete()
+    modules = [sys.modules[type(m).__module__] for (app, _), m in MigrationLoader(connection).disk_migrations.items()]
+    (backfill,) = [module.BACKFILL_SQL for module in modules if hasattr(module, "BACKFILL_SQL")]
+    with connection.cursor() as cursor:
+        cursor.execute(backfill)
+    assert kept(task) == expected and expected["run"]["divergent"] == 1
