@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import os
 import threading
 import time
 
@@ -267,8 +266,8 @@ class _Ledger:
 
     def started(self) -> None:
         # Callers hold the lock. A forked child starts afresh: its parent flushes what it holds.
-        if self.pid != os.getpid():
-            self.pid = os.getpid()
+        if self.pid != metrics.process_id():
+            self.pid = metrics.process_id()
             self._reset()
             threading.Thread(target=self._run, name="tvcache-ledger", daemon=True).start()
 
@@ -284,7 +283,7 @@ class _Ledger:
         """Take the fresh counts (queued for the next send as they are), add them to the unwritten
         ones and, with `write`, write those; a write that fails keeps them and raises."""
         with self.lock:
-            if self.pid != os.getpid():  # nothing counted here (a forked child holds its parent's counts)
+            if self.pid != metrics.process_id():  # nothing counted here (a forked child holds its parent's counts)
                 return
             taken, self.fresh = self.fresh, Counts()
             if taken:

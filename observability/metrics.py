@@ -53,12 +53,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def process_id() -> int:
+    """This process's id, without a system call per use (glibc no longer caches getpid, and the
+    hot path asked for it three times a lookup): read at import and again after a fork."""
+    return _pid
+
+
 if MULTIPROC_DIR:
     if not getattr(values.ValueClass, "_multiprocess", False):
         raise RuntimeError(
             "PROMETHEUS_MULTIPROC_DIR was set after prometheus_client was imported: "
             "set it in the environment (or let tvcache_site.settings set it) first"
         )
+    values.ValueClass = values.MultiProcessValue(process_identifier=process_id)
     os.makedirs(MULTIPROC_DIR, exist_ok=True)
     _prune_dead_processes(MULTIPROC_DIR)
 

@@ -5,6 +5,7 @@ is JSON lines carrying them."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -37,8 +38,16 @@ def test_two_workers_counts_add_up_and_their_logs_are_json_with_request_ids(
             )
             assert answer.status_code == 200 and answer.json()["hit"] is True
             assert answer.headers["X-Request-ID"] == f"lookup-{i}"
-        scraped = httpx.get(service.url + "/metrics", headers={"X-Request-ID": "scrape-1"}, timeout=10)
-        assert scraped.status_code == 200 and scraped.headers["X-Request-ID"] == "scrape-1"
+        # Each worker's ledger adds its lookups to the counter at its next flush (every 0.3 s; a
+        # scrape flushes its own worker's at once): the sum is exact within that interval.
+        deadline = time.monotonic() + 10
+        while True:
+            scraped = httpx.get(service.url + "/metrics", headers={"X-Request-ID": "scrape-1"}, timeout=10)
+            assert scraped.status_code == 200 and scraped.headers["X-Request-ID"] == "scrape-1"
+            counted = Scrape(scraped.text).value("tvcache_lookups_total", project="default", tool="write", result="hit")
+            if counted >= lookups or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         workers = set(process_tree(service.pid)) - {service.pid}
         counting = {int(f.stem.rsplit("_", 1)[1]) for f in metrics_dir.glob("*.db")}
     # Each worker counts into the shared directory (as does `manage.py serve`, a Django process too).
