@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import connection
+from django.db import IntegrityError, connection
+from psycopg.errors import ForeignKeyViolation
 
 from cache import ledger
 from cache.notfound import unknown_task
@@ -147,9 +148,18 @@ def node_record(
             continue  # the handle may be outdated: the current fingerprint decides
         chain = task_chain(task, context)
         plan = record_plan(chain, task.policy, record.mutated)
-        with connection.cursor() as cursor:
-            cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored))
-            row = cursor.fetchone()
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored))
+                row = cursor.fetchone()
+        except IntegrityError as exc:
+            # The parent was deleted between the statement's read of it and its key check (retention
+            # evicted the path: nodes.py). Run again, the parent is not found: the node is stored
+            # with none, under its own key all the same. Inside a transaction the failed statement
+            # has aborted it: the caller's transaction fails instead (a live path is never evicted).
+            if connection.in_atomic_block or not isinstance(exc.__cause__, ForeignKeyViolation):
+                raise
+            continue
         if row is None:  # the task is gone
             raise unknown_task(task_id)
         if (row[0], row[1]) == task.stamp:
