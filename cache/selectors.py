@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Max, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery, Sum
 
 from cache.ledger import ledger_flush
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task, TaskTotal, ToolStat
@@ -222,6 +222,20 @@ def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
     ]
 
 
+def node_rows(*, nodes: QuerySet, limit: int, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The first `limit` of `nodes` (by depth, then id) as `fields`, each with whether it has a
+    live snapshot (`snapshot`): a probe of `snapshot_one_live_per_node` per node, not a read of
+    every live snapshot of the task whatever is read. A scalar subquery, not EXISTS: PostgreSQL may
+    plan an EXISTS as a hash of every live snapshot (113 ms for the first 150 nodes of a task with
+    72,000 snapshots), never a LIMIT 1 subquery."""
+    live = Subquery(Snapshot.objects.filter(node_id=OuterRef("pk"), status=Snapshot.Status.LIVE).values("pk")[:1])
+    rows = nodes.order_by("depth", "pk").annotate(live_snapshot=live).values(*fields, "live_snapshot")[:limit]
+    out = list(rows)
+    for row in out:
+        row["snapshot"] = row.pop("live_snapshot") is not None
+    return out
+
+
 def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None = None, limit: int = 100_000) -> dict:
     """Nodes and edges of a task's graph; optionally only the subtree under `root`, `max_depth` deep."""
     task_get(task_id=task_id)
@@ -233,15 +247,10 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
         nodes = nodes.filter(pk__in=node_subtree_ids(task_id=task_id, node_id=root, max_depth=max_depth))
     elif max_depth is not None:
         nodes = nodes.filter(depth__lte=max_depth)
-    # Whether each exported node has a live snapshot: a probe of `snapshot_one_live_per_node` per
-    # node, not a read of every live snapshot of the task whatever is exported. A scalar subquery,
-    # not EXISTS: PostgreSQL may plan an EXISTS as a hash of every live snapshot (113 ms for the
-    # first 150 nodes of a task with 72,000 snapshots), never a LIMIT 1 subquery.
-    live = Subquery(Snapshot.objects.filter(node_id=OuterRef("pk"), status=Snapshot.Status.LIVE).values("pk")[:1])
-    rows = (
-        nodes.order_by("depth", "pk")
-        .annotate(snapshot=live)
-        .values(
+    out_nodes = node_rows(
+        nodes=nodes,
+        limit=limit,
+        fields=(
             "id",
             "parent_id",
             "depth",
@@ -255,10 +264,8 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
             "result_bytes",
             "first_rollout_id",
             "first_epoch",
-            "snapshot",
-        )[:limit]
+        ),
     )
-    out_nodes = [{**row, "snapshot": row["snapshot"] is not None} for row in rows]
     edges = [{"source": n["parent_id"], "target": n["id"]} for n in out_nodes if n["parent_id"] is not None]
     return {"task_id": task_id, "nodes": out_nodes, "edges": edges}
 

@@ -56,7 +56,3 @@ class RecentMemo(Generic[K, V]):
             self._memo[key] = value
             while len(self._memo) > self.entries:
                 del self._memo[next(iter(self._memo))]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._memo.clear()

@@ -258,10 +258,10 @@ def graph_slice(
 
 
 def _rows(task_id: str, query: Q, limit: int) -> list[dict]:
-    rows = list(
-        Node.objects.filter(query, task_id=task_id)
-        .order_by("depth", "pk")
-        .values(
+    return cache_selectors.node_rows(
+        nodes=Node.objects.filter(query, task_id=task_id),
+        limit=limit,
+        fields=(
             "id",
             "parent_id",
             "depth",
@@ -272,16 +272,8 @@ def _rows(task_id: str, query: Q, limit: int) -> list[dict]:
             "hit_count",
             "pinned",
             "result_bytes",
-        )[:limit]
+        ),
     )
-    live = set(
-        Snapshot.objects.filter(node_id__in=[r["id"] for r in rows], status=Snapshot.Status.LIVE).values_list(
-            "node_id", flat=True
-        )
-    )
-    for row in rows:
-        row["snapshot"] = row["id"] in live
-    return rows
 
 
 def graph_nodes(*, task_id: str, ids: list[int]) -> list[dict[str, Any]]:
