@@ -7,7 +7,7 @@ per project, "dash.overview.p.<project>" and "dash.pools.p.<project>" carry the 
 that project's tasks: staff listen to the whole groups, other users to their projects' (consumers).
 Messages to browsers are JSON, encoded once per flush:
 - task:     {"type": "task", "task_id", "lookups", "hits", "oracle", "saved_ms", "per_epoch": {epoch: [lookups,
-             hits, oracle]}, "per_tool": {tool: [lookups, hits, saved_ms, oracle]}, "node_hits": {node_id: n},
+             hits, oracle]}, "per_tool": {tool: [lookups, hits, saved_ms, oracle, state hits, state oracle]}, "node_hits": {node_id: n},
              "events": [...], "overflow", "nodes", "snapshots"}  (counts are deltas since the last message)
 - overview: {"type": "overview", "tasks": {task_id: {"lookups", "hits", "oracle", "saved_ms", "per_epoch", "nodes",
              "snapshots"}}, "changed": [task_id...]}
@@ -86,7 +86,18 @@ class TaskActivity:
         else:
             self.overflow = True
 
-    def lookups_add(self, *, epoch: int, tool: str, calls: int, hits: int, oracle: int, saved_ms: float) -> None:
+    def lookups_add(
+        self,
+        *,
+        epoch: int,
+        tool: str,
+        calls: int,
+        hits: int,
+        oracle: int,
+        saved_ms: float,
+        state_hits: int = 0,
+        state_oracle: int = 0,
+    ) -> None:
         self.lookups += calls
         self.hits += hits
         self.oracle += oracle
@@ -95,11 +106,13 @@ class TaskActivity:
         per_epoch[0] += calls
         per_epoch[1] += hits
         per_epoch[2] += oracle
-        per_tool = self.per_tool.setdefault(tool, [0, 0, 0.0, 0])
+        per_tool = self.per_tool.setdefault(tool, [0, 0, 0.0, 0, 0, 0])
         per_tool[0] += calls
         per_tool[1] += hits
         per_tool[2] += saved_ms
         per_tool[3] += oracle
+        per_tool[4] += state_hits
+        per_tool[5] += state_oracle
 
     def node_hits_add(self, node_id: int, hits: int) -> None:
         if node_id in self.node_hits or len(self.node_hits) < MAX_NODE_HITS:

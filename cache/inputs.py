@@ -355,6 +355,7 @@ class TaskInput:
     tools: dict[str, dict[str, bool]]  # tool name -> {"mutates_state", "cacheable"}
     sandbox_budget: int | None  # None: the service's default for a new task, the task's own for an update
     audit_rate: float | None  # None: the service's default
+    match: str | None  # "history" or "state"; None: the task's (a new task: the service's default)
     # Retention bounds the body names (max_nodes, max_result_bytes): a number, or None for the
     # project's default. One it leaves out keeps the task's (a new task: the project's default).
     retention: dict[str, int | None]
@@ -377,6 +378,7 @@ def parse_task(data: Any) -> TaskInput:
         tools=_tools(data.get("tools")),
         sandbox_budget=sandbox_budget,
         audit_rate=_audit_rate(data.get("audit_rate")),
+        match=_match(data.get("match")),
         retention={
             name: None if data[name] is None else parse_int(data[name], name, low=0, high=high)
             for name, high in RETENTION_BOUNDS.items()
@@ -407,6 +409,12 @@ def _tools(tools: Any) -> dict[str, dict[str, bool]]:
             )
         clean[name] = {"mutates_state": spec.get("mutates_state", True), "cacheable": spec.get("cacheable", True)}
     return clean
+
+
+def _match(match: Any) -> str | None:
+    if match is None or match in ("history", "state"):
+        return match
+    raise InvalidInput('\'match\' must be "history" or "state".', code="invalid_payload", details={"field": "match"})
 
 
 def _audit_rate(audit_rate: Any) -> float | None:

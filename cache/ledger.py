@@ -51,16 +51,19 @@ SEND_TIMEOUT_S = 2.0
 BACKOFF_S = 5.0  # after a failed send (Redis down): drop what arrives meanwhile
 
 STATS_SQL = """
-INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
-SELECT t.task_id, t.epoch, t.tool, t.calls, t.hits, t.oracle_hits, 0, 0, t.saved_ms
-FROM unnest(%s::text[], %s::int[], %s::text[], %s::int[], %s::int[], %s::int[], %s::float8[])
-     AS t(task_id, epoch, tool, calls, hits, oracle_hits, saved_ms)
+INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms,
+                            state_hits, state_oracle_hits)
+SELECT t.task_id, t.epoch, t.tool, t.calls, t.hits, t.oracle_hits, 0, 0, t.saved_ms, t.state_hits, t.state_oracle_hits
+FROM unnest(%s::text[], %s::int[], %s::text[], %s::int[], %s::int[], %s::int[], %s::float8[], %s::int[], %s::int[])
+     AS t(task_id, epoch, tool, calls, hits, oracle_hits, saved_ms, state_hits, state_oracle_hits)
 JOIN cache_task ON cache_task.id = t.task_id
 ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
     calls = cache_toolstat.calls + EXCLUDED.calls,
     hits = cache_toolstat.hits + EXCLUDED.hits,
     oracle_hits = cache_toolstat.oracle_hits + EXCLUDED.oracle_hits,
-    saved_ms = cache_toolstat.saved_ms + EXCLUDED.saved_ms
+    saved_ms = cache_toolstat.saved_ms + EXCLUDED.saved_ms,
+    state_hits = cache_toolstat.state_hits + EXCLUDED.state_hits,
+    state_oracle_hits = cache_toolstat.state_oracle_hits + EXCLUDED.state_oracle_hits
 """
 
 FLUSH_LOCK_KEY = 0x7476_6361_6368_6531  # "tvcache1": the advisory lock that serializes counter flushes
@@ -130,13 +133,20 @@ ON CONFLICT (task_id, how, processes) DO UPDATE SET count = cache_materializatio
 """
 
 
+def _stat() -> list:
+    """A (task, epoch, tool)'s lookup counts: calls, hits, oracle hits, saved ms, state-keyed hits,
+    state oracle hits."""
+    return [0, 0, 0, 0.0, 0, 0]
+
+
 class Counts:
     """Lookup and request counts, as deltas."""
 
     __slots__ = ("stats", "nodes", "rollouts", "steps", "requests", "materialized")
 
     def __init__(self) -> None:
-        self.stats: dict[tuple[str, int, str], list] = {}  # (task, epoch, tool) -> [calls, hits, oracle, saved_ms]
+        # (task, epoch, tool) -> [calls, hits, oracle, saved_ms, state hits, state oracle] (_stat)
+        self.stats: dict[tuple[str, int, str], list] = {}
         self.nodes: dict[tuple[str, int], int] = {}  # (task, node id) -> hits
         # (task, rollout) -> [calls, hits, epoch, trajectory ref, branch of, branch step, branch tokens (JSON)]
         self.rollouts: dict[tuple[str, str], list] = {}
@@ -158,7 +168,7 @@ class Counts:
     def merge(self, other: Counts) -> None:
         """Add `other`'s counts (rollout epochs: `other`'s, the newer, win)."""
         for key, values in other.stats.items():
-            stat = self.stats.setdefault(key, [0, 0, 0, 0.0])
+            stat = self.stats.setdefault(key, _stat())
             for index, value in enumerate(values):
                 stat[index] += value
         for key, hits in other.nodes.items():
@@ -198,6 +208,8 @@ class Counts:
                         [v[1] for v in values],
                         [v[2] for v in values],
                         [v[3] for v in values],
+                        [v[4] for v in values],
+                        [v[5] for v in values],
                     ],
                 )
             if self.nodes:
@@ -288,7 +300,7 @@ class _Ledger:
             taken, self.fresh = self.fresh, Counts()
             if taken:
                 self.counted.append(taken)
-        for (_, _, tool), (calls, hits, _, _) in taken.stats.items():  # /metrics' lookups, counted once
+        for (_, _, tool), (calls, hits, *_) in taken.stats.items():  # /metrics' lookups, counted once
             metrics.lookups_counted(tool=tool, hits=hits, misses=calls - hits)
         with self.flush_lock:
             self.unwritten.merge(taken)
@@ -318,9 +330,24 @@ class _Ledger:
         if time.monotonic() < self.paused_until:
             return
         for counts in counted:
-            for (task_id, epoch, tool), (calls, hits, oracle, saved_ms) in counts.stats.items():
-                activity = tasks.setdefault(task_id, events.TaskActivity())
-                activity.lookups_add(epoch=epoch, tool=tool, calls=calls, hits=hits, oracle=oracle, saved_ms=saved_ms)
+            for (task_id, epoch, tool), (
+                calls,
+                hits,
+                oracle,
+                saved_ms,
+                state_hits,
+                state_oracle,
+            ) in counts.stats.items():
+                tasks.setdefault(task_id, events.TaskActivity()).lookups_add(
+                    epoch=epoch,
+                    tool=tool,
+                    calls=calls,
+                    hits=hits,
+                    oracle=oracle,
+                    saved_ms=saved_ms,
+                    state_hits=state_hits,
+                    state_oracle=state_oracle,
+                )
             for (task_id, node_id), hits in counts.nodes.items():
                 tasks[task_id].node_hits_add(node_id, hits)
         if not tasks and not pools:
@@ -350,10 +377,13 @@ def lookup_add(
     saved_ms: float,
     applied: int = 0,
     trace: Trace = NO_TRACE,
+    state_seen: bool = False,
+    via_state: bool = False,
 ) -> None:
     """One lookup answered (hot path). `seen`: the state and call had been seen (a node exists,
-    cacheable or not: the oracle's hit). A rollout's hit is a step of its path, after `applied`
-    state-changing calls."""
+    cacheable or not: the oracle's hit); `state_seen`: by history or from a state with the same
+    verified fingerprint (the state oracle's hit); `via_state`: a state-keyed hit. A rollout's hit
+    is a step of its path, after `applied` state-changing calls."""
     if not _storable(task_id, epoch, tool, rollout_id):
         log.error(
             "counters of a key no column can hold dropped: task %r epoch %r tool %r rollout %r",
@@ -368,10 +398,12 @@ def lookup_add(
         counts = _ledger.fresh
         stat = counts.stats.get((task_id, epoch, tool))
         if stat is None:
-            stat = counts.stats[(task_id, epoch, tool)] = [0, 0, 0, 0.0]
+            stat = counts.stats[(task_id, epoch, tool)] = _stat()
         stat[0] += 1
         stat[1] += hit
         stat[2] += seen
+        stat[4] += via_state
+        stat[5] += state_seen
         if hit:
             stat[3] += saved_ms
             if node_id is not None:
@@ -421,7 +453,7 @@ def replay_add(*, task_id: str, epoch: int, tool: str, ms: float) -> None:
         return
     with _ledger.lock:
         _ledger.started()
-        stat = _ledger.fresh.stats.setdefault((task_id, epoch, tool), [0, 0, 0, 0.0])
+        stat = _ledger.fresh.stats.setdefault((task_id, epoch, tool), _stat())
         stat[3] -= ms
 
 

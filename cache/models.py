@@ -57,6 +57,15 @@ class Task(models.Model):
     # (Project.task_max_nodes, task_max_result_bytes), and if that is NULL too, unbounded.
     max_nodes = models.PositiveIntegerField(null=True, blank=True)
     max_result_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+
+    class Match(models.TextChoices):
+        # Longest-prefix matching: a hit needs the rollout's history of state-changing calls.
+        HISTORY = "history"
+        # Also state-keyed hits: a call seen before in a state with the same verified fingerprint
+        # (docs/design/state-match.md).
+        STATE = "state"
+
+    match = models.CharField(max_length=8, choices=Match.choices, default=Match.HISTORY, db_default=Match.HISTORY)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -107,6 +116,11 @@ class Node(models.Model):
     # A re-execution of the call at its parent state gave another result: the node is no longer
     # served (its lookups answer as misses).
     divergent = models.BooleanField(default=False, db_default=False)  # record.py inserts raw rows
+    # A state-keyed hit's node (docs/design/state-match.md): the call was not executed under this
+    # history; its result, and the state it left, are those of the node it names (the executed
+    # one), reached from a state with the same verified fingerprint. Not a key: that node may be
+    # evicted, and this one keeps its own copy of everything it serves.
+    merged_from = models.BigIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -120,6 +134,12 @@ class Node(models.Model):
             # Lookups check that no divergent state-changing node lies on the history (lookup.py).
             models.Index(
                 fields=["task", "state_key"], condition=Q(mutates=True, divergent=True), name="node_divergent_state"
+            ),
+            # State-keyed lookups find the states with a fingerprint (lookup.py, STATE_PROBE_SQL).
+            models.Index(
+                fields=["task", "state_fingerprint"],
+                condition=Q(mutates=True) & ~Q(state_fingerprint=""),
+                name="node_state_identity",
             ),
         ]
 
@@ -217,6 +237,20 @@ class Divergence(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["task", "tool"], name="divergence_task_tool")]
+
+
+class MergeBan(models.Model):
+    """A state fingerprint whose state-keyed hits stopped: the audit found a call from a state
+    with it giving another result (docs/design/state-match.md). Lookups from such a state go back
+    to history keys; the nodes merged at it are no longer served."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="merge_bans")
+    fingerprint = models.CharField(max_length=64)
+    node_id = models.BigIntegerField(null=True)  # the divergent node that stopped it
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "fingerprint"], name="mergeban_unique")]
 
 
 class Lease(models.Model):
@@ -344,6 +378,10 @@ class ToolStat(models.Model):
     calls = models.PositiveIntegerField(default=0)
     hits = models.PositiveIntegerField(default=0)
     oracle_hits = models.PositiveIntegerField(default=0)
+    # State-keyed hits (of `hits`), and the state oracle: calls whose state and call were seen
+    # before, by history or by a verified fingerprint (of `calls`; docs/design/state-match.md).
+    state_hits = models.PositiveIntegerField(default=0, db_default=0)
+    state_oracle_hits = models.PositiveIntegerField(default=0, db_default=0)
     executions = models.PositiveIntegerField(default=0)
     executed_ms = models.FloatField(default=0.0)
     saved_ms = models.FloatField(default=0.0)

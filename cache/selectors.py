@@ -12,7 +12,7 @@ from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapsho
 from cache.notfound import unknown_node, unknown_task
 from cache.tcg.exectimes import histogram_median
 
-COUNTERS = ("calls", "hits", "oracle_hits", "executions", "executed_ms", "saved_ms")
+COUNTERS = ("calls", "hits", "oracle_hits", "state_hits", "state_oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
 
 
@@ -34,6 +34,7 @@ def _rates(row: dict[str, Any]) -> dict[str, Any]:
     out = {key: row.get(key) or 0 for key in COUNTERS}
     out["hit_rate"] = out["hits"] / calls if calls else 0.0
     out["oracle_hit_rate"] = out["oracle_hits"] / calls if calls else 0.0
+    out["state_oracle_hit_rate"] = out["state_oracle_hits"] / calls if calls else 0.0
     return out
 
 

@@ -39,6 +39,15 @@ class TaskPutSerializer(serializers.Serializer):
             "0 turns it off). Changing it keeps the graph."
         ),
     )
+    match = serializers.ChoiceField(
+        choices=["history", "state"],
+        required=False,
+        help_text=(
+            '"history": a hit needs the rollout\'s history of state-changing calls (longest-prefix matching). '
+            '"state": also a call seen before from a state with the same verified fingerprint. Left out: the '
+            "task's (a new task: TVCACHE_DEFAULT_MATCH). Changing it keeps the graph."
+        ),
+    )
     max_nodes = serializers.IntegerField(
         min_value=0,
         max_value=INT32[1],
@@ -65,6 +74,7 @@ class TaskSerializer(serializers.Serializer):
     tools = serializers.DictField()
     sandbox_budget = serializers.IntegerField()
     audit_rate = serializers.FloatField()
+    match = serializers.CharField()
     max_nodes = serializers.IntegerField(allow_null=True, help_text="null: the project's default")
     max_result_bytes = serializers.IntegerField(allow_null=True, help_text="null: the project's default")
     uncacheable_tools = serializers.ListField(

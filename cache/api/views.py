@@ -105,6 +105,7 @@ class TaskView(APIView):
             sandbox_budget=spec.sandbox_budget,
             audit_rate=spec.audit_rate,
             retention=spec.retention,
+            match=spec.match,
             actor=request.user,
         )
         return Response(taskjson_response(task), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)

@@ -8,7 +8,8 @@ nodes in a task stops being cached for that task (written to the audit log). A s
 materialized for a node whose state fingerprint differs from the node's is a divergence too
 (kind "state"); it says nothing about the node's result, so the node stays served. A state that
 kept changing after its call returned (kind "drift": a process the call left running writes files)
-is not a function of the history: its node stops being served, as an audit's would.
+is not a function of the history: its node stops being served, as an audit's would. A divergence
+from a state with a verified fingerprint stops state-keyed hits from it (`_merges_stop`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from django.conf import settings
 from django.db import transaction
 
 from cache import ledger
-from cache.models import AuditEntry, Divergence, Node, Task, TaskTotal
+from cache.models import AuditEntry, Divergence, MergeBan, Node, Task, TaskTotal
 from cache.notfound import unknown_node, unknown_task
 from cache.tcg import same_result
 
@@ -54,10 +55,11 @@ def divergence_record(
             observed=observed,
             rollout_id=rollout_id[:200],
         )
+        stopped = node_id is not None and _merges_stop(task, node_id, state=kind == Divergence.Kind.STATE)
         if kind in (Divergence.Kind.AUDIT, Divergence.Kind.DRIFT) and node_id is not None:
             marked = _mark(task, node_id)
             limited = _limit_tool(task, tool) if kind == Divergence.Kind.AUDIT else None
-            if marked or limited:
+            if marked or limited or stopped:
                 task_version_move(task)
                 task.save(update_fields=["version", "uncacheable_tools", "updated_at"])
             if limited:
@@ -68,7 +70,29 @@ def divergence_record(
                     details=limited,
                 )
                 ledger.task_changed(task.pk, "uncacheable")
+        elif stopped:
+            task_version_move(task)
+            task.save(update_fields=["version", "updated_at"])
     return divergence
+
+
+def _merges_stop(task: Task, node_id: int, *, state: bool) -> bool:
+    """A divergence on a node whose call started from a state with a verified fingerprint stops
+    state-keyed hits from every state with that fingerprint (MergeBan): the call was not a function
+    of the state there, so neither is any merge at it. The nodes merged at it stop being served
+    (and nothing below them: lookup.py), so both histories' later lookups go by history keys only.
+    A "state" divergence (a sandbox materialized for the node is not in its recorded state) stops
+    merging only when the node is a merged one: its recorded state is its merge's. Whether a node
+    was marked (the caller moves the task's version)."""
+    node = Node.objects.filter(pk=node_id).values("merged_from", "parent__state_fingerprint").first()
+    fingerprint = node and node["parent__state_fingerprint"]
+    if not fingerprint or (state and node["merged_from"] is None):
+        return False
+    MergeBan.objects.get_or_create(task=task, fingerprint=fingerprint, defaults={"node_id": node_id})
+    merged = Node.objects.filter(
+        task=task, merged_from__isnull=False, divergent=False, parent__state_fingerprint=fingerprint
+    ).values_list("pk", flat=True)
+    return any([_mark(task, pk) for pk in merged])
 
 
 def _mark(task: Task, node_id: int) -> bool:

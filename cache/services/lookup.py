@@ -35,7 +35,7 @@ from cache.tcg import (
     longest_prefix_match,
     state_chain,
 )
-from cache.tcg.records import CallContext
+from cache.tcg.records import CallContext, CallRecord, RecordedState
 from cache.tcg.snapshots import snapshot_after_ms
 from core.ttl import RecentMemo
 
@@ -96,10 +96,14 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
                                               AND n.call_digest = decode(c.call_digest, 'hex'))"""
 
 # The history's state-changing nodes that exist, each with its live snapshot if it has one (and
-# whether that keeps processes) and the processes its state keeps running.
+# whether that keeps processes), the processes its state keeps running, and for the state the
+# looked-up call starts from (`anchor`), whether it has a verified fingerprint that state-keyed
+# lookups may match (null elsewhere: a byte, not a digest, per node). A state-keyed hit's node
+# (`merged_from`) holds the state of the node it merged with: that node's snapshot stands in for it.
 _WRITES_SQL = """SELECT json_agg(json_build_array(w.id, encode(w.state_key, 'hex'), w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref, s.keeps_processes) FROM cache_snapshot s
-               WHERE s.node_id = w.id AND s.status = 'live'), w.live_processes))
+               WHERE s.node_id = coalesce(w.merged_from, w.id) AND s.status = 'live'), w.live_processes,
+               nullif(w.state_key = decode(%(anchor)s, 'hex') AND w.state_fingerprint <> '' AND NOT w.divergent, false)))
            FROM cache_node w
            WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))"""
 
@@ -128,6 +132,40 @@ READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(
     SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
         SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
                                    AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))) END AS tainted) x""",
+)
+
+# State-keyed lookup (docs/design/state-match.md), after a miss by history from a state `p` with a
+# verified fingerprint: a node of the same call under another state `q` whose fingerprint (contents,
+# modes, owners, the order of file times by the nanosecond and by the second, the shell session,
+# the live processes) is p's. Neither state, nor the node, divergent; the fingerprint not stopped by
+# the audit (cache_mergeban). An executed node first (a merged one serves the same bytes). A state
+# recorded without the order of its times merges only where its backend's tools see no file times
+# (folders, SQLite: their shape is their full fingerprint); a merged node's is one (record.py).
+# `{clean}`: in a task with a divergent state-changing node, neither history may pass one (a state
+# below one is not a function of its history, so its fingerprint vouches for nothing).
+_STATE_PROBE_SQL = """
+SELECT m.id, m.result_json, m.exec_ms, m.mutates, m.state_fingerprint, m.state_shape, m.live_processes,
+       coalesce(m.merged_from, m.id)
+FROM cache_node p
+JOIN cache_node q ON q.task_id = p.task_id AND q.mutates AND q.state_fingerprint = p.state_fingerprint
+                 AND q.state_order = p.state_order AND q.id <> p.id AND NOT q.divergent
+JOIN cache_node m ON m.task_id = q.task_id AND m.anchor_key = q.state_key AND m.call_digest = decode(%(digest)s, 'hex')
+                 AND NOT m.divergent
+WHERE p.task_id = %(task)s AND p.mutates AND p.state_key = decode(%(anchor)s, 'hex') AND p.state_fingerprint <> ''
+  AND (p.state_order <> '' OR p.state_shape = p.state_fingerprint) AND NOT p.divergent
+  AND NOT EXISTS (SELECT FROM cache_mergeban b WHERE b.task_id = p.task_id AND b.fingerprint = p.state_fingerprint)
+  {clean}
+ORDER BY m.merged_from IS NOT NULL, m.id
+LIMIT 1"""
+STATE_PROBE_SQL = _STATE_PROBE_SQL.format(clean="")
+STATE_PROBE_SQL_CLEAN = _STATE_PROBE_SQL.format(
+    clean="""AND NOT EXISTS (SELECT FROM cache_node d WHERE d.task_id = p.task_id AND d.mutates AND d.divergent
+                     AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k)))
+  AND NOT EXISTS (WITH RECURSIVE up(parent_id, divergent) AS (
+                      SELECT q.parent_id, false
+                      UNION ALL
+                      SELECT n.parent_id, n.divergent FROM cache_node n JOIN up ON n.id = up.parent_id)
+                  SELECT FROM up WHERE divergent)"""
 )
 
 # The task's stamp alone, to renew this process's lease on it when a cached hit waits (hitcache.py).
@@ -163,6 +201,7 @@ class LookupHit:
     exec_ms: float
     mutates: bool  # False: the call left the state as it was (declared or observed read-only)
     audit: bool = False  # sampled for the determinism audit (the task's audit_rate)
+    via_state: bool = False  # a state-keyed hit: the node was merged just now (docs/design/state-match.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +216,9 @@ class LookupMiss:
     # executing this call in this state: look up again shortly; nothing was counted or leased).
     claim: str | None = None
     snapshot_after_ms: float | None = None  # (_snapshot_after_ms)
+    # The call was seen before from a state with the same verified fingerprint (the state oracle's
+    # hit), and not served from it: the task matches by history (docs/design/state-match.md).
+    state_seen: bool = False
 
 
 def tcg_lookup(
@@ -225,6 +267,16 @@ def tcg_lookup(
         if (version, created_at) == task.stamp:
             _hit_keep(task, last.anchor, last.digest, answer)
         return _hit(task, context, answer, count)
+    history = StateChain(root=chain.root, steps=chain.steps[:-1])
+    refs = _node_refs(writes or ())
+    merged = None
+    if node_id is None and cacheable:
+        start = refs.get(last.anchor)
+        merged = _state_probe(task, chain) if start is not None and start.verified else None
+        if merged is not None and task.match == "state":
+            answer = _state_merged(task, context, merged)
+            if answer is not None:
+                return _hit(task, context, answer, count, via_state=True)
     if count:
         lookup_count(
             task_id=task.task_id,
@@ -232,10 +284,10 @@ def tcg_lookup(
             node_id=node_id,
             hit=False,
             seen=node_id is not None,
+            state_seen=node_id is not None or merged is not None,
             saved_ms=exec_ms or 0.0,
         )
-    history = StateChain(root=chain.root, steps=chain.steps[:-1])
-    match = longest_prefix_match(history, _node_refs(writes or ()))
+    match = longest_prefix_match(history, refs)
     full_replay = tuple(step.call for step in history.writes)
     snapshot_after = _snapshot_after_ms(task, match, len(context.history)) if node_id is None else None
     match, lease_id = _leased(match, full_replay, context.rollout_id if resume else None)
@@ -248,6 +300,7 @@ def tcg_lookup(
         seen=node_id is not None,
         claim=claimed,
         snapshot_after_ms=snapshot_after,
+        state_seen=merged is not None,
     )
 
 
@@ -311,10 +364,19 @@ def claim_release(*, task_id: str, context: CallContext) -> bool:
 
 
 def lookup_count(
-    *, task_id: str, context: CallContext, node_id: int | None, hit: bool, seen: bool, saved_ms: float
+    *,
+    task_id: str,
+    context: CallContext,
+    node_id: int | None,
+    hit: bool,
+    seen: bool,
+    saved_ms: float,
+    state_seen: bool | None = None,
+    via_state: bool = False,
 ) -> None:
-    """Count a lookup: calls, hits, the oracle's hits (`seen`: the call was executed before in
-    this state) and the time a hit saved."""
+    """Count a lookup: calls, hits, the oracles' hits (`seen`: the call was executed before after
+    the same history; `state_seen`, by default `seen`: or from a state with the same verified
+    fingerprint), the state-keyed hits (`via_state`) and the time a hit saved."""
     call = context.call
     ledger.lookup_add(
         task_id=task_id,
@@ -324,28 +386,75 @@ def lookup_count(
         node_id=node_id,
         hit=hit,
         seen=seen,
+        state_seen=seen if state_seen is None else state_seen,
+        via_state=via_state,
         saved_ms=saved_ms,
         applied=len(context.history),
         trace=context.trace,
     )
 
 
-def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool) -> LookupHit:
+def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool, via_state: bool = False) -> LookupHit:
     """A hit's answer, counted (unless the caller counts it) and sampled for the audit, whether
-    the database or this process's cache served it."""
+    the database or this process's cache served it. A state-keyed hit (`via_state`) is sampled at
+    least at TVCACHE_STATE_AUDIT_RATE (unless the task's audit is off)."""
     if count:
         lookup_count(
-            task_id=task.task_id, context=context, node_id=answer.node_id, hit=True, seen=True, saved_ms=answer.exec_ms
+            task_id=task.task_id,
+            context=context,
+            node_id=answer.node_id,
+            hit=True,
+            seen=not via_state,
+            state_seen=True,
+            via_state=via_state,
+            saved_ms=answer.exec_ms,
         )
     # Sampled here, in process: the audit costs the hit path no statement.
-    audit = task.audit_rate > 0.0 and random.random() < task.audit_rate
+    rate = max(task.audit_rate, settings.TVCACHE["STATE_AUDIT_RATE"]) if via_state else task.audit_rate
+    audit = task.audit_rate > 0.0 and random.random() < rate
     return LookupHit(
         node_id=answer.node_id,
         result_json=answer.result_json,
         exec_ms=answer.exec_ms,
         mutates=answer.mutates,
         audit=audit,
+        via_state=via_state,
     )
+
+
+def _state_probe(task: TaskHandle, chain: StateChain) -> tuple | None:
+    """The node a state-keyed lookup found for the chain's last call (STATE_PROBE_SQL), or None."""
+    last = chain.steps[-1]
+    params = {"task": task.task_id, "anchor": last.anchor, "digest": last.digest}
+    if task.divergent_writes:
+        params["keys"] = ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)
+    with prepared_cursor() as cursor:
+        cursor.execute(STATE_PROBE_SQL_CLEAN if task.divergent_writes else STATE_PROBE_SQL, params)
+        return cursor.fetchone()
+
+
+def _state_merged(task: TaskHandle, context: CallContext, found: tuple) -> CachedHit | None:
+    """A state-keyed hit: the node found, recorded again under the rollout's own history (its
+    result's bytes and the state it left, with `merged_from`), so that the rollout's later calls
+    look up from there as from any state. None when a node under that history came first (a
+    record, or another merge, raced this one): the lookup then answers as a miss."""
+    from .record import MergedNode, node_record  # record.py builds on this module
+
+    _, result_json, exec_ms, mutates, full, shape, processes, source = found
+    outcome = node_record(
+        task_id=task.task_id,
+        record=CallRecord(context, None, exec_ms, mutated=mutates),
+        # Not the executed node's order of times (nor its times): a replay of the call along this
+        # history runs later than the files before it, in a whole second of its own, so it is
+        # checked by its shape; a fork of that node's snapshot, by the full fingerprint. Without
+        # an order the state merges with no other (STATE_PROBE_SQL).
+        state=RecordedState(full, shape, "", None, processes) if mutates else RecordedState(),
+        merged=MergedNode(node_id=source, result_json=result_json),
+        evicted=False,
+    )
+    if not outcome.created:
+        return None
+    return CachedHit(outcome.node_id, result_json, exec_ms, outcome.mutates)
 
 
 def _hit_cached(task: TaskHandle, anchor: str, digest: str, *, renew: bool = True) -> CachedHit | None:
@@ -436,7 +545,10 @@ def _history_states(task: TaskHandle, history: tuple[ToolCall, ...]) -> tuple[St
     """The history's state chain and the recorded states along it, with their live snapshots."""
     chain = state_chain(task.fingerprint, history, task.policy)
     with connection.cursor() as cursor:
-        cursor.execute(_WRITES_SQL, {"task": task.task_id, "keys": ",".join(step.state_key for step in chain.writes)})
+        cursor.execute(
+            _WRITES_SQL,
+            {"task": task.task_id, "anchor": "", "keys": ",".join(step.state_key for step in chain.writes)},
+        )
         rows = cursor.fetchone()[0]
     return chain, _node_refs(rows or ())
 
@@ -508,8 +620,9 @@ def _node_refs(rows) -> dict[str, NodeRef]:
             snapshot_ref=snapshot[1] if snapshot else None,
             processes=processes or 0,
             snapshot_keeps_processes=bool(snapshot and snapshot[2]),
+            verified=bool(verified),
         )
-        for node_id, state_key, depth, cum, snapshot, processes in rows
+        for node_id, state_key, depth, cum, snapshot, processes, verified in rows
     }
 
 

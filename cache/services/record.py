@@ -34,7 +34,8 @@ from .totals import RECORD_TOTALS_SQL
 # stamp, so that an outdated handle is read again and the statement run again with its keys (as
 # lookups do). It also returns the replay cost since the nearest live snapshot on the path (a
 # subquery per node, an index probe whatever the statistics say: lookup.py), for the snapshot
-# decision; the new node has no snapshot yet. One round trip instead of three.
+# decision; the new node has no snapshot yet. One round trip instead of three. A state-keyed hit's
+# node (`merged_from`: docs/design/state-match.md) is stored the same way; it counts no execution.
 INSERT_SQL = f"""
 WITH task AS (
     SELECT version, created_at FROM cache_task WHERE id = %(task)s
@@ -45,18 +46,18 @@ WITH task AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
                             result_json, result_bytes, exec_ms, cum_exec_ms, hit_count, first_rollout_id,
                             first_epoch, pinned, created_at, state_fingerprint, state_shape, state_order, file_times,
-                            live_processes)
+                            live_processes, merged_from)
     SELECT %(task)s, decode(%(anchor)s, 'hex'), decode(%(digest)s, 'hex'), decode(%(state_key)s, 'hex'),
            (SELECT id FROM parent), %(depth)s, %(tool)s,
            %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
-           %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s
+           %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s, %(merged_from)s::bigint
     FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms, parent_id
 ), totals AS ({RECORD_TOTALS_SQL}), stat AS (
     INSERT INTO cache_toolstat (task_id, epoch, tool, calls, hits, oracle_hits, executions, executed_ms, saved_ms)
-    SELECT %(task)s, %(epoch)s, %(tool)s, 0, 0, 0, 1, %(exec_ms)s, 0 FROM ins
+    SELECT %(task)s, %(epoch)s, %(tool)s, 0, 0, 0, 1, %(exec_ms)s, 0 FROM ins WHERE %(merged_from)s::bigint IS NULL
     ON CONFLICT (task_id, epoch, tool) DO UPDATE SET
         executions = cache_toolstat.executions + 1, executed_ms = cache_toolstat.executed_ms + EXCLUDED.executed_ms
 ), unclaim AS (
@@ -77,6 +78,15 @@ WHERE task_id = %s AND anchor_key = decode(%s, 'hex') AND call_digest = decode(%
 
 
 @dataclass(frozen=True, slots=True)
+class MergedNode:
+    """What a state-keyed hit's node copies of the executed node it merged with (`node_id`): the
+    result's bytes as stored; the state it left comes as the record's RecordedState."""
+
+    node_id: int
+    result_json: str
+
+
+@dataclass(frozen=True, slots=True)
 class RecordOutcome:
     node_id: int
     created: bool
@@ -86,7 +96,9 @@ class RecordOutcome:
     key: tuple[str, str]  # (anchor state key, call digest): the node's, and its call's claim's (flight.py)
 
 
-def _insert_params(task, chain, plan, record: CallRecord, state: RecordedState, stored: str) -> dict:
+def _insert_params(
+    task, chain, plan, record: CallRecord, state: RecordedState, stored: str, merged: MergedNode | None
+) -> dict:
     last, context = chain.steps[-1], record.context
     return {
         "task": task.task_id,
@@ -110,6 +122,7 @@ def _insert_params(task, chain, plan, record: CallRecord, state: RecordedState, 
         "order": state.order,
         "file_times": json.dumps(dict(state.file_times)) if state.file_times is not None else None,
         "processes": state.processes if plan.mutates else 0,
+        "merged_from": merged.node_id if merged else None,
         # The path's state-changing nodes, the new one's included (it has no snapshot yet).
         "writes": ",".join(step.state_key for step in chain.writes),
     }
@@ -122,13 +135,16 @@ def node_record(
     state: RecordedState = RecordedState(),
     keeps_processes: bool = False,
     evicted: bool = True,
+    merged: MergedNode | None = None,
 ) -> RecordOutcome:
     """`state`: what the node keeps of the sandbox after the call (RecordedState). A snapshot of a
     state with live processes is wanted only where it would keep them (`keeps_processes`).
     `evicted=False`: the caller owns no snapshot (the service's own are never listed), so the
-    client-owned snapshots evicted lately are not read."""
+    client-owned snapshots evicted lately are not read. `merged`: a state-keyed hit's node, which
+    stores the bytes of the node it merged with, counts no execution and no step of the rollout's
+    path (its lookup counts the hit) and wants no snapshot (that node's stands in for it)."""
     context = record.context
-    stored = result_json(record.result).decode()
+    stored = merged.result_json if merged else result_json(record.result).decode()
     limit = settings.TVCACHE["MAX_RESULT_BYTES"]
     if len(stored) > limit:
         raise PayloadTooLarge(
@@ -150,7 +166,7 @@ def node_record(
         plan = record_plan(chain, task.policy, record.mutated)
         try:
             with connection.cursor() as cursor:
-                cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored))
+                cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored, merged))
                 row = cursor.fetchone()
         except IntegrityError as exc:
             # The parent was deleted between the statement's read of it and its key check (retention
@@ -177,7 +193,7 @@ def node_record(
         ledger.node_created(task.task_id, node_id)
     elif record.replay:
         ledger.replay_add(task_id=task.task_id, epoch=context.epoch, tool=last.call.tool, ms=record.exec_ms)
-    if not record.replay:
+    if not record.replay and merged is None:
         ledger.step_add(
             task_id=task.task_id,
             rollout_id=context.rollout_id,
@@ -190,6 +206,7 @@ def node_record(
     # same call (or replaying it) would each pay for one, and all but one be thrown away.
     wanted = (
         created
+        and merged is None
         and plan.mutates
         and task.sandbox_budget > 0
         and snapshot_wanted(

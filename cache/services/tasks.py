@@ -15,7 +15,7 @@ from accounts.projects import key_project, role_check, task_public_id
 from accounts.services.projects import project_named
 from cache import ledger
 from cache.hooks import sandbox_hooks
-from cache.models import Divergence, Node, Snapshot, Task
+from cache.models import Divergence, MergeBan, Node, Snapshot, Task
 from cache.notfound import unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 from core.errors import Conflict, InvalidInput, NotFound
@@ -40,6 +40,7 @@ class TaskHandle:
     audit_rate: float = 0.0  # the fraction of hits sampled for the determinism audit
     divergent_writes: bool = False  # some state-changing node is divergent: lookups check their history
     created_at: datetime | None = None
+    match: str = "history"  # Task.match: "state" serves state-keyed hits too (docs/design/state-match.md)
 
     @property
     def stamp(self) -> TaskStamp:
@@ -69,14 +70,14 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         cursor.execute(
             "SELECT version, env_fingerprint, tools::text, env->>'backend', sandbox_budget, audit_rate,"
             " uncacheable_tools::text, EXISTS (SELECT FROM cache_node n WHERE n.task_id = t.id AND n.mutates"
-            " AND n.divergent), created_at FROM cache_task t WHERE id = %s",
+            " AND n.divergent), created_at, match FROM cache_task t WHERE id = %s",
             [task_id],
         )
         row = cursor.fetchone()
     if row is None:
         _handles.pop(task_id, None)
         raise unknown_task(task_id)
-    version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes, created_at = row
+    version, fingerprint, tools, backend, budget, audit_rate, uncacheable, divergent_writes, created_at, match = row
     handle = TaskHandle(
         task_id,
         version,
@@ -87,6 +88,7 @@ def task_handle(*, task_id: str, cached: bool = False) -> TaskHandle:
         audit_rate,
         divergent_writes,
         created_at,
+        match,
     )
     if len(_handles) >= MAX_CACHED_HANDLES:
         _handles.clear()
@@ -168,12 +170,13 @@ def task_put(
     sandbox_budget: int | None = None,
     audit_rate: float | None = None,
     retention: dict[str, int | None] | None = None,
+    match: str | None = None,
     actor: Any = None,
 ) -> tuple[Task, bool]:
     """Create or update the task keyed `task_id` (accounts.projects.task_key: its project is part of
     the key). A changed environment changes the fingerprint and drops the task's old nodes: they
     can never hit again, and keeping them would only mislead the graph. A changed `audit_rate`
-    keeps them; an update that names no budget keeps the task's. `retention`: the bounds it names
+    keeps them; an update that names no budget, or no `match`, keeps the task's. `retention`: the bounds it names
     (max_nodes, max_result_bytes; None: the project's default); those it leaves out are kept.
 
     `actor`: the API principal asking, if any. Changing an existing task's env, tools or budget
@@ -207,6 +210,7 @@ def task_put(
             tools=tools,
             sandbox_budget=sandbox_budget,
             audit_rate=audit_rate,
+            match=match or settings.TVCACHE["DEFAULT_MATCH"],
             **retention,
         )
         ledger.task_changed(task_id, "created")
@@ -239,7 +243,7 @@ def task_put(
         **bounds,
     }
     task.env, task.env_fingerprint, task.tools, task.sandbox_budget = env, fingerprint, tools, sandbox_budget
-    task.audit_rate = audit_rate
+    task.audit_rate, task.match = audit_rate, match or task.match
     for name, value in new_bounds.items():
         setattr(task, name, value)
     task_version_move(task)  # every process re-reads its handle (keys, policy, audit rate)
@@ -270,11 +274,13 @@ def task_put(
 
 def _drop_nodes(task: Task) -> None:
     """A new graph starts with a clean audit: its divergences and the tools they made uncacheable
-    were those of nodes that are gone (an environment or a policy that no longer holds)."""
+    were those of nodes that are gone (an environment or a policy that no longer holds), and so
+    were the fingerprints it stopped merging (MergeBan)."""
     task_totals_clear(task_id=task.pk)  # first: it takes the totals rows before any node (totals.py)
     Snapshot.objects.filter(task=task).delete()
     Node.objects.filter(task=task).delete()
     Divergence.objects.filter(task=task).delete()
+    MergeBan.objects.filter(task=task).delete()
     task.uncacheable_tools = []
 
 

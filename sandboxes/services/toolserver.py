@@ -196,7 +196,14 @@ class _Serving:
     def _serve_hit(self, append: bool) -> tuple[Any, int]:
         answer, task_id = self.answer, self.handle.task_id
         lookup_count(
-            task_id=task_id, context=self.context, node_id=answer.node_id, hit=True, seen=True, saved_ms=answer.exec_ms
+            task_id=task_id,
+            context=self.context,
+            node_id=answer.node_id,
+            hit=True,
+            seen=not answer.via_state,
+            state_seen=True,
+            via_state=answer.via_state,
+            saved_ms=answer.exec_ms,
         )
         if answer.audit:  # sampled: a worker re-executes it at this state and compares
             hit_audit_enqueue(
@@ -220,6 +227,7 @@ class _Serving:
             node_id=None,
             hit=False,
             seen=answer.seen or self.waited,
+            state_seen=answer.seen or self.waited or answer.state_seen,
             saved_ms=0.0,
         )
         with self.phases.timed_outside("prepare"):

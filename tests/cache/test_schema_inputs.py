@@ -64,6 +64,8 @@ def example(schema: dict, node: dict) -> Any:
     """A value the schema calls valid: every property present, numbers at their minimum."""
     node = resolved(schema, node)
     kind = node.get("type")
+    if "enum" in node:
+        return node["enum"][0]
     if kind == "object":
         if "properties" in node:
             return {name: example(schema, prop) for name, prop in node["properties"].items()}
@@ -193,6 +195,8 @@ def _bounds(prop: dict) -> list[tuple[Any, bool]]:
     """Values at and just beyond the schema's bounds, or far out where it states none: (value,
     the schema admits it)."""
     kind = prop.get("type")
+    if "enum" in prop:  # each member, and a string that is none
+        return [(value, True) for value in prop["enum"]] + [("none-of-them", False)]
     probes = []
     if kind in ("integer", "number"):
         far = 2**62 if kind == "integer" else 1e300
