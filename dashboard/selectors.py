@@ -47,7 +47,12 @@ POOL_TASKS_PAGE_SIZE = 50
 SNAPSHOTS_PAGE_SIZE = 50
 NODE_SNAPSHOTS_PAGE_SIZE = 20
 PROJECT_LIST_PAGE_SIZE = 50
-ZERO_RATES = {**dict.fromkeys(cache_selectors.COUNTERS, 0), "hit_rate": 0.0, "oracle_hit_rate": 0.0}
+ZERO_RATES = {
+    **dict.fromkeys(cache_selectors.COUNTERS, 0),
+    "hit_rate": 0.0,
+    "oracle_hit_rate": 0.0,
+    "state_oracle_hit_rate": 0.0,
+}
 
 PATH_SQL = """
 WITH RECURSIVE up(id, parent_id, level) AS (

@@ -54,7 +54,7 @@ class ArmTasks:
         """The tasks whose sandboxes the service runs (the tool-server arms')."""
         return [task_id for arm in self.arms if arm.mode == "server" for task_id in self.ids(arm)]
 
-    def put(self, audit_rate: float | None) -> None:
+    def put(self, audit_rate: float | None, match: str | None = None) -> None:
         for arm in self.arms:
             if arm.mode == "nocache":
                 continue
@@ -64,7 +64,12 @@ class ArmTasks:
                 if env is None:
                     raise ValueError(f"task {task.name} cannot run in tool-server mode")
                 self.client.put_task(
-                    self.task_id(task, arm), env=env, tools=task.tools, sandbox_budget=budget, audit_rate=audit_rate
+                    self.task_id(task, arm),
+                    env=env,
+                    tools=task.tools,
+                    sandbox_budget=budget,
+                    audit_rate=audit_rate,
+                    match=match,
                 )
 
     def announce(self, arm: Arm, epoch: int, rollouts: int, warm_wait_s: float) -> float:

@@ -102,6 +102,13 @@ class ReplayCommand(BaseCommand):
             help="the tasks' determinism-audit rate (0 to 1); default: the service's (0.02)",
         )
         parser.add_argument(
+            "--match",
+            choices=["history", "state"],
+            default=None,
+            help="the tasks' matching: history (longest prefix) or state (also a state with the same verified "
+            "fingerprint); default: the service's",
+        )
+        parser.add_argument(
             "--fault-rate",
             type=float,
             default=0.25,
@@ -136,6 +143,7 @@ class ReplayCommand(BaseCommand):
                 "warm_wait_s",
                 "faults",
                 "audit_rate",
+                "match",
             )
         }
         config.update(arms=[a.name for a in arms], **self.workload_config(options))
@@ -161,6 +169,7 @@ class ReplayCommand(BaseCommand):
                             warm_wait_s=options["warm_wait_s"],
                             faults=faults,
                             audit_rate=options["audit_rate"],
+                            match=options["match"],
                             restart_service=service.restart if service is not None else None,
                             keep_examples=10 if faults is not None else 5,
                         ),

@@ -47,6 +47,7 @@ class ReplayConfig:
     keep_examples: int = 5
     faults: FaultPlan | None = None
     audit_rate: float | None = None  # the tasks' determinism-audit rate; None: the service's default
+    match: str | None = None  # the tasks' matching ("history" or "state"); None: the service's default
     # Kills the service and starts it again (the fault arm's restart); None: no restart.
     restart_service: Callable[[], None] | None = None
 
@@ -93,7 +94,7 @@ class Replay:
         return self.restart.restarts
 
     def run(self) -> list[EpochRun]:
-        self.arm_tasks.put(self.config.audit_rate)
+        self.arm_tasks.put(self.config.audit_rate, self.config.match)
         total = sum(len(p) for p in self.plans.calls.values()) * len(self.config.arms)
         progress = tqdm(
             total=total, unit="rollout", file=self._progress_stream or sys.stderr, mininterval=0.2, dynamic_ncols=True

@@ -46,7 +46,7 @@ class ServiceStats:
         out: Counter[str] = Counter()
         for stats in self._settled(arm).values():
             row = next((r for r in stats["per_epoch"] if r["epoch"] == epoch), {})
-            for key in ("calls", "hits", "oracle_hits", "executed_ms", "saved_ms"):
+            for key in ("calls", "hits", "oracle_hits", "state_hits", "state_oracle_hits", "executed_ms", "saved_ms"):
                 out[key] += row.get(key, 0) or 0
             out["snapshots_live"] += stats["snapshots"]["live"]
             out["snapshot_bytes_live"] += stats["snapshots"]["live_bytes"]
@@ -56,6 +56,7 @@ class ServiceStats:
         calls = result.get("calls", 0)
         result["hit_rate"] = result.get("hits", 0) / calls if calls else 0.0
         result["oracle_hit_rate"] = result.get("oracle_hits", 0) / calls if calls else 0.0
+        result["state_oracle_hit_rate"] = result.get("state_oracle_hits", 0) / calls if calls else 0.0
         return result
 
     def per_tool(self, arm: Arm) -> tuple[list[dict[str, Any]], dict[str, int] | None]:

@@ -61,9 +61,9 @@ def test_task_and_graph_pages_show_the_totals_left_after_an_eviction(server, api
         expect(page.locator("#live-nodes")).to_have_text(str(everything))
         for tool, times in per_tool.items():
             cells = page.locator(f'#tool-table tr[data-tool="{tool}"] td')
-            expect(cells.nth(4)).to_have_text(str(len(times)))
+            expect(cells.nth(6)).to_have_text(str(len(times)))
             # A bucket is 12% wide; the page rounds to a tenth of a second.
-            assert abs(shown_ms(cells.nth(5).inner_text()) - median(times)) <= 0.13 * (1 + median(times)) + 50
+            assert abs(shown_ms(cells.nth(7).inner_text()) - median(times)) <= 0.13 * (1 + median(times)) + 50
 
         page.goto(f"{server}/tasks/{toy_task}/graph/")
         expect(page.locator("#cy")).to_have_attribute("data-painted", "1")

@@ -49,11 +49,14 @@
   }
 
   function bumpTools(perTool) {
-    for (const [tool, [calls, hits, saved, oracle]] of Object.entries(perTool || {})) {
+    for (const [tool, [calls, hits, saved, oracle, stateHits, stateOracle]] of Object.entries(perTool || {})) {
       const tr = document.querySelector('#tool-table tr[data-tool="' + CSS.escape(tool) + '"]');
       if (!tr) continue; // a new tool appears on the next visit
       const d = tr.dataset;
       d.calls = +d.calls + calls; d.hits = +d.hits + hits; d.saved = +d.saved + saved; d.oracle = +d.oracle + oracle;
+      d.stateHits = +d.stateHits + (stateHits || 0); d.stateOracle = +d.stateOracle + (stateOracle || 0);
+      tr.querySelector(".c-state-hits").textContent = d.stateHits;
+      tr.querySelector(".c-state-oracle").textContent = TV.fmt.percent(+d.calls ? +d.stateOracle / +d.calls : 0);
       tr.querySelector(".c-calls").textContent = d.calls;
       tr.querySelector(".c-rate").textContent = TV.fmt.percent(+d.calls ? +d.hits / +d.calls : 0);
       tr.querySelector(".c-oracle").textContent = TV.fmt.percent(+d.calls ? +d.oracle / +d.calls : 0);

@@ -44,10 +44,13 @@ class TaskSpec:
     tools: Tools | None = None
     sandbox_budget: int | None = None
     audit_rate: float | None = None
+    match: str | None = None  # "history" or "state" (None: the task's, or the service's default)
 
     def key(self, task_id: str) -> str:
         return json.dumps(
-            [task_id, self.env, self.tools, self.sandbox_budget, self.audit_rate], sort_keys=True, default=repr
+            [task_id, self.env, self.tools, self.sandbox_budget, self.audit_rate, self.match],
+            sort_keys=True,
+            default=repr,
         )
 
 
@@ -104,7 +107,7 @@ class TVCacheClient:
             return
         with self._registering:
             if key not in self._registered:
-                self.put_task(task_id, spec.env, spec.tools, spec.sandbox_budget, spec.audit_rate)
+                self.put_task(task_id, spec.env, spec.tools, spec.sandbox_budget, spec.audit_rate, spec.match)
                 self._registered.add(key)
 
     def close(self) -> None:
@@ -123,10 +126,13 @@ class TVCacheClient:
         tools: Tools | None = None,
         sandbox_budget: int | None = None,
         audit_rate: float | None = None,
+        match: str | None = None,
     ) -> dict[str, Any]:
         """`audit_rate`: the fraction of hits sampled for the determinism audit (0 to 1; the
-        service's default, 0.02, when None)."""
-        return self._send(operations.put_task(task_id, env, tools, sandbox_budget, audit_rate))
+        service's default, 0.02, when None). `match`: "history" (a hit needs the rollout's
+        history) or "state" (also from a state with the same verified fingerprint); None keeps
+        the task's (a new task: the service's default)."""
+        return self._send(operations.put_task(task_id, env, tools, sandbox_budget, audit_rate, match))
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         return self._send(operations.get_task(task_id))
@@ -332,8 +338,9 @@ class AsyncTVCacheClient:
         tools: Tools | None = None,
         sandbox_budget: int | None = None,
         audit_rate: float | None = None,
+        match: str | None = None,
     ) -> dict[str, Any]:
-        return await self._send(operations.put_task(task_id, env, tools, sandbox_budget, audit_rate))
+        return await self._send(operations.put_task(task_id, env, tools, sandbox_budget, audit_rate, match))
 
     async def get_task(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.get_task(task_id))

@@ -83,8 +83,9 @@ def put_task(
     tools: Mapping[str, Mapping[str, bool]] | None,
     sandbox_budget: int | None,
     audit_rate: float | None = None,
+    match: str | None = None,
 ) -> Operation[dict[str, Any]]:
-    body = _without_none(env=dict(env), tools=tools, sandbox_budget=sandbox_budget, audit_rate=audit_rate)
+    body = _without_none(env=dict(env), tools=tools, sandbox_budget=sandbox_budget, audit_rate=audit_rate, match=match)
     return Operation("PUT", _task_path(task_id), _object, body=body)
 
 
