@@ -147,7 +147,7 @@ def _hit_body(hit) -> bytes:
     post=extend_schema(
         request=s.LookupSerializer,
         responses={200: s.LookupResponseSerializer, **ERRORS},
-        summary="Longest-prefix lookup of a call after a history",
+        summary="Lookup of a call after a history (longest prefix; also by state where the task matches by state)",
         examples=[
             OpenApiExample(
                 "The second call of a rollout",

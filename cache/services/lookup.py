@@ -144,22 +144,29 @@ READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(
 # `{clean}`: in a task with a divergent state-changing node, neither history may pass one (a state
 # below one is not a function of its history, so its fingerprint vouches for nothing).
 _STATE_PROBE_SQL = """
+WITH p AS MATERIALIZED (
+    SELECT p.id, p.state_fingerprint, p.state_order FROM cache_node p
+    WHERE p.task_id = %(task)s AND p.mutates AND p.state_key = decode(%(anchor)s, 'hex') AND p.state_fingerprint <> ''
+      AND (p.state_order <> '' OR p.state_shape = p.state_fingerprint) AND NOT p.divergent
+      AND NOT EXISTS (SELECT FROM cache_mergeban b WHERE b.task_id = p.task_id AND b.fingerprint = p.state_fingerprint)
+)
 SELECT m.id, m.result_json, m.exec_ms, m.mutates, m.state_fingerprint, m.state_shape, m.live_processes,
        coalesce(m.merged_from, m.id)
-FROM cache_node p
-JOIN cache_node q ON q.task_id = p.task_id AND q.mutates AND q.state_fingerprint = p.state_fingerprint
-                 AND q.state_order = p.state_order AND q.id <> p.id AND NOT q.divergent
-JOIN cache_node m ON m.task_id = q.task_id AND m.anchor_key = q.state_key AND m.call_digest = decode(%(digest)s, 'hex')
-                 AND NOT m.divergent
-WHERE p.task_id = %(task)s AND p.mutates AND p.state_key = decode(%(anchor)s, 'hex') AND p.state_fingerprint <> ''
-  AND (p.state_order <> '' OR p.state_shape = p.state_fingerprint) AND NOT p.divergent
-  AND NOT EXISTS (SELECT FROM cache_mergeban b WHERE b.task_id = p.task_id AND b.fingerprint = p.state_fingerprint)
-  {clean}
+FROM p
+CROSS JOIN LATERAL (
+    SELECT q.id, q.state_key, q.parent_id FROM cache_node q
+    WHERE q.task_id = %(task)s AND q.mutates AND q.state_fingerprint = p.state_fingerprint AND q.state_fingerprint <> ''
+      AND q.state_order = p.state_order AND q.id <> p.id AND NOT q.divergent) q
+CROSS JOIN LATERAL (
+    SELECT m.* FROM cache_node m
+    WHERE m.task_id = %(task)s AND m.anchor_key = q.state_key AND m.call_digest = decode(%(digest)s, 'hex')
+      AND NOT m.divergent) m
+WHERE true {clean}
 ORDER BY m.merged_from IS NOT NULL, m.id
 LIMIT 1"""
 STATE_PROBE_SQL = _STATE_PROBE_SQL.format(clean="")
 STATE_PROBE_SQL_CLEAN = _STATE_PROBE_SQL.format(
-    clean="""AND NOT EXISTS (SELECT FROM cache_node d WHERE d.task_id = p.task_id AND d.mutates AND d.divergent
+    clean="""AND NOT EXISTS (SELECT FROM cache_node d WHERE d.task_id = %(task)s AND d.mutates AND d.divergent
                      AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k)))
   AND NOT EXISTS (WITH RECURSIVE up(parent_id, divergent) AS (
                       SELECT q.parent_id, false
@@ -219,6 +226,7 @@ class LookupMiss:
     # The call was seen before from a state with the same verified fingerprint (the state oracle's
     # hit), and not served from it: the task matches by history (docs/design/state-match.md).
     state_seen: bool = False
+    state_probe_ms: float | None = None  # the state-keyed lookup's time, within the lookup's (None: none ran)
 
 
 def tcg_lookup(
@@ -269,10 +277,13 @@ def tcg_lookup(
         return _hit(task, context, answer, count)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     refs = _node_refs(writes or ())
-    merged = None
+    merged, probe_ms = None, None
     if node_id is None and cacheable:
         start = refs.get(last.anchor)
-        merged = _state_probe(task, chain) if start is not None and start.verified else None
+        if start is not None and start.verified:
+            began = time.perf_counter()
+            merged = _state_probe(task, chain)
+            probe_ms = (time.perf_counter() - began) * 1000
         if merged is not None and task.match == "state":
             answer = _state_merged(task, context, merged)
             if answer is not None:
@@ -301,6 +312,7 @@ def tcg_lookup(
         claim=claimed,
         snapshot_after_ms=snapshot_after,
         state_seen=merged is not None,
+        state_probe_ms=probe_ms,
     )
 
 

@@ -27,6 +27,7 @@ PHASES = (
     "lanes",
     "claim",
     "lookup",
+    "state_probe",
     "wait",
     "background_wait",
     "snapshot_wait",
