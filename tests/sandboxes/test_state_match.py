@@ -8,7 +8,7 @@ import pytest
 
 from cache.models import MergeBan, Node
 from cache.selectors import task_stats
-from cache.services import node_audit
+from cache.services import divergence_record, node_audit
 from tests.support.toolserver import bash, run
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -151,3 +151,16 @@ def test_a_merged_write_is_materialized_in_the_state_its_merge_recorded(api, doc
     assert (fresh["cached"], fresh["result"]["stdout"]) == (False, "3\n1\n2\n/x /y /z ")
     if snapshots:  # forked from the merge's snapshot: an exact copy of the state it recorded
         assert not Node.objects.filter(task_id=task, divergent=True).exists()
+
+
+def test_a_state_below_a_divergent_node_does_not_merge(api, docker_task):
+    task = _state_task(docker_task, "tainted")
+    first = [run(api, task, "r1", call) for call in (WRITE_X, WRITE_Y)]
+    run(api, task, "r1", READ)
+    # The audit found r1's first write giving another state: what came after it is not a function
+    # of r1's history, and its fingerprints vouch for nothing.
+    divergence_record(task_id=task, node_id=first[0]["node_id"], tool="bash", kind="drift", expected={}, observed={})
+    for call in (WRITE_Y0, WRITE_X, WRITE_Y):
+        run(api, task, "r2", call)
+    assert run(api, task, "r2", READ)["cached"] is False
+    assert task_stats(task_id=task)["state_oracle_hits"] == 0
