@@ -123,7 +123,10 @@ def parse_history(value: Any, field: str = "history", digest: bytes = b"") -> tu
             details={"limit": limit, "length": len(value)},
         )
     depth = depth_limit()
-    return tuple(parse_call(item, f"{field}[{index}]", depth) for index, item in enumerate(value))
+    parsed = tuple(parse_call(item, f"{field}[{index}]", depth) for index, item in enumerate(value))
+    if digest:  # the same history again (another call after it, or the same lookup) parses no call
+        _parsed_histories.put(digest, parsed)
+    return parsed
 
 
 def _optional(data: dict, field: str, kind: type, default: Any) -> Any:

@@ -302,6 +302,7 @@ class _Ledger:
                 self.counted.append(taken)
         for (_, _, tool), (calls, hits, *_) in taken.stats.items():  # /metrics' lookups, counted once
             metrics.lookups_counted(tool=tool, hits=hits, misses=calls - hits)
+        metrics.lookup_times_flush()
         with self.flush_lock:
             self.unwritten.merge(taken)
             if write and self.unwritten:

@@ -232,7 +232,10 @@ class FrontDoor:
         self.routes = [(self._pattern(view.route), view) for view in views if self._routed(view)]
         # Requests this path cannot answer like the middleware would: let Django do it.
         self.enabled = bool(self.routes) and not settings.SECURE_SSL_REDIRECT and not settings.DEBUG
-        self.headers = _middleware_headers()
+        # What every answer carries, encoded once for the ASGI server (FrontDoorASGI._send).
+        self.headers = [
+            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in _middleware_headers()
+        ]
         self.max_body = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         self.hosts: dict[str, bool] = {}  # Host header -> allowed (ALLOWED_HOSTS is fixed at start)
 
@@ -327,7 +330,7 @@ class FrontDoor:
             *extra,
             (REQUEST_ID_HEADER, rid),
         ]
-        return Answered(status, headers + self.headers, body, 0.0)
+        return Answered(status, headers, body, 0.0)
 
     def overloaded(self, lane: str, rid: str) -> Answered:
         error = Overloaded(f"The service is at capacity ({lane}); retry shortly.", details={"lane": lane})
@@ -370,12 +373,12 @@ class FrontDoor:
             _check_connection(db, keep=keep)
             request_id_unbind(bound)
         headers.append((REQUEST_ID_HEADER, rid))
-        return Answered(status, headers + self.headers, body, timer.seconds)
+        return Answered(status, headers, body, timer.seconds)
 
 
 class Answered(NamedTuple):
     status: int
-    headers: list[tuple[str, str]]
+    headers: list[tuple[str, str]]  # its own; the ASGI app adds those every answer carries (FrontDoor.headers)
     body: bytes
     db_s: float  # in database statements
 
@@ -600,8 +603,7 @@ class FrontDoorASGI:
             else:
                 return answer
 
-    @staticmethod
-    async def _send(send, answer: Answered, timing: tuple[str, str], unread: bool = False) -> None:
+    async def _send(self, send, answer: Answered, timing: tuple[str, str], unread: bool = False) -> None:
         """The answer; with `unread` (a body left unread) the connection is closed after it, rather
         than the server reading and dropping the rest of the body to keep it alive."""
         headers = [*answer.headers, timing, ("Connection", "close")] if unread else [*answer.headers, timing]
@@ -609,7 +611,7 @@ class FrontDoorASGI:
             {
                 "type": "http.response.start",
                 "status": answer.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers] + self.hot.headers,
             }
         )
         await send({"type": "http.response.body", "body": answer.body})
