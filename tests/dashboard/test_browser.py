@@ -151,3 +151,36 @@ def test_dashboard_end_to_end(server, api, token, toy_task, staff_user):
         shot(page, "audit")
         assert not errors, errors
         browser.close()
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_the_task_page_counts_state_keyed_hits_per_tool(server, api, staff_user):
+    """Two histories that write the same folder by other paths meet; the second one's read is a
+    state-keyed hit, shown in its tool's row beside the state oracle."""
+    from tests.support.toolserver import run
+
+    api.put("/api/v1/tasks/merging", {"env": {"backend": "directory"}, "match": "state"}, format="json")
+
+    def write(path: str, content: str) -> dict:
+        return {"tool": "write_file", "args": {"path": path, "content": content}}
+
+    read = {"tool": "read_file", "args": {"path": "a"}}
+    for call in (write("a", "1"), write("b", "2"), read):
+        run(api, "merging", "r1", call)
+    for call in (write("b", "0"), write("a", "1"), write("b", "2")):
+        run(api, "merging", "r2", call)
+    assert run(api, "merging", "r2", read)["cached"] is True
+    ledger_flush()
+    with sync_playwright() as playwright:
+        browser = chromium(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        log_in(page, server, "alice", PASSWORD)
+        page.goto(f"{server}/tasks/merging/")
+        row = page.locator('#tool-table tr[data-tool="read_file"]')
+        expect(row.locator(".c-state-hits")).to_have_text("1")
+        expect(row.locator(".c-state-oracle")).to_have_text("50.0 %")
+        expect(page.locator('#tool-table tr[data-tool="write_file"] .c-state-hits')).to_have_text("0")
+        expect(page.get_by_text("matching by state")).to_be_visible()
+        shot(page, "task-state-hits")
+        browser.close()
