@@ -96,62 +96,34 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
                                               AND n.call_digest = decode(c.call_digest, 'hex'))"""
 
 # The history's state-changing nodes that exist, each with its live snapshot if it has one (and
-# whether that keeps processes), the processes its state keeps running, and for the state the
-# looked-up call starts from (`anchor`), whether it has a verified fingerprint that state-keyed
-# lookups may match (null elsewhere: a byte, not a digest, per node). A state-keyed hit's node
-# (`merged_from`) holds the state of the node it merged with: that node's snapshot stands in for it.
+# whether that keeps processes) and the processes its state keeps running. A state-keyed hit's
+# node (`merged_from`) holds the state of the node it merged with: that node's snapshot stands in
+# for it.
 _WRITES_SQL = """SELECT json_agg(json_build_array(w.id, encode(w.state_key, 'hex'), w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref, s.keeps_processes) FROM cache_snapshot s
-               WHERE s.node_id = coalesce(w.merged_from, w.id) AND s.status = 'live'), w.live_processes,
-               nullif(w.state_key = decode(%(anchor)s, 'hex') AND w.state_fingerprint <> '' AND NOT w.divergent, false)))
+               WHERE s.node_id = coalesce(w.merged_from, w.id) AND s.status = 'live'), w.live_processes))
            FROM cache_node w
            WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))"""
 
-_READ_SQL = (
-    """
-WITH claimed AS ("""
-    + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s")
-    + """
-)
-SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
-       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN ("""
-    + _WRITES_SQL
-    + """) END,
-       EXISTS (SELECT FROM claimed)
-FROM cache_task t
-LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = decode(%(anchor)s, 'hex')
-                      AND n.call_digest = decode(%(digest)s, 'hex')
-{below}
-WHERE t.id = %(task)s
-"""
-)
-READ_SQL = _READ_SQL.format(tainted="false", below="")
-READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(
-    tainted="x.tainted",
-    below="""CROSS JOIN LATERAL (
-    SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
-        SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
-                                   AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))) END AS tainted) x""",
-)
-
-# State-keyed lookup (docs/design/state-match.md), after a miss by history from a state `p` with a
-# verified fingerprint: a node of the same call under another state `q` whose fingerprint (contents,
-# modes, owners, the order of file times by the nanosecond and by the second, the shell session,
-# the live processes) is p's. Neither state, nor the node, divergent; the fingerprint not stopped by
+# State-keyed lookup (docs/design/state-match.md), in the lookup's statement, evaluated only on a
+# miss by history of a cacheable call (the CASE is lazy), from a state `p` with a verified
+# fingerprint: a node of the same call under another state `q` whose fingerprint (contents, modes,
+# owners, the order of file times by the nanosecond and by the second, the shell session, the live
+# processes) is p's: three index probes. Neither state, nor the node, divergent; the fingerprint not stopped by
 # the audit (cache_mergeban). An executed node first (a merged one serves the same bytes). A state
 # recorded without the order of its times merges only where its backend's tools see no file times
 # (folders, SQLite: their shape is their full fingerprint); a merged node's is one (record.py).
 # `{clean}`: in a task with a divergent state-changing node, neither history may pass one (a state
 # below one is not a function of its history, so its fingerprint vouches for nothing).
-_STATE_PROBE_SQL = """
+_STATE_PROBE_SQL = """(
 WITH p AS MATERIALIZED (
     SELECT p.id, p.state_fingerprint, p.state_order FROM cache_node p
     WHERE p.task_id = %(task)s AND p.mutates AND p.state_key = decode(%(anchor)s, 'hex') AND p.state_fingerprint <> ''
       AND (p.state_order <> '' OR p.state_shape = p.state_fingerprint) AND NOT p.divergent
       AND NOT EXISTS (SELECT FROM cache_mergeban b WHERE b.task_id = p.task_id AND b.fingerprint = p.state_fingerprint)
 )
-SELECT m.id, m.result_json, m.exec_ms, m.mutates, m.state_fingerprint, m.state_shape, m.live_processes,
-       coalesce(m.merged_from, m.id)
+SELECT json_build_array(m.id, m.result_json, m.exec_ms, m.mutates, m.state_fingerprint, m.state_shape,
+                        m.live_processes, coalesce(m.merged_from, m.id))
 FROM p
 CROSS JOIN LATERAL (
     SELECT q.id, q.state_key, q.parent_id FROM cache_node q
@@ -163,9 +135,9 @@ CROSS JOIN LATERAL (
       AND NOT m.divergent) m
 WHERE true {clean}
 ORDER BY m.merged_from IS NOT NULL, m.id
-LIMIT 1"""
-STATE_PROBE_SQL = _STATE_PROBE_SQL.format(clean="")
-STATE_PROBE_SQL_CLEAN = _STATE_PROBE_SQL.format(
+LIMIT 1)"""
+_STATE_PROBE = _STATE_PROBE_SQL.format(clean="")
+_STATE_PROBE_CLEAN = _STATE_PROBE_SQL.format(
     clean="""AND NOT EXISTS (SELECT FROM cache_node d WHERE d.task_id = %(task)s AND d.mutates AND d.divergent
                      AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k)))
   AND NOT EXISTS (WITH RECURSIVE up(parent_id, divergent) AS (
@@ -173,6 +145,35 @@ STATE_PROBE_SQL_CLEAN = _STATE_PROBE_SQL.format(
                       UNION ALL
                       SELECT n.parent_id, n.divergent FROM cache_node n JOIN up ON n.id = up.parent_id)
                   SELECT FROM up WHERE divergent)"""
+)
+
+_READ_SQL = (
+    """
+WITH claimed AS ("""
+    + CLAIM_INSERT.format(condition="%(claim)s AND %(cacheable)s AND t.version = %(version)s")
+    + """
+)
+SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
+       CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN ("""
+    + _WRITES_SQL
+    + """) END,
+       CASE WHEN n.id IS NULL AND %(cacheable)s THEN {probe} END,
+       EXISTS (SELECT FROM claimed)
+FROM cache_task t
+LEFT JOIN cache_node n ON n.task_id = t.id AND n.anchor_key = decode(%(anchor)s, 'hex')
+                      AND n.call_digest = decode(%(digest)s, 'hex')
+{below}
+WHERE t.id = %(task)s
+"""
+)
+READ_SQL = _READ_SQL.format(tainted="false", below="", probe=_STATE_PROBE)
+READ_SQL_BELOW_DIVERGENT = _READ_SQL.format(
+    tainted="x.tainted",
+    probe=_STATE_PROBE_CLEAN,
+    below="""CROSS JOIN LATERAL (
+    SELECT CASE WHEN n.id IS NULL THEN false ELSE EXISTS (
+        SELECT FROM cache_node d WHERE d.task_id = t.id AND d.mutates AND d.divergent
+                                   AND d.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))) END AS tainted) x""",
 )
 
 # The task's stamp alone, to renew this process's lease on it when a cached hit waits (hitcache.py).
@@ -226,7 +227,6 @@ class LookupMiss:
     # The call was seen before from a state with the same verified fingerprint (the state oracle's
     # hit), and not served from it: the task matches by history (docs/design/state-match.md).
     state_seen: bool = False
-    state_probe_ms: float | None = None  # the state-keyed lookup's time, within the lookup's (None: none ran)
 
 
 def tcg_lookup(
@@ -254,7 +254,7 @@ def tcg_lookup(
         row = _exact_read(task, chain, context, claim)
     if row is None:
         raise unknown_task(task_id)
-    version, created_at, node_id, result_json, exec_ms, mutates, divergent, writes, granted = row
+    version, created_at, node_id, result_json, exec_ms, mutates, divergent, writes, merged, granted = row
     cacheable = task.policy.for_tool(context.call.tool).cacheable
     hit = node_id is not None and cacheable and not divergent
     claimed = None
@@ -277,17 +277,10 @@ def tcg_lookup(
         return _hit(task, context, answer, count)
     history = StateChain(root=chain.root, steps=chain.steps[:-1])
     refs = _node_refs(writes or ())
-    merged, probe_ms = None, None
-    if node_id is None and cacheable:
-        start = refs.get(last.anchor)
-        if start is not None and start.verified:
-            began = time.perf_counter()
-            merged = _state_probe(task, chain)
-            probe_ms = (time.perf_counter() - began) * 1000
-        if merged is not None and task.match == "state":
-            answer = _state_merged(task, context, merged)
-            if answer is not None:
-                return _hit(task, context, answer, count, via_state=True)
+    if merged is not None and task.match == "state":
+        answer = _state_merged(task, context, merged)
+        if answer is not None:
+            return _hit(task, context, answer, count, via_state=True)
     if count:
         lookup_count(
             task_id=task.task_id,
@@ -312,7 +305,6 @@ def tcg_lookup(
         claim=claimed,
         snapshot_after_ms=snapshot_after,
         state_seen=merged is not None,
-        state_probe_ms=probe_ms,
     )
 
 
@@ -434,17 +426,6 @@ def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool,
     )
 
 
-def _state_probe(task: TaskHandle, chain: StateChain) -> tuple | None:
-    """The node a state-keyed lookup found for the chain's last call (STATE_PROBE_SQL), or None."""
-    last = chain.steps[-1]
-    params = {"task": task.task_id, "anchor": last.anchor, "digest": last.digest}
-    if task.divergent_writes:
-        params["keys"] = ",".join(step.state_key for step in chain.steps[:-1] if step.mutates)
-    with prepared_cursor() as cursor:
-        cursor.execute(STATE_PROBE_SQL_CLEAN if task.divergent_writes else STATE_PROBE_SQL, params)
-        return cursor.fetchone()
-
-
 def _state_merged(task: TaskHandle, context: CallContext, found: tuple) -> CachedHit | None:
     """A state-keyed hit: the node found, recorded again under the rollout's own history (its
     result's bytes and the state it left, with `merged_from`), so that the rollout's later calls
@@ -452,7 +433,7 @@ def _state_merged(task: TaskHandle, context: CallContext, found: tuple) -> Cache
     record, or another merge, raced this one): the lookup then answers as a miss."""
     from .record import MergedNode, node_record  # record.py builds on this module
 
-    _, result_json, exec_ms, mutates, full, shape, processes, source = found
+    _, result_json, exec_ms, mutates, full, shape, processes, source = found  # (_STATE_PROBE_SQL)
     outcome = node_record(
         task_id=task.task_id,
         record=CallRecord(context, None, exec_ms, mutated=mutates),
@@ -559,7 +540,7 @@ def _history_states(task: TaskHandle, history: tuple[ToolCall, ...]) -> tuple[St
     with connection.cursor() as cursor:
         cursor.execute(
             _WRITES_SQL,
-            {"task": task.task_id, "anchor": "", "keys": ",".join(step.state_key for step in chain.writes)},
+            {"task": task.task_id, "keys": ",".join(step.state_key for step in chain.writes)},
         )
         rows = cursor.fetchone()[0]
     return chain, _node_refs(rows or ())
@@ -632,9 +613,8 @@ def _node_refs(rows) -> dict[str, NodeRef]:
             snapshot_ref=snapshot[1] if snapshot else None,
             processes=processes or 0,
             snapshot_keeps_processes=bool(snapshot and snapshot[2]),
-            verified=bool(verified),
         )
-        for node_id, state_key, depth, cum, snapshot, processes, verified in rows
+        for node_id, state_key, depth, cum, snapshot, processes in rows
     }
 
 

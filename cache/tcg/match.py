@@ -102,9 +102,6 @@ class NodeRef:
     snapshot_ref: str | None = None
     processes: int = 0  # the processes the state keeps running (Node.live_processes)
     snapshot_keeps_processes: bool = False  # its snapshot holds them (a checkpoint)
-    # Its state has a verified fingerprint that state-keyed lookups may match (read only for the
-    # state a looked-up call starts from).
-    verified: bool = False
 
     @property
     def resumable(self) -> bool:

@@ -27,7 +27,6 @@ PHASES = (
     "lanes",
     "claim",
     "lookup",
-    "state_probe",
     "wait",
     "background_wait",
     "snapshot_wait",

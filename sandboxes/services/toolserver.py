@@ -179,10 +179,6 @@ class _Serving:
                 claim=claim,
                 resume=not self.has_sandbox and not (self.lane is not None and self.lane.fast),
             )
-        probe_ms = getattr(self.answer, "state_probe_ms", None)
-        if probe_ms is not None:  # a phase of its own, out of the lookup's
-            self.phases.ms["lookup"] -= probe_ms
-            self.phases.ms["state_probe"] = self.phases.ms.get("state_probe", 0.0) + probe_ms
         if self.flight is not None and isinstance(self.answer, LookupHit):
             self.flight.release()  # its leader recorded it: nothing to lead
             self.flight = None

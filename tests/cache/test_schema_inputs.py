@@ -17,6 +17,7 @@ from drf_spectacular.generators import SchemaGenerator
 
 from cache import inputs
 from core.errors import ApplicationError
+from core.ttl import RecentMemo
 
 # Request body component -> the parser its endpoint validates it with, and nothing else.
 PARSERS = {
@@ -45,6 +46,13 @@ SAMPLES = [
     ([], {"array"}),
     (None, set()),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _parsed_afresh(monkeypatch):
+    """What the parsers read, not what their memo of parsed histories remembers: a history parsed
+    once is parsed again from the memo, reading none of its fields."""
+    monkeypatch.setattr("cache.inputs._parsed_histories", RecentMemo(0))
 
 
 @pytest.fixture(scope="module")

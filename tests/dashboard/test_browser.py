@@ -166,10 +166,10 @@ def test_the_task_page_counts_state_keyed_hits_per_tool(server, api, staff_user)
         return {"tool": "write_file", "args": {"path": path, "content": content}}
 
     read = {"tool": "read_file", "args": {"path": "a"}}
-    for call in (write("a", "1"), write("b", "2"), read):
-        run(api, "merging", "r1", call)
-    for call in (write("b", "0"), write("a", "1"), write("b", "2")):
-        run(api, "merging", "r2", call)
+    for step in (write("a", "1"), write("b", "2"), read):
+        run(api, "merging", "r1", step)
+    for step in (write("b", "0"), write("a", "1"), write("b", "2")):
+        run(api, "merging", "r2", step)
     assert run(api, "merging", "r2", read)["cached"] is True
     ledger_flush()
     with sync_playwright() as playwright:
