@@ -305,9 +305,9 @@ TVCACHE = {
     # task becomes uncacheable for it.
     "DEFAULT_AUDIT_RATE": env.float("TVCACHE_DEFAULT_AUDIT_RATE", default=0.02),
     "AUDIT_MAX_DIVERGENT": env.int("TVCACHE_AUDIT_MAX_DIVERGENT", default=3),
-    # How a task without its own `match` matches (docs/design/state-match.md): "history" (the
-    # longest-prefix rule) or "state" (also hits from a state with the same verified fingerprint).
-    "DEFAULT_MATCH": env.str("TVCACHE_DEFAULT_MATCH", default="history"),
+    # How a new task that names no `match` matches (docs/design/state-match.md): "state" (also hits
+    # from a state with the same verified fingerprint) or "history" (the longest-prefix rule only).
+    "DEFAULT_MATCH": env.str("TVCACHE_DEFAULT_MATCH", default="state"),
     # State-keyed hits are sampled for the audit at least this often (and at least at the task's
     # `audit_rate`); a task with `audit_rate` 0 audits none.
     "STATE_AUDIT_RATE": env.float("TVCACHE_STATE_AUDIT_RATE", default=0.1),
