@@ -43,6 +43,7 @@ class ArmTasks:
         self.run_tag = run_tag
         self.tasks = tasks
         self.arms = arms
+        self.match: str | None = None  # how the service matches the tool-server arms' tasks (as it said)
 
     def task_id(self, task: ReplayTask, arm: Arm) -> str:
         return f"rp-{self.run_tag}-{task.name}-{arm.name}"[:200]
@@ -63,7 +64,7 @@ class ArmTasks:
                 env = task.client_env if arm.mode == "client" else task.server_env
                 if env is None:
                     raise ValueError(f"task {task.name} cannot run in tool-server mode")
-                self.client.put_task(
+                put = self.client.put_task(
                     self.task_id(task, arm),
                     env=env,
                     tools=task.tools,
@@ -71,6 +72,8 @@ class ArmTasks:
                     audit_rate=audit_rate,
                     match=match,
                 )
+                if arm.mode == "server":
+                    self.match = put.get("match")
 
     def announce(self, arm: Arm, epoch: int, rollouts: int, warm_wait_s: float) -> float:
         """Tool-server mode: announce the step, then give the workers up to warm_wait_s to warm

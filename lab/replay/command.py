@@ -180,6 +180,7 @@ class ReplayCommand(BaseCommand):
                     finally:
                         if service is not None:
                             self._release(replay.arm_tasks.server_ids())
+                    config["match"] = config["match"] or replay.arm_tasks.match  # the service's default
                     report = build_report(
                         replay,
                         workload=self.workload_name,

@@ -94,3 +94,26 @@ def test_a_hit_that_waited_for_another_rollouts_run_is_not_forbidden():
     assert issued_oracle([EpochRun("client", 0, calls=[detached, early, _keyed(1, 1.5, 250, False)])]).forbidden == {
         0: 1
     }
+
+
+def test_matching_by_state_holds_the_hit_rate_to_the_state_oracle():
+    """A run whose tasks match by state is held to the state oracle and shown above the
+    longest-prefix one; the same figures matching by history miss the target."""
+    from lab.replay.report import targets
+
+    exact = {"hits_checked": 10, "hits_mismatches": 0, "misses_checked": 5, "misses_mismatches": 0}
+    server = {
+        "exact": exact,
+        "service_hit_rate": 0.73,
+        "oracle_hit_rate": 0.70,
+        "state_oracle_hit_rate": 0.73,
+        "issued_oracle_hit_rate": 0.70,
+    }
+    by_state = targets("sql", {"server": server}, "state")
+    assert (
+        by_state["hit_rate_equals_oracle"]["met"]
+        and by_state["hit_rate_equals_oracle"]["oracle"] == "state_oracle_hit_rate"
+    )
+    assert by_state["hit_rate_above_longest_prefix_oracle"] == {"server": 3.0}
+    by_history = targets("sql", {"server": server}, "history")
+    assert not by_history["hit_rate_equals_oracle"]["met"] and "hit_rate_above_longest_prefix_oracle" not in by_history
