@@ -265,6 +265,7 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
             "result_bytes",
             "first_rollout_id",
             "first_epoch",
+            "merged_from",
         ),
     )
     edges = [{"source": n["parent_id"], "target": n["id"]} for n in out_nodes if n["parent_id"] is not None]

@@ -46,6 +46,9 @@ def test_two_histories_that_reach_one_state_share_the_next_call(api, docker_task
         merged.merged_from == first["node_id"]
         and merged.result_json == Node.objects.get(pk=first["node_id"]).result_json
     )
+    exported = {n["id"]: n for n in api.get(f"/api/v1/tasks/{task}/graph").json()["nodes"]}
+    assert exported[second["node_id"]]["merged_from"] == first["node_id"]
+    assert exported[first["node_id"]]["merged_from"] is None
     stats = task_stats(task_id=task)
     assert (stats["state_hits"], stats["hits"]) == (1, 1)
     assert stats["oracle_hits"] == 0 and stats["state_oracle_hits"] == 1
