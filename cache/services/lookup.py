@@ -398,25 +398,29 @@ def lookup_count(
     )
 
 
+def hit_count(*, task_id: str, context: CallContext, hit: LookupHit) -> None:
+    """Count a hit `tcg_lookup(count=False)` answered: a state-keyed one is the state oracle's hit,
+    not the longest-prefix oracle's."""
+    lookup_count(
+        task_id=task_id,
+        context=context,
+        node_id=hit.node_id,
+        hit=True,
+        seen=not hit.via_state,
+        state_seen=True,
+        via_state=hit.via_state,
+        saved_ms=hit.exec_ms,
+    )
+
+
 def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool, via_state: bool = False) -> LookupHit:
-    """A hit's answer, counted (unless the caller counts it) and sampled for the audit, whether
-    the database or this process's cache served it. A state-keyed hit (`via_state`) is sampled at
-    least at TVCACHE_STATE_AUDIT_RATE (unless the task's audit is off)."""
-    if count:
-        lookup_count(
-            task_id=task.task_id,
-            context=context,
-            node_id=answer.node_id,
-            hit=True,
-            seen=not via_state,
-            state_seen=True,
-            via_state=via_state,
-            saved_ms=answer.exec_ms,
-        )
+    """A hit's answer, counted (unless the caller counts it: `hit_count`) and sampled for the
+    audit, whether the database or this process's cache served it. A state-keyed hit
+    (`via_state`) is sampled at least at TVCACHE_STATE_AUDIT_RATE (unless the task's audit is off)."""
     # Sampled here, in process: the audit costs the hit path no statement.
     rate = max(task.audit_rate, settings.TVCACHE["STATE_AUDIT_RATE"]) if via_state else task.audit_rate
     audit = task.audit_rate > 0.0 and random.random() < rate
-    return LookupHit(
+    hit = LookupHit(
         node_id=answer.node_id,
         result_json=answer.result_json,
         exec_ms=answer.exec_ms,
@@ -424,6 +428,9 @@ def _hit(task: TaskHandle, context: CallContext, answer: CachedHit, count: bool,
         audit=audit,
         via_state=via_state,
     )
+    if count:
+        hit_count(task_id=task.task_id, context=context, hit=hit)
+    return hit
 
 
 def _state_merged(task: TaskHandle, context: CallContext, found: tuple) -> CachedHit | None:

@@ -36,6 +36,7 @@ from cache.services import (
     Flight,
     LookupHit,
     LookupMiss,
+    hit_count,
     lease_release,
     looked,
     lookup_count,
@@ -195,16 +196,7 @@ class _Serving:
 
     def _serve_hit(self, append: bool) -> tuple[Any, int]:
         answer, task_id = self.answer, self.handle.task_id
-        lookup_count(
-            task_id=task_id,
-            context=self.context,
-            node_id=answer.node_id,
-            hit=True,
-            seen=not answer.via_state,
-            state_seen=True,
-            via_state=answer.via_state,
-            saved_ms=answer.exec_ms,
-        )
+        hit_count(task_id=task_id, context=self.context, hit=answer)
         if answer.audit:  # sampled: a worker re-executes it at this state and compares
             hit_audit_enqueue(
                 task_id=task_id,

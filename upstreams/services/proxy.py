@@ -38,6 +38,7 @@ from cache.services import (
     LookupHit,
     LookupMiss,
     TaskHandle,
+    hit_count,
     looked,
     lookup_count,
     node_record,
@@ -231,14 +232,7 @@ class _Batch:
             self._hit(slot, slot.lookup, append=slot.step.append)
 
     def _hit(self, slot: _Slot, hit: LookupHit, *, append: bool) -> None:
-        lookup_count(
-            task_id=slot.task.task_id,
-            context=slot.context,
-            node_id=hit.node_id,
-            hit=True,
-            seen=True,
-            saved_ms=hit.exec_ms,
-        )
+        hit_count(task_id=slot.task.task_id, context=slot.context, hit=hit)
         slot.answer = Observation.from_result(orjson.loads(hit.result_json))
         self.hits += 1
         if append:  # the upstream has not run it: it goes with the trajectory's next miss
