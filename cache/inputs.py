@@ -142,9 +142,17 @@ def parse_call_context(data: Any) -> CallContext:
     data = _object(data)
     items, call_item = _required(data, "history"), _required(data, "call")
     history_digest, next_digest = history_digests(items, call_item)
-    history = parse_history(items, digest=history_digest)
-    call = parse_call(call_item, "call")
-    context = CallContext(
+    # The same call after the same history parsed lately (another rollout's, or a lookup's
+    # record): nothing of it is parsed again.
+    parsed = _parsed_histories.get(next_digest) if next_digest else None
+    if parsed is not None:
+        history, call = parsed[:-1], parsed[-1]
+    else:
+        history = parse_history(items, digest=history_digest)
+        call = parse_call(call_item, "call")
+        if next_digest:
+            _parsed_histories.put(next_digest, (*history, call))
+    return CallContext(
         history=history,
         call=call,
         rollout_id=_rollout_id(data),
@@ -154,20 +162,18 @@ def parse_call_context(data: Any) -> CallContext:
         history_digest=history_digest,
         next_digest=next_digest,
     )
-    if next_digest:
-        _parsed_histories.put(next_digest, (*history, call))
-    return context
 
 
 # An opaque trajectory reference, as long as a trainer's ids reasonably get.
 MAX_TRAJECTORY_REF = 1000
 TOKEN_SPANS = ("prompt", "completion")
+_TRACE_FIELDS = frozenset(("trajectory_ref", "tokens", "seq", "branch_of"))
 
 
 def parse_trace(data: dict, *, spans: tuple[str, ...] = TOKEN_SPANS) -> Trace:
     """A body's optional tree-export fields (cache.tcg.records.Trace): `trajectory_ref`, `tokens`,
     `seq` and `branch_of` ({"rollout": R, "step": k, "tokens": {"prompt": [0, n]}})."""
-    if not any(field in data for field in ("trajectory_ref", "tokens", "seq", "branch_of")):
+    if _TRACE_FIELDS.isdisjoint(data):
         return NO_TRACE
     ref = _optional(data, "trajectory_ref", str, "")
     if len(ref) > MAX_TRAJECTORY_REF or "\x00" in ref:

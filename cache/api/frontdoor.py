@@ -233,11 +233,11 @@ class FrontDoor:
         # Requests this path cannot answer like the middleware would: let Django do it.
         self.enabled = bool(self.routes) and not settings.SECURE_SSL_REDIRECT and not settings.DEBUG
         # What every answer carries, encoded once for the ASGI server (FrontDoorASGI._send).
-        self.headers = [
-            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in _middleware_headers()
-        ]
+        self.headers = _encoded(_middleware_headers())
         self.max_body = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
         self.hosts: dict[str, bool] = {}  # Host header -> allowed (ALLOWED_HOSTS is fixed at start)
+        # Path -> (arguments, view) or None, for the paths clients send (one per task and endpoint).
+        self.paths: dict[str, tuple[dict[str, str], type[FrontDoorView]] | None] = {}
 
     @staticmethod
     def _pattern(route: str) -> re.Pattern:
@@ -263,11 +263,21 @@ class FrontDoor:
         Content-Length (a chunked body is left to Django)."""
         if not self.enabled or method != "POST" or scheme != "http" or not content_length.isdigit():
             return None
+        routed = self.paths.get(path, False)
+        if routed is False:
+            routed = self._routed_path(path)
+        return routed if routed is not None and self._host_allowed(host) else None
+
+    def _routed_path(self, path: str) -> tuple[dict[str, str], type[FrontDoorView]] | None:
+        routed = None
         for pattern, view in self.routes:
             match = pattern.match(path)
             if match is not None:
-                return (match.groupdict(), view) if self._host_allowed(host) else None
-        return None
+                routed = match.groupdict(), view
+                break
+        if len(self.paths) < 4096:  # beyond: matched each time
+            self.paths[path] = routed
+        return routed
 
     def _host_allowed(self, host: str) -> bool:
         allowed = self.hosts.get(host)
@@ -324,12 +334,10 @@ class FrontDoor:
     def plain(self, reply: Reply, rid: str) -> Answered:
         """An answer made without a thread or the database (a refusal on the event loop)."""
         status, body, extra = reply
-        headers = [
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(len(body))),
-            *extra,
-            (REQUEST_ID_HEADER, rid),
-        ]
+        headers = [_JSON, (b"content-length", b"%d" % len(body))]
+        if extra:
+            headers += _encoded(extra)
+        headers.append((_REQUEST_ID, rid.encode("latin-1")))
         return Answered(status, headers, body, 0.0)
 
     def overloaded(self, lane: str, rid: str) -> Answered:
@@ -361,24 +369,34 @@ class FrontDoor:
                 answered.db_s = timer.seconds
                 return answered
             status, body, extra = answered
-            headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *extra]
+            headers = [_JSON, (b"content-length", b"%d" % len(body)), *_encoded(extra)]
         except Exception as exc:  # the same logging, signal and JSON 500 as Django's handler
             response = response_for_exception(request(), exc)
             status, body = response.status_code, response.content
-            headers = [(k, v) for k, v in response.items() if k.lower() != "content-length"]
-            headers.append(("Content-Length", str(len(body))))
+            headers = _encoded([(k, v) for k, v in response.items() if k.lower() != "content-length"])
+            headers.append((b"content-length", b"%d" % len(body)))
         finally:
             if context is not None:
                 lane_set(None)
             _check_connection(db, keep=keep)
             request_id_unbind(bound)
-        headers.append((REQUEST_ID_HEADER, rid))
+        headers.append((_REQUEST_ID, rid.encode("latin-1")))
         return Answered(status, headers, body, timer.seconds)
+
+
+# Headers as the ASGI server takes them: names in lower case, bytes.
+_JSON = (b"content-type", b"application/json")
+_REQUEST_ID = REQUEST_ID_HEADER.lower().encode("latin-1")
+
+
+def _encoded(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
 
 
 class Answered(NamedTuple):
     status: int
-    headers: list[tuple[str, str]]  # its own; the ASGI app adds those every answer carries (FrontDoor.headers)
+    # Its own, encoded (_encoded); the ASGI app adds those every answer carries (FrontDoor.headers).
+    headers: list[tuple[bytes, bytes]]
     body: bytes
     db_s: float  # in database statements
 
@@ -397,17 +415,23 @@ class _StatementTimer:
             self.seconds += time.perf_counter() - started
 
 
-def server_timing(*, queue_s: float, app_s: float, db_s: float, total_s: float, wait_s: float = 0.0) -> tuple[str, str]:
-    """Where the service's time went: waiting for lane threads, the work and its database
-    statements, waiting on the event loop for another request's tool run (only when it did), the
-    whole (the body read and the hops back to the event loop included), so that a client can tell
-    its own share and the network's from the service's."""
-    waited = f"wait;dur={wait_s * 1000:.3f}, " if wait_s else ""
-    return (
-        "Server-Timing",
-        f"queue;dur={queue_s * 1000:.3f}, app;dur={app_s * 1000:.3f}, db;dur={db_s * 1000:.3f}, "
-        f"{waited}total;dur={total_s * 1000:.3f}",
+def server_timing(*, queue_s: float, app_s: float, db_s: float, total_s: float, wait_s: float = 0.0) -> bytes:
+    """The Server-Timing header's value: where the service's time went: waiting for lane threads,
+    the work and its database statements, waiting on the event loop for another request's tool
+    run (only when it did), the whole (the body read and the hops back to the event loop
+    included), so that a client can tell its own share and the network's from the service's."""
+    waited = b"wait;dur=%.3f, " % (wait_s * 1000) if wait_s else b""
+    return b"queue;dur=%s, app;dur=%.3f, db;dur=%s, %stotal;dur=%.3f" % (
+        _ms(queue_s),
+        app_s * 1000,
+        _ms(db_s),
+        waited,
+        total_s * 1000,
     )
+
+
+def _ms(seconds: float) -> bytes:
+    return b"%.3f" % (seconds * 1000) if seconds else b"0.000"  # (a hit from memory: no queue, no statement)
 
 
 class _Clock:
@@ -417,7 +441,7 @@ class _Clock:
         self.arrived = time.perf_counter()
         self.queue_s = self.app_s = self.db_s = self.wait_s = 0.0
 
-    def header(self, answer: Answered) -> tuple[str, str]:
+    def header(self, answer: Answered) -> bytes:
         return server_timing(
             queue_s=self.queue_s,
             app_s=self.app_s,
@@ -603,17 +627,14 @@ class FrontDoorASGI:
             else:
                 return answer
 
-    async def _send(self, send, answer: Answered, timing: tuple[str, str], unread: bool = False) -> None:
-        """The answer; with `unread` (a body left unread) the connection is closed after it, rather
-        than the server reading and dropping the rest of the body to keep it alive."""
-        headers = [*answer.headers, timing, ("Connection", "close")] if unread else [*answer.headers, timing]
-        await send(
-            {
-                "type": "http.response.start",
-                "status": answer.status,
-                "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers] + self.hot.headers,
-            }
-        )
+    async def _send(self, send, answer: Answered, timing: bytes, unread: bool = False) -> None:
+        """The answer with its Server-Timing `timing`; with `unread` (a body left unread) the
+        connection is closed after it, rather than the server reading and dropping the rest of the
+        body to keep it alive."""
+        headers = [*answer.headers, (b"server-timing", timing), *self.hot.headers]
+        if unread:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         await send({"type": "http.response.body", "body": answer.body})
 
     @staticmethod

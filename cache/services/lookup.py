@@ -327,7 +327,9 @@ def tcg_lookup_in_memory(*, task_id: str, context: CallContext, admit: Callable[
     return _hit(task, context, cached, True)
 
 
-# Renews leases before they lapse, off the event loop (tcg_lookup_in_memory).
+# Renews leases before they lapse, off the event loop (tcg_lookup_in_memory). Its thread keeps its
+# connection, as a lane's threads do: taking one from the pool for each renewal (a health check,
+# the statement prepared again) let leases lapse under a busy event loop.
 _renewer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvcache-lease")
 
 
@@ -338,7 +340,6 @@ def _lease_renewed(task_id: str) -> None:
         log.warning("renewing the hit cache's lease on %s failed", task_id, exc_info=True)
     finally:
         hit_cache().renewal_done(task_id)
-        connection.close()  # rarely used: its connection goes back to the pool (or is closed)
 
 
 def _snapshot_after_ms(task: TaskHandle, match: Match, history_length: int) -> float | None:

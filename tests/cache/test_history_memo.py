@@ -7,6 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from cache import inputs
 from cache.inputs import history_digests, parse_call_context
 
 A = {"tool": "write", "args": {"path": "f", "content": 1}}
@@ -32,3 +33,17 @@ def test_a_memoized_history_parses_to_the_same_calls():
 
 def test_a_body_that_does_not_serialize_is_parsed_without_the_memo():
     assert history_digests("not a list", A) == (b"", b"")
+
+
+def test_the_same_call_after_the_same_history_parses_no_call_again(monkeypatch):
+    """Another rollout's lookup (or a lookup's record) of a call parsed lately: nothing of it is
+    parsed again, and it gives the same context but for the rollout's own fields."""
+    first = parse_call_context({"history": [A, B], "call": {"tool": "read", "args": {"path": "once"}}, "epoch": 1})
+    parsed = []
+    monkeypatch.setattr(inputs, "parse_call", lambda *args, **kwargs: parsed.append(args))
+    again = parse_call_context(
+        {"history": [A, B], "call": {"tool": "read", "args": {"path": "once"}}, "rollout_id": "r2", "epoch": 2}
+    )
+    assert parsed == []
+    assert (again.history, again.call, again.next_digest) == (first.history, first.call, first.next_digest)
+    assert (again.rollout_id, again.epoch) == ("r2", 2)
