@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import BooleanField, Count, Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.expressions import RawSQL
 
 from cache.ledger import ledger_flush
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task, TaskTotal, ToolStat
 from cache.notfound import unknown_node, unknown_task
 from cache.tcg.exectimes import histogram_median
+from core.errors import InvalidInput
+from core.inputs import INT32, INT64
 
 COUNTERS = ("calls", "hits", "oracle_hits", "state_hits", "state_oracle_hits", "executions", "executed_ms", "saved_ms")
 DIVERGENT_NODES_LISTED = 100
@@ -237,8 +240,22 @@ def node_rows(*, nodes: QuerySet, limit: int, fields: tuple[str, ...]) -> list[d
     return out
 
 
-def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None = None, limit: int = 100_000) -> dict:
-    """Nodes and edges of a task's graph; optionally only the subtree under `root`, `max_depth` deep."""
+# Nodes per page of a graph export, at most and by default.
+GRAPH_PAGE = 100_000
+
+
+def graph_export(
+    *,
+    task_id: str,
+    root: int | None = None,
+    max_depth: int | None = None,
+    limit: int = GRAPH_PAGE,
+    after: tuple[int, int] | None = None,
+) -> dict:
+    """A page of a task's graph: its nodes in order of (depth, id), at most `limit`, those after
+    the (depth, id) `after`, and the edges to them; optionally only the subtree under `root`,
+    `max_depth` deep. `next` is the cursor of the next page (`graph_cursor`), None on the last:
+    a page is an index range, however large the graph (docs/operations/growth.md)."""
     task_get(task_id=task_id)
     ledger_flush()
     nodes = Node.objects.filter(task_id=task_id)
@@ -248,9 +265,12 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
         nodes = nodes.filter(pk__in=node_subtree_ids(task_id=task_id, node_id=root, max_depth=max_depth))
     elif max_depth is not None:
         nodes = nodes.filter(depth__lte=max_depth)
+    if after is not None:
+        # A row comparison: the (task, depth, id) index seeks to it.
+        nodes = nodes.filter(RawSQL('("cache_node"."depth", "cache_node"."id") > (%s, %s)', after, BooleanField()))
     out_nodes = node_rows(
         nodes=nodes,
-        limit=limit,
+        limit=limit + 1,
         fields=(
             "id",
             "parent_id",
@@ -268,8 +288,28 @@ def graph_export(*, task_id: str, root: int | None = None, max_depth: int | None
             "merged_from",
         ),
     )
+    more = len(out_nodes) > limit
+    del out_nodes[limit:]
     edges = [{"source": n["parent_id"], "target": n["id"]} for n in out_nodes if n["parent_id"] is not None]
-    return {"task_id": task_id, "nodes": out_nodes, "edges": edges}
+    last = out_nodes[-1] if more else None
+    return {
+        "task_id": task_id,
+        "nodes": out_nodes,
+        "edges": edges,
+        "next": None if last is None else f"{last['depth']}.{last['id']}",
+    }
+
+
+def graph_cursor(value: str | None) -> tuple[int, int] | None:
+    """The (depth, id) a graph page's `next` names ("depth.id"); InvalidInput if it names none."""
+    if value is None:
+        return None
+    depth, dot, node = value.partition(".")
+    if not (dot and depth.isdigit() and node.isdigit() and int(depth) <= INT32[1] and int(node) <= INT64[1]):
+        raise InvalidInput(
+            "'after' must be the 'next' of a graph page (depth.id).", code="invalid_payload", details={"field": "after"}
+        )
+    return int(depth), int(node)
 
 
 SUBTREE_SQL = """

@@ -325,14 +325,27 @@ class LeaseView(APIView):
 
 class GraphView(APIView):
     @extend_schema(
-        parameters=[OpenApiParameter("root", int), OpenApiParameter("depth", int)],
+        parameters=[
+            OpenApiParameter("root", int),
+            OpenApiParameter("depth", int),
+            OpenApiParameter("limit", int, description=f"nodes per page (default and at most {selectors.GRAPH_PAGE})"),
+            OpenApiParameter("after", str, description="the previous page's `next`"),
+        ],
         responses={200: dict, **ERRORS},
-        summary="Nodes and edges of the task's tool call graph (optionally a subtree)",
+        summary="Nodes and edges of the task's tool call graph (optionally a subtree), a page at a time",
     )
     def get(self, request, task_id: str):
-        root = parse_query_int(request.query_params, "root", None, low=1, high=INT64[1])
-        depth = parse_query_int(request.query_params, "depth", None, low=0, high=INT32[1])
-        graph = selectors.graph_export(task_id=task_key(request, task_id), root=root, max_depth=depth)
+        params = request.query_params
+        root = parse_query_int(params, "root", None, low=1, high=INT64[1])
+        depth = parse_query_int(params, "depth", None, low=0, high=INT32[1])
+        limit = parse_query_int(params, "limit", selectors.GRAPH_PAGE, low=1, high=selectors.GRAPH_PAGE)
+        graph = selectors.graph_export(
+            task_id=task_key(request, task_id),
+            root=root,
+            max_depth=depth,
+            limit=limit,
+            after=selectors.graph_cursor(params.get("after")),
+        )
         return Response({**graph, "task_id": task_public_id(graph["task_id"])})
 
 

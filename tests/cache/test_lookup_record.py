@@ -251,6 +251,36 @@ def test_graph_export_has_parent_edges(api, toy_task):
     assert [n["id"] for n in sub["nodes"]] == [n1["node_id"]]
 
 
+def test_graph_export_pages_walk_the_whole_graph_once(api, toy_task):
+    """A page is at most `limit` nodes in (depth, id) order; its `next` leads to the rest, every
+    node once, and the last page says there is no more."""
+    writes = [call("write", path="f", content=str(i)) for i in range(4)]
+    ids = [record(api, toy_task, writes[:i], writes[i], {"ok": i})["node_id"] for i in range(4)]
+    ids += [
+        record(api, toy_task, [writes[0]], call("write", path="g", content=str(i)), {})["node_id"] for i in range(3)
+    ]
+    whole = api.get(f"/api/v1/tasks/{toy_task}/graph").json()
+    assert whole["next"] is None and len(whole["nodes"]) == 7
+    seen, after, pages = [], None, 0
+    while True:
+        query = f"?limit=2&after={after}" if after else "?limit=2"
+        page = api.get(f"/api/v1/tasks/{toy_task}/graph{query}").json()
+        assert len(page["nodes"]) <= 2
+        seen += [node["id"] for node in page["nodes"]]
+        pages += 1
+        after = page["next"]
+        if after is None:
+            break
+    assert pages == 4 and seen == [node["id"] for node in whole["nodes"]] and sorted(seen) == sorted(ids)
+    assert [(n["depth"], n["id"]) for n in whole["nodes"]] == sorted((n["depth"], n["id"]) for n in whole["nodes"])
+
+
+@pytest.mark.parametrize("after", ["x", "1", "1.x", "-1.2", "1.99999999999999999999", ".3"])
+def test_a_graph_page_after_no_cursor_is_refused(api, toy_task, after):
+    answer = api.get(f"/api/v1/tasks/{toy_task}/graph?after={after}")
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_payload"
+
+
 @pytest.mark.parametrize("depth", [1, 50, 500])
 def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, django_assert_num_queries, depth):
     history = [call("write", path="f", content=str(i)) for i in range(depth)]

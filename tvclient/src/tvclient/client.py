@@ -261,8 +261,9 @@ class TVCacheClient:
     def announce_step(self, tasks: list[str], rollouts_per_task: int, epoch: int) -> dict[str, Any]:
         return self._send(operations.announce_step(tasks, rollouts_per_task, epoch))
 
-    def graph(self, task_id: str) -> dict[str, Any]:
-        return self._send(operations.graph(task_id))
+    def graph(self, task_id: str, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """A page of the task's graph; `after`: the previous page's `next` (None on the last page)."""
+        return self._send(operations.graph(task_id, after, limit))
 
     def stats(self, task_id: str) -> dict[str, Any]:
         return self._send(operations.stats(task_id))
@@ -454,8 +455,9 @@ class AsyncTVCacheClient:
     async def announce_step(self, tasks: list[str], rollouts_per_task: int, epoch: int) -> dict[str, Any]:
         return await self._send(operations.announce_step(tasks, rollouts_per_task, epoch))
 
-    async def graph(self, task_id: str) -> dict[str, Any]:
-        return await self._send(operations.graph(task_id))
+    async def graph(self, task_id: str, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """A page of the task's graph; `after`: the previous page's `next` (None on the last page)."""
+        return await self._send(operations.graph(task_id, after, limit))
 
     async def stats(self, task_id: str) -> dict[str, Any]:
         return await self._send(operations.stats(task_id))

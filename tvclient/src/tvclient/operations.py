@@ -240,8 +240,9 @@ def announce_step(tasks: list[str], rollouts_per_task: int, epoch: int) -> Opera
     return Operation("POST", f"{API}/steps", _object_or_empty, body=body)
 
 
-def graph(task_id: str) -> Operation[dict[str, Any]]:
-    return Operation("GET", f"{_task_path(task_id)}/graph", _object)
+def graph(task_id: str, after: str | None = None, limit: int | None = None) -> Operation[dict[str, Any]]:
+    params = _without_none(after=after, limit=limit)
+    return Operation("GET", f"{_task_path(task_id)}/graph", _object, params=params or None)
 
 
 def stats(task_id: str) -> Operation[dict[str, Any]]:
