@@ -166,6 +166,23 @@ class TaskTotal(models.Model):
         constraints = [models.UniqueConstraint(fields=["task", "tool"], name="tasktotal_unique")]
 
 
+class SnapshotTotal(models.Model):
+    """A task's snapshots per backend: live ones and their bytes, evicted ones. Kept by triggers on
+    cache_snapshot (migration 0022), which see every change, the cascades of deleted nodes and
+    tasks and bulk COPY included; so stats and the pools pages read a row per task and backend
+    instead of every live snapshot (docs/operations/growth.md)."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="snapshot_totals", db_index=False)
+    backend = models.CharField(max_length=40)
+    live = models.BigIntegerField(default=0)
+    live_bytes = models.BigIntegerField(default=0)  # of the live ones whose size is known
+    live_processes = models.BigIntegerField(default=0)  # live ones that keep the sandbox's processes
+    evicted = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["task", "backend"], name="snapshottotal_unique")]
+
+
 class Snapshot(models.Model):
     class Status(models.TextChoices):
         LIVE = "live"

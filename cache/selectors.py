@@ -9,7 +9,17 @@ from django.db.models import BooleanField, Count, Max, OuterRef, Q, QuerySet, Su
 from django.db.models.expressions import RawSQL
 
 from cache.ledger import ledger_flush
-from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task, TaskTotal, ToolStat
+from cache.models import (
+    Divergence,
+    MaterializationStat,
+    Node,
+    Rollout,
+    Snapshot,
+    SnapshotTotal,
+    Task,
+    TaskTotal,
+    ToolStat,
+)
 from cache.notfound import unknown_node, unknown_task
 from cache.tcg.exectimes import histogram_median
 from core.errors import InvalidInput
@@ -50,11 +60,8 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
     per_epoch = [dict(epoch=r["epoch"], **_rates(r)) for r in rows.values("epoch").annotate(**sums).order_by("epoch")]
     per_tool = [dict(tool=r["tool"], **_rates(r)) for r in rows.values("tool").annotate(**sums).order_by("tool")]
     graph = TaskTotal.objects.filter(task_id=task_id).aggregate(nodes=Sum("nodes"), results_bytes=Sum("result_bytes"))
-    # Two index-only reads (snapshot_live_task, snapshot_evicted_task), not one of every snapshot row.
-    snapshots = Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).aggregate(
-        live=Count("id"), live_bytes=Sum("size_bytes")
-    )
-    snapshots["evicted"] = Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.EVICTED).count()
+    snapshots = snapshot_totals(SnapshotTotal.objects.filter(task_id=task_id))
+    del snapshots["live_processes"]
     return {
         **total,
         "nodes": graph["nodes"] or 0,
@@ -66,6 +73,15 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "divergences": task_divergences(task_id=task_id),
         "processes": task_processes(task_id=task_id),
     }
+
+
+def snapshot_totals(totals: QuerySet) -> dict[str, int]:
+    """The snapshot counters (cache.models.SnapshotTotal) of the given rows added up: live, their
+    bytes, those keeping processes, evicted. A row per task and backend, not one per snapshot."""
+    sums = totals.aggregate(
+        live=Sum("live"), live_bytes=Sum("live_bytes"), live_processes=Sum("live_processes"), evicted=Sum("evicted")
+    )
+    return {key: value or 0 for key, value in sums.items()}
 
 
 def task_totals(*, task_id: str) -> dict[str, dict[str, Any]]:
@@ -107,9 +123,7 @@ def task_processes(*, task_id: str) -> dict[str, Any]:
     states = Node.objects.filter(task_id=task_id, mutates=True)
     return {
         "states": TaskTotal.objects.filter(task_id=task_id).aggregate(n=Sum("process_states"))["n"] or 0,
-        "snapshots": Snapshot.objects.filter(
-            task_id=task_id, status=Snapshot.Status.LIVE, keeps_processes=True
-        ).count(),
+        "snapshots": snapshot_totals(SnapshotTotal.objects.filter(task_id=task_id))["live_processes"],
         "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
         "materialized": materialized,
     }
@@ -173,12 +187,7 @@ def task_divergences(*, task_id: str) -> dict[str, Any]:
 
 def project_snapshot_bytes(*, project_id: int) -> int:
     """Bytes of the project's live snapshots (their sizes as registered)."""
-    return (
-        Snapshot.objects.filter(task__project_id=project_id, status=Snapshot.Status.LIVE).aggregate(
-            n=Sum("size_bytes")
-        )["n"]
-        or 0
-    )
+    return snapshot_totals(SnapshotTotal.objects.filter(task__project_id=project_id))["live_bytes"]
 
 
 def task_ids(*, project_id: int | None = None, project_ids: list[int] | None = None, search: str = ""):
@@ -210,9 +219,9 @@ def task_list_stats(*, task_ids: list[str]) -> list[dict[str, Any]]:
         .values_list("task_id", "n")
     )
     live = dict(
-        Snapshot.objects.filter(task_id__in=task_ids, status=Snapshot.Status.LIVE)
+        SnapshotTotal.objects.filter(task_id__in=task_ids)
         .values("task_id")
-        .annotate(n=Count("id"))
+        .annotate(n=Sum("live"))
         .values_list("task_id", "n")
     )
     return [

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from statistics import median, quantiles
 
-from django.db.models import Count, Max, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from accounts.projects import key_project, task_public_id
-from cache.models import Lease, Snapshot, Task
-from cache.selectors import task_get
+from cache.models import Lease, Snapshot, SnapshotTotal, Task
+from cache.selectors import snapshot_totals, task_get
 from core.ttl import TTLCache
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
@@ -185,12 +185,10 @@ def pool_task_keys(*, project_ids: list[int] | None = None):
 def pool_totals(*, project_ids: list[int] | None = None) -> dict:
     """Live snapshots, their bytes and live sandboxes of the projects' tasks (None: every one)."""
     scope = _pool_scope(None, project_ids)
-    snapshots = Snapshot.objects.filter(status=Snapshot.Status.LIVE, **scope).aggregate(
-        n=Count("id"), size=Sum("size_bytes")
-    )
+    snapshots = snapshot_totals(SnapshotTotal.objects.filter(**scope))
     return {
-        "snapshots": snapshots["n"],
-        "bytes": snapshots["size"] or 0,
+        "snapshots": snapshots["live"],
+        "bytes": snapshots["live_bytes"],
         "sandboxes": Sandbox.objects.filter(**scope).exclude(state__in=LIVE_EXCLUDED).count(),
     }
 
@@ -215,17 +213,17 @@ def pool_tasks(*, task_keys: list[str]) -> list[dict]:
         }
         for key in task_keys
     }
-    for key, budget in Task.objects.filter(pk__in=task_keys).values_list("pk", "sandbox_budget"):
-        rows[key]["budget"] = budget
     live = Snapshot.objects.filter(task_id__in=task_keys, status=Snapshot.Status.LIVE)
-    for s in live.values("task_id", "backend").annotate(
-        n=Count("id"), size=Sum("size_bytes"), newest=Max("created_at")
-    ):
-        row = rows[s["task_id"]]
-        row["snapshots"] += s["n"]
-        row["bytes"] += s["size"] or 0
-        row["newest"] = max(filter(None, (row["newest"], s["newest"])))
-        row["backends"].add(s["backend"])
+    # The newest live snapshot: one step of a backward read of snapshot_live_task per task.
+    newest = live.filter(task_id=OuterRef("pk")).order_by("-created_at").values("created_at")[:1]
+    tasks = Task.objects.filter(pk__in=task_keys).annotate(newest=Subquery(newest))
+    for key, budget, created in tasks.values_list("pk", "sandbox_budget", "newest"):
+        rows[key]["budget"], rows[key]["newest"] = budget, created
+    for total in SnapshotTotal.objects.filter(task_id__in=task_keys, live__gt=0):
+        row = rows[total.task_id]
+        row["snapshots"] += total.live
+        row["bytes"] += total.live_bytes
+        row["backends"].add(total.backend)
     leased = (
         Lease.objects.filter(snapshot__in=live, released_at__isnull=True, expires_at__gt=timezone.now())
         .values("snapshot__task_id")

@@ -13,12 +13,13 @@ import pytest
 from django.db import connection, connections
 from django.db.migrations.loader import MigrationLoader
 
-from cache.models import Divergence, Node, TaskTotal
+from cache.models import Divergence, Node, Snapshot, SnapshotTotal, Task, TaskTotal
 from cache.selectors import task_stats, task_totals
 from cache.services import admin_subtree_evict, divergence_record, node_record, task_flush, task_put
 from cache.tcg import RecordedState, ToolCall
 from cache.tcg.exectimes import BUCKETS, bucket, histogram_median
 from cache.tcg.records import CallContext, CallRecord
+from sandboxes.selectors import pool_totals
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -188,3 +189,84 @@ def test_the_migration_backfills_the_totals_of_existing_graphs(task):
     with connection.cursor() as cursor:
         cursor.execute(backfill)
     assert kept(task) == expected and expected["run"]["divergent"] == 1
+
+
+def snapshots_counted(task_id: str) -> dict[str, tuple[int, ...]]:
+    """Per backend: live snapshots, their bytes, those keeping processes, evicted ones, as a scan
+    of the snapshots gives them."""
+    out: dict[str, list[int]] = {}
+    for backend, status, size, processes in Snapshot.objects.filter(task_id=task_id).values_list(
+        "backend", "status", "size_bytes", "keeps_processes"
+    ):
+        row = out.setdefault(backend, [0, 0, 0, 0])
+        row[0] += status == "live"
+        row[1] += (size or 0) if status == "live" else 0
+        row[2] += status == "live" and processes
+        row[3] += status == "evicted"
+    return {backend: tuple(row) for backend, row in out.items() if any(row)}
+
+
+def snapshots_kept(task_id: str) -> dict[str, tuple[int, ...]]:
+    rows = SnapshotTotal.objects.filter(task_id=task_id).values_list(
+        "backend", "live", "live_bytes", "live_processes", "evicted"
+    )
+    return {backend: tuple(counts) for backend, *counts in rows if any(counts)}
+
+
+def test_snapshot_totals_follow_inserts_status_changes_and_cascades(task):
+    """Every way a snapshot row changes (created, evicted, deleted by the reaper, gone with its
+    node's subtree, with a flush, with its task) leaves the totals equal to a scan, and stats and
+    the pools totals read them."""
+    rng = random.Random(5)
+    trunk = rollout(task, calls("trunk", 8), rng)
+    branch = rollout(task, calls("branch", 4), rng, prefix=calls("trunk", 8)[:3])
+    made = []
+    for i, node_id in enumerate([*trunk, *branch]):
+        backend = "docker" if i % 3 else "folder"
+        size = None if i == 4 else 1000 + i
+        made.append(
+            Snapshot.objects.create(
+                task_id=task, node_id=node_id, backend=backend, ref=f"s{i}", size_bytes=size, keeps_processes=i % 2 == 0
+            )
+        )
+    assert snapshots_kept(task) == snapshots_counted(task) and snapshots_kept(task)["docker"][0] == 8
+    Snapshot.objects.filter(pk__in=[s.pk for s in made[:5]]).update(status=Snapshot.Status.EVICTED)
+    Snapshot.objects.filter(pk=made[0].pk).update(status=Snapshot.Status.DELETED)
+    Snapshot.objects.filter(pk=made[6].pk).update(size_bytes=5)
+    assert snapshots_kept(task) == snapshots_counted(task)
+    stats = task_stats(task_id=task)["snapshots"]
+    live = Snapshot.objects.filter(task_id=task, status="live")
+    assert stats == {
+        "live": live.count(),
+        "live_bytes": sum(s or 0 for s in live.values_list("size_bytes", flat=True)),
+        "evicted": 4,
+    }
+    assert pool_totals()["snapshots"] == live.count()
+    assert task_stats(task_id=task)["processes"]["snapshots"] == live.filter(keeps_processes=True).count()
+    admin_subtree_evict(actor=None, task_id=task, node_id=branch[0])  # snapshots go with their nodes
+    assert snapshots_kept(task) == snapshots_counted(task)
+    task_flush(task_id=task)
+    assert snapshots_kept(task) == snapshots_counted(task) == {}
+    rollout(task, calls("again", 3), rng)
+    Snapshot.objects.create(
+        task_id=task, node_id=Node.objects.filter(task_id=task).first().pk, backend="sqlite", ref="x"
+    )
+    assert snapshots_kept(task) == {"sqlite": (1, 0, 0, 0)}
+    Task.objects.filter(pk=task).delete()  # cascades to its totals and its snapshots: nothing left behind
+    assert not SnapshotTotal.objects.filter(task_id=task).exists()
+
+
+def test_the_migration_fills_the_snapshot_totals_of_existing_snapshots(task):
+    ids = rollout(task, calls("old", 4), random.Random(2))
+    for i, node_id in enumerate(ids):
+        Snapshot.objects.create(task_id=task, node_id=node_id, backend="docker", ref=f"o{i}", size_bytes=10)
+    Snapshot.objects.filter(node_id=ids[0]).update(status=Snapshot.Status.EVICTED)
+    expected = snapshots_counted(task)
+    module = sys.modules[
+        type(MigrationLoader(connection).disk_migrations[("cache", "0022_snapshot_totals")]).__module__
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(module.UNTRIGGERS)
+        cursor.execute("DELETE FROM cache_snapshottotal")
+        cursor.execute(module.TRIGGERS)
+    assert snapshots_kept(task) == expected == {"docker": (3, 30, 0, 1)}
