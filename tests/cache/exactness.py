@@ -35,8 +35,11 @@ TOOLS = {
 }
 POLICY = TaskPolicy.from_json(TOOLS)
 # The determinism audit re-executes sampled hits at random: off here, so that what the
-# store answers is a function of the scenario (the audit's own tests sample it).
-TASK_SETTINGS = {"tools": TOOLS, "sandbox_budget": 64, "audit_rate": 0}
+# store answers is a function of the scenario (the audit's own tests sample it). The referee's
+# oracle is the longest-prefix graph, so the tasks match by history: a state-keyed hit (the
+# default for new tasks) is one the graph does not hold; those are tested against their own
+# oracle in tests/sandboxes/test_state_match.py.
+TASK_SETTINGS = {"tools": TOOLS, "sandbox_budget": 64, "audit_rate": 0, "match": "history"}
 # Nondeterministic tools: `stamp` writes a fresh random token to a file, `sample` answers one.
 STAMP, SAMPLE = "stamp", "sample"
 NONDETERMINISTIC = frozenset({STAMP, SAMPLE})

@@ -27,6 +27,7 @@ OPERATIONS = {
     "graph (a group's subtree)",
     "tree export (100 rollouts)",
     "graph (whole, as exported)",
+    "graph (a page of 1,000 nodes from depth 10)",
     "page: overview",
     "page: task",
     "page: graph",
