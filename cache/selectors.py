@@ -61,7 +61,7 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
     per_tool = [dict(tool=r["tool"], **_rates(r)) for r in rows.values("tool").annotate(**sums).order_by("tool")]
     graph = TaskTotal.objects.filter(task_id=task_id).aggregate(nodes=Sum("nodes"), results_bytes=Sum("result_bytes"))
     snapshots = snapshot_totals(SnapshotTotal.objects.filter(task_id=task_id))
-    del snapshots["live_processes"]
+    keeping_processes = snapshots.pop("live_processes")
     return {
         **total,
         "nodes": graph["nodes"] or 0,
@@ -71,7 +71,7 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "per_epoch": per_epoch,
         "per_tool": per_tool,
         "divergences": task_divergences(task_id=task_id),
-        "processes": task_processes(task_id=task_id),
+        "processes": task_processes(task_id=task_id, snapshots=keeping_processes),
     }
 
 
@@ -102,10 +102,11 @@ def task_totals(*, task_id: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def task_processes(*, task_id: str) -> dict[str, Any]:
+def task_processes(*, task_id: str, snapshots: int) -> dict[str, Any]:
     """States with live processes (a server, a daemon an agent left running) and how tool-server
     misses got their sandboxes to the states of their histories, with and without live processes
-    (MaterializationStat, written by the ledger: task_stats flushes it first)."""
+    (MaterializationStat, written by the ledger: task_stats flushes it first). `snapshots`: the
+    task's live snapshots that keep processes, as task_stats read them from the counters."""
     counts = {
         (row["how"], row["processes"]): row["count"]
         for row in MaterializationStat.objects.filter(task_id=task_id).values("how", "processes", "count")
@@ -123,7 +124,7 @@ def task_processes(*, task_id: str) -> dict[str, Any]:
     states = Node.objects.filter(task_id=task_id, mutates=True)
     return {
         "states": TaskTotal.objects.filter(task_id=task_id).aggregate(n=Sum("process_states"))["n"] or 0,
-        "snapshots": snapshot_totals(SnapshotTotal.objects.filter(task_id=task_id))["live_processes"],
+        "snapshots": snapshots,
         "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
         "materialized": materialized,
     }
