@@ -19,7 +19,14 @@ from .maintenance import claims_clear, tables_vacuum
 from .nodes import nodes_delete
 from .record import RecordOutcome, node_record
 from .retention import task_enforce_retention, tasks_enforce_retention
-from .rollouts import RolloutClaim, rollout_claim, rollout_detach, rollout_history_append, rollout_unclaim
+from .rollouts import (
+    RolloutClaim,
+    kept_digests,
+    rollout_claim,
+    rollout_detach,
+    rollout_history_append,
+    rollout_unclaim,
+)
 from .snapshots import backend_costs, lease_release, snapshot_evict, snapshot_register, task_enforce_budget
 from .tasks import TaskHandle, task_flush, task_handle, task_put
 from .trees import tree_export
@@ -46,6 +53,7 @@ __all__ = [
     "task_enforce_retention",
     "tasks_enforce_retention",
     "rollout_claim",
+    "kept_digests",
     "rollout_detach",
     "rollout_history_append",
     "rollout_unclaim",

@@ -98,12 +98,51 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
 # The history's state-changing nodes that exist, each with its live snapshot if it has one (and
 # whether that keeps processes) and the processes its state keeps running. A state-keyed hit's
 # node (`merged_from`) holds the state of the node it merged with: that node's snapshot stands in
-# for it.
+# for it. Every node of the history: what a catch-up weighs (history_catch_up).
 _WRITES_SQL = """SELECT json_agg(json_build_array(w.id, encode(w.state_key, 'hex'), w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref, s.keeps_processes) FROM cache_snapshot s
                WHERE s.node_id = coalesce(w.merged_from, w.id) AND s.status = 'live'), w.live_processes))
            FROM cache_node w
            WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))"""
+
+# What a miss needs of them (tcg.longest_prefix_match), read without visiting the whole history,
+# so that a miss costs the same after 10 calls or 1,000: the deepest that exists, its keys probed
+# from the deepest up (`keys` comes deepest first: a rollout's previous call recorded it, one probe),
+# and the nearest above it whose snapshot can stand in for its state (NodeRef.resumable), reached by
+# parent links (a node's parent is its history's previous state-changing node: the state keys
+# chain), at most `walk` of them up and none in a task without a live snapshot (its counters). Past
+# that the miss starts from the root, which is slower and as exact; the snapshot policy keeps
+# snapshots closer than that along a busy path. Same rows as _WRITES_SQL, two at most.
+_SNAPSHOT_OF = """LEFT JOIN LATERAL (
+        SELECT json_build_array(s.id, s.ref, s.keeps_processes) AS snapshot, s.keeps_processes AS keeps
+        FROM cache_snapshot s WHERE s.node_id = coalesce(n.merged_from, n.id) AND s.status = 'live') s ON true"""
+ANY_LIVE_SNAPSHOT = "EXISTS (SELECT FROM cache_snapshottotal t WHERE t.task_id = %(task)s AND t.live > 0)"
+_RESUMABLE = "s.snapshot IS NOT NULL AND (coalesce(n.live_processes, 0) = 0 OR s.keeps)"
+_PATH_SQL = f"""WITH RECURSIVE keys AS MATERIALIZED (
+    SELECT string_to_array(%(keys)s, ',') AS a
+), probe(i, id) AS (
+    SELECT 0, NULL::bigint
+    UNION ALL
+    SELECT probe.i + 1, (SELECT n.id FROM cache_node n WHERE n.task_id = %(task)s AND n.mutates
+                                                          AND n.state_key = decode(keys.a[probe.i + 1], 'hex'))
+    FROM probe, keys WHERE probe.id IS NULL AND probe.i < coalesce(cardinality(keys.a), 0)
+), walk(id, parent_id, steps, snapshot, resumable) AS (
+    SELECT n.id, n.parent_id, 0, s.snapshot, {_RESUMABLE}
+    FROM probe JOIN cache_node n ON n.id = probe.id
+    {_SNAPSHOT_OF}
+    UNION ALL
+    SELECT n.id, n.parent_id, walk.steps + 1, s.snapshot, {_RESUMABLE}
+    FROM walk JOIN cache_node n ON n.id = walk.parent_id
+    {_SNAPSHOT_OF}
+    WHERE NOT walk.resumable AND walk.steps < %(walk)s AND {ANY_LIVE_SNAPSHOT}
+)
+SELECT json_agg(json_build_array(n.id, encode(n.state_key, 'hex'), n.depth, n.cum_exec_ms, walk.snapshot,
+                                 n.live_processes))
+FROM walk JOIN cache_node n ON n.id = walk.id WHERE walk.steps = 0 OR walk.resumable"""
+
+# How many parent links a miss walks up from the deepest node of its history for a snapshot to
+# start from (_PATH_SQL), and a record for the nearest snapshot's cost (record.py).
+SNAPSHOT_WALK = 128
 
 # State-keyed lookup (docs/design/state-match.md), in the lookup's statement, evaluated only on a
 # miss by history of a cacheable call (the CASE is lazy), from a state `p` with a verified
@@ -155,7 +194,7 @@ WITH claimed AS ("""
 )
 SELECT t.version, t.created_at, n.id, n.result_json, n.exec_ms, n.mutates, n.divergent OR {tainted},
        CASE WHEN n.id IS NULL OR n.divergent OR {tainted} OR NOT %(cacheable)s THEN ("""
-    + _WRITES_SQL
+    + _PATH_SQL
     + """) END,
        CASE WHEN n.id IS NULL AND %(cacheable)s THEN {probe} END,
        EXISTS (SELECT FROM claimed)
@@ -511,8 +550,10 @@ def _exact_read(task: TaskHandle, chain: StateChain, context: CallContext, claim
         "claim": claim,
         "holder": context.rollout_id or "",
         "ttl": settings.TVCACHE["CLAIM_TTL_S"],
-        # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python.
-        "keys": ",".join(step.state_key for step in chain.steps[:-1] if step.mutates),
+        # One comma-joined text, split by the server: adapting a list costs 0.1 ms of Python. The
+        # deepest first (_PATH_SQL).
+        "keys": ",".join(step.state_key for step in reversed(chain.steps[:-1]) if step.mutates),
+        "walk": SNAPSHOT_WALK if task.sandbox_budget > 0 else 0,
     }
     sent_at = time.monotonic()
     with prepared_cursor() as cursor:

@@ -11,12 +11,13 @@ from psycopg.errors import ForeignKeyViolation
 
 from cache import ledger
 from cache.notfound import unknown_task
+from cache.prepared import prepared_cursor
 from cache.tcg import RecordedState, canonical_call, record_plan, result_json
 from cache.tcg.records import CallRecord
 from cache.tcg.snapshots import snapshot_wanted
 from core.errors import Conflict, PayloadTooLarge
 
-from .lookup import task_chain
+from .lookup import ANY_LIVE_SNAPSHOT, SNAPSHOT_WALK, task_chain
 from .snapshots import backend_costs, recently_evicted_refs
 from .tasks import task_handle
 from .totals import RECORD_TOTALS_SQL
@@ -32,10 +33,13 @@ from .totals import RECORD_TOTALS_SQL
 # The keys come from this process's handle of the task, which may be outdated: nothing is written
 # unless the task's stamp (version, created_at) is the handle's, and the statement returns the
 # stamp, so that an outdated handle is read again and the statement run again with its keys (as
-# lookups do). It also returns the replay cost since the nearest live snapshot on the path (a
-# subquery per node, an index probe whatever the statistics say: lookup.py), for the snapshot
-# decision; the new node has no snapshot yet. One round trip instead of three. A state-keyed hit's
-# node (`merged_from`: docs/design/state-match.md) is stored the same way; it counts no execution.
+# lookups do). It also returns the replay cost since the nearest live snapshot on the path, for
+# the snapshot decision (the new node has no snapshot yet): up the parent links from the anchor's
+# node, at most SNAPSHOT_WALK of them and none in a task without a live snapshot (lookup.py), an
+# index probe each whatever the statistics say, so that a record costs the same after 10 calls or
+# 1,000. One round trip instead of three. A state-keyed hit's node (`merged_from`:
+# docs/design/state-match.md) is stored the same way; it counts no execution.
+_LIVE = "EXISTS (SELECT FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live')"
 INSERT_SQL = f"""
 WITH task AS (
     SELECT version, created_at FROM cache_task WHERE id = %(task)s
@@ -66,10 +70,14 @@ WITH task AS (
       AND EXISTS (SELECT FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s)
 )
 SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
-    SELECT coalesce(max(n.cum_exec_ms), 0) FROM cache_node n
-    WHERE n.task_id = %(task)s AND n.mutates
-      AND n.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(writes)s, ',')) AS k))
-      AND (SELECT s.id FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live') IS NOT NULL)
+    WITH RECURSIVE walk(parent_id, steps, cum_exec_ms, live) AS (
+        SELECT n.parent_id, 0, n.cum_exec_ms, {_LIVE} FROM cache_node n
+        WHERE n.task_id = %(task)s AND n.mutates AND n.state_key = decode(%(anchor)s, 'hex')
+        UNION ALL
+        SELECT n.parent_id, walk.steps + 1, n.cum_exec_ms, {_LIVE}
+        FROM walk JOIN cache_node n ON n.id = walk.parent_id
+        WHERE NOT walk.live AND walk.steps < %(walk)s AND {ANY_LIVE_SNAPSHOT}
+    ) SELECT coalesce(max(cum_exec_ms) FILTER (WHERE live), 0) FROM walk)
 FROM task LEFT JOIN ins ON true
 """
 
@@ -123,8 +131,7 @@ def _insert_params(
         "file_times": json.dumps(dict(state.file_times)) if state.file_times is not None else None,
         "processes": state.processes if plan.mutates else 0,
         "merged_from": merged.node_id if merged else None,
-        # The path's state-changing nodes, the new one's included (it has no snapshot yet).
-        "writes": ",".join(step.state_key for step in chain.writes),
+        "walk": SNAPSHOT_WALK,
     }
 
 
@@ -165,7 +172,7 @@ def node_record(
         chain = task_chain(task, context)
         plan = record_plan(chain, task.policy, record.mutated)
         try:
-            with connection.cursor() as cursor:
+            with prepared_cursor() as cursor:
                 cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored, merged))
                 row = cursor.fetchone()
         except IntegrityError as exc:

@@ -3,6 +3,7 @@ holds the calls that changed the rollout's state; one call of a rollout runs at 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -15,15 +16,32 @@ from django.utils import timezone
 
 from cache.models import Rollout
 from cache.notfound import unknown_task
-from cache.tcg import ToolCall
+from cache.prepared import prepared_cursor
+from cache.tcg import ToolCall, call_digest
 from core.errors import Conflict
+from core.ttl import RecentMemo
 
 log = logging.getLogger("tvcache.rollouts")
 
-# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row).
+# The histories this process read lately, by (task, rollout id): (the rollout's row, its calls).
+# A process serves a few hundred rollouts at a time; those of ended ones age out.
+_histories: RecentMemo[tuple[str, str], tuple[tuple[int, Any], tuple[ToolCall, ...]]] = RecentMemo(2048)
+
+# The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row),
+# and its history: only the calls after the first `n` where this process read those of the same
+# rollout row before (`suffix`; a row is named by its id and its start, so that even a row made
+# again under a reused id after a restore is read whole). A history only grows (APPEND_SQL), so
+# what was read of it is its prefix for good, and a rollout's next call reads what was appended
+# since, not its whole history.
 CLAIM_SQL = """
-SELECT id, pg_try_advisory_lock(id), history::text, finished_at IS NOT NULL, detached_at IS NOT NULL, NULL
-FROM cache_rollout r WHERE task_id = %s AND rollout_id = %s
+SELECT r.id, r.started_at, pg_try_advisory_lock(r.id), k.suffix,
+       CASE WHEN k.suffix THEN jsonb_path_query_array(r.history, ('$[' || k.n || ' to last]')::jsonpath)::text
+            ELSE r.history::text END,
+       r.finished_at IS NOT NULL, r.detached_at IS NOT NULL, NULL
+FROM (SELECT %s::bigint AS pk, %s::timestamptz AS started_at, %s::int AS n) p
+JOIN cache_rollout r ON r.task_id = %s AND r.rollout_id = %s
+CROSS JOIN LATERAL (SELECT r.id = p.pk AND r.started_at = p.started_at AND jsonb_array_length(r.history) >= p.n
+                           AS suffix, p.n) k
 """
 
 CREATE_SQL = """
@@ -45,6 +63,7 @@ class RolloutClaim:
     # Known-state rule: the rollout left the shared graph (docs/design/guarantees.md).
     detached: bool
     extra: Any  # the caller's expression's value
+    row_key: bytes = b""  # names the rollout's row for good (its id and its start): kept_digests
 
 
 def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra: Expression | None = None) -> RolloutClaim:
@@ -54,8 +73,9 @@ def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra: Expre
     the order. `extra` is an expression over the rollout (an Exists of a caller's rows), read in
     the same statement."""
     sql, params = (CLAIM_SQL, []) if extra is None else _claim_sql(extra)
-    params = [*params, task_id, rollout_id]
-    with connection.cursor() as cursor:
+    (known_pk, known_start), known = _histories.get((task_id, rollout_id)) or ((0, None), ())
+    params = [*params, known_pk, known_start, len(known), task_id, rollout_id]
+    with prepared_cursor() as cursor:  # (planned once per connection: every call of every rollout)
         cursor.execute(sql, params)
         row = cursor.fetchone()
         if row is None:
@@ -64,7 +84,7 @@ def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra: Expre
             row = cursor.fetchone()
     if row is None:  # the task was deleted
         raise unknown_task(task_id)
-    pk, claimed, history, finished, detached, extra = row
+    pk, started_at, claimed, suffix, read, finished, detached, extra = row
     if not claimed:
         raise Conflict(
             "Another call of this rollout is running; a rollout's calls come one after the other.", code="rollout_busy"
@@ -73,7 +93,25 @@ def rollout_claim(*, task_id: str, rollout_id: str, epoch: int = 0, extra: Expre
         rollout_unclaim(rollout_pk=pk)
         raise Conflict(f"Rollout '{rollout_id}' has ended.", code="rollout_finished")
     rollout = Rollout(pk=pk, task_id=task_id, rollout_id=rollout_id, epoch=epoch)
-    return RolloutClaim(rollout, tuple(ToolCall.from_json(item) for item in orjson.loads(history)), detached, extra)
+    calls = tuple(ToolCall.from_json(item) for item in orjson.loads(read))
+    history = known + calls if suffix else calls
+    _histories.put((task_id, rollout_id), ((pk, started_at), history))
+    row_key = hashlib.sha256(b"%d\0%s" % (pk, started_at.isoformat().encode())).digest()
+    return RolloutClaim(rollout, history, detached, extra, row_key)
+
+
+def kept_digests(row_key: bytes, history: tuple[ToolCall, ...], call: ToolCall) -> tuple[bytes, bytes]:
+    """The memo keys of a kept history (CallContext.history_digest, next_digest) in O(1), where
+    client mode's digest the history's JSON (inputs.py): a rollout's history only grows, so its
+    first n - 1 calls are the same for good, and the rollout's row, the length n and the last call
+    name the whole of it; the history after `call` is named by n + 1 and `call`, whether or not
+    `call` joins it (a key names a sequence of calls, never a state that may be another)."""
+
+    def named(length: int, last: ToolCall | None) -> bytes:
+        tail = call_digest(last).encode() if last is not None else b""
+        return hashlib.sha256(b"kept\0%s\0%d\0%s" % (row_key, length, tail)).digest()
+
+    return named(len(history), history[-1] if history else None), named(len(history) + 1, call)
 
 
 _compiled: dict[int, tuple[Expression, str, tuple]] = {}

@@ -36,7 +36,9 @@ from cache.services import (
     Flight,
     LookupHit,
     LookupMiss,
+    RolloutClaim,
     hit_count,
+    kept_digests,
     lease_release,
     looked,
     lookup_count,
@@ -90,7 +92,7 @@ def rollout_call(
         raise as_application_error(exc) from None
     claimed = time.perf_counter()
     claim = rollout_claim(task_id=task_id, rollout_id=rollout_id, epoch=epoch, extra=HAS_SANDBOX)
-    serving = _Serving(handle, claim.rollout, claim.history, call, epoch, trace, has_sandbox=claim.extra)
+    serving = _Serving(handle, claim, call, epoch, trace)
     serving.phases.ms["claim"] = (time.perf_counter() - claimed) * 1000
     lane = lane_current()
     if lane is not None and lane.arrived:  # the front door's queues, and a run that handed the request on
@@ -104,22 +106,13 @@ def rollout_call(
 class _Serving:
     """One tool-server call driven through the rollout protocol."""
 
-    def __init__(
-        self,
-        handle,
-        rollout: Rollout,
-        history: tuple[ToolCall, ...],
-        call: ToolCall,
-        epoch: int,
-        trace: Trace,
-        *,
-        has_sandbox,
-    ):
-        self.handle, self.rollout, self.history, self.call = handle, rollout, history, call
+    def __init__(self, handle, claim: RolloutClaim, call: ToolCall, epoch: int, trace: Trace):
+        self.handle, self.rollout, self.history, self.call = handle, claim.rollout, claim.history, call
         # A rollout with a sandbox replays what it missed in it: a miss needs no snapshot's lease
         # (if the sandbox is gone by then, the miss starts a fresh one and replays everything).
-        self.has_sandbox = bool(has_sandbox)
-        self.context = CallContext(history, call, rollout.rollout_id, epoch, None, trace)
+        self.has_sandbox = bool(claim.extra)
+        digests = kept_digests(claim.row_key, claim.history, call)  # its next call's state chain is this one's
+        self.context = CallContext(claim.history, call, claim.rollout.rollout_id, epoch, None, trace, *digests)
         self.phases = Phases()
         self.answer = None
         self.flight: Flight | None = None

@@ -108,6 +108,7 @@ class DockerSandbox(Sandbox):
         # One shell session: calls run one at a time, and a snapshot never lands mid-call.
         self._lock = threading.Lock()
         self._watch: LayerWatch | None | object = _UNSET
+        self._base: frozenset[str] | None = None  # its base image's layers: a container's image never changes
         self._layer: LayerState | None = None  # the layer as the last observed call left it
         self._last_end_ns = 0  # when the last call ended: the next starts a file-time tick later
         self._last_start_ns: int | None = None  # when the last call started (its changes' times are kept)
@@ -191,7 +192,7 @@ class DockerSandbox(Sandbox):
                 if live is None:  # processes out of view: a state is not vouched for without them
                     return None
                 digest = watch.fingerprint(
-                    self._backend.base_layers(self.sandbox_id),
+                    self._base_layers(),
                     max_bytes=self._backend.config.fingerprint_max_bytes,
                     changed_since_ns=since,
                     max_changed=self._backend.config.file_times_max,
@@ -360,6 +361,11 @@ class DockerSandbox(Sandbox):
                 container = self._gone_if_missing(self._backend.api.inspect_container, self.sandbox_id)
             self._watch = LayerWatch.of(container, max_entries=config.observe_max_entries)
         return self._watch
+
+    def _base_layers(self) -> frozenset[str]:
+        if self._base is None:
+            self._base = self._backend.base_layers(self.sandbox_id)
+        return self._base
 
     def _timeout(self, args: Mapping[str, Any]) -> float:
         config = self._backend.config

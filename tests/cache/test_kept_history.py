@@ -1,0 +1,108 @@
+"""A history the service keeps (tool-server mode) costs a rollout's next call only what was appended
+since its last one: the claim reads the calls appended since (rollouts.CLAIM_SQL), and the state
+chain comes from the memo under keys that name the history without hashing it (kept_digests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.models import Rollout
+from cache.services import kept_digests, rollout_claim, rollout_history_append, rollout_unclaim, task_put
+from cache.services import lookup as lookup_module
+from cache.services import rollouts as rollouts_module
+from cache.services.lookup import task_chain
+from cache.services.tasks import task_handle
+from cache.tcg import ToolCall, state_chain
+from cache.tcg.records import CallContext
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def call(name: str) -> ToolCall:
+    return ToolCall("bash", {"command": name})
+
+
+def claimed(task_id: str, rollout_id: str = "r"):
+    claim = rollout_claim(task_id=task_id, rollout_id=rollout_id)
+    rollout_unclaim(rollout_pk=claim.rollout.pk)
+    return claim
+
+
+def appended(task_id: str, calls: list[ToolCall], rollout_id: str = "r") -> None:
+    claim = rollout_claim(task_id=task_id, rollout_id=rollout_id)
+    for index, made in enumerate(calls):
+        rollout_history_append(rollout_pk=claim.rollout.pk, call=made, length=len(claim.history) + index)
+    rollout_unclaim(rollout_pk=claim.rollout.pk)
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """How many calls the claims parse."""
+    counted = {"calls": 0}
+    original = ToolCall.from_json.__func__
+
+    def from_json(cls, data):
+        counted["calls"] += 1
+        return original(cls, data)
+
+    monkeypatch.setattr(rollouts_module.ToolCall, "from_json", classmethod(from_json))
+    return counted
+
+
+def test_a_rollouts_next_claim_reads_only_the_calls_appended_since(parsed):
+    task_put(task_id="kept", env={"backend": "external", "kept": 1})
+    first = [call(f"c{i}") for i in range(30)]
+    appended("kept", first)
+    assert claimed("kept").history == tuple(first)
+    appended("kept", [call("c30"), call("c31")])
+    parsed["calls"] = 0
+    assert claimed("kept").history == (*first, call("c30"), call("c31"))
+    assert parsed["calls"] == 2
+
+
+def test_a_rollout_row_made_again_is_read_whole():
+    """Another row under the same task and rollout id (the rollout deleted and started again):
+    nothing this process read of the old one is taken for its prefix."""
+    task_put(task_id="again", env={"backend": "external", "again": 1})
+    appended("again", [call("old 1"), call("old 2")])
+    assert len(claimed("again").history) == 2
+    Rollout.objects.filter(task_id="again", rollout_id="r").delete()
+    assert claimed("again").history == ()
+    appended("again", [call("new")])
+    assert claimed("again").history == (call("new"),)
+
+
+def test_kept_digests_name_a_history_by_its_row_length_and_last_call():
+    history = (call("a"), call("b"))
+    this, after = kept_digests(b"row", history, call("c"))
+    assert kept_digests(b"row", (*history, call("c")), call("d"))[0] == after  # the next call's history
+    assert kept_digests(b"row", history, call("x"))[1] != after  # another call at the same length
+    assert kept_digests(b"other row", history, call("c"))[0] != this
+    assert kept_digests(b"row", history[:1], call("b"))[1] == this
+
+
+def kept_context(history: tuple[ToolCall, ...], made: ToolCall) -> CallContext:
+    this, after = kept_digests(b"row", history, made)
+    return CallContext(history, made, "r", 0, None, history_digest=this, next_digest=after)
+
+
+def test_a_rollouts_next_call_computes_no_state_chain(monkeypatch):
+    """The chain with the call, kept under the history after it, is the next call's history's:
+    no call of the history is hashed again."""
+    task_put(task_id="chain", env={"backend": "external", "chain": 1})
+    task = task_handle(task_id="chain")
+    counted = {"chains": 0}
+
+    def counting(*args, **kwargs):
+        counted["chains"] += 1
+        return state_chain(*args, **kwargs)
+
+    monkeypatch.setattr(lookup_module, "state_chain", counting)
+    history = tuple(call(f"h{i}") for i in range(50))
+    first = task_chain(task, kept_context(history, call("x")))
+    assert counted["chains"] == 1
+    longer = (*history, call("x"))
+    second = task_chain(task, kept_context(longer, call("y")))
+    assert counted["chains"] == 1
+    assert second == state_chain(task.fingerprint, (*longer, call("y")), task.policy)
+    assert second.steps[:-1] == first.steps
