@@ -86,12 +86,13 @@ def miss_execute(task, backend, rollout, context: CallContext, answer, phases: P
     restore_ms = None
     with phases.timed_outside("prepare"):  # (materialize, replay and verify are phases of their own)
         try:
-            run = rollout_sandbox(task, backend, rollout, context, answer, phases)
+            run = rollout_sandbox(task, backend, rollout, context, answer, phases, mark=True)
             restore_ms = run.restore_ms
         finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
             if answer.lease_id:
                 lease_release(lease_id=answer.lease_id, restore_ms=restore_ms)
-        _mark_executing(run)
+        if not run.marked:
+            _mark_executing(run)
     observing = run.sandbox.observed_ms()
     try:
         with phases.timed("exec"):

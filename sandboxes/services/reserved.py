@@ -31,7 +31,9 @@ from django.db.utils import load_backend
 
 log = logging.getLogger("tvcache.toolserver")
 
-_FREE_SQL = "SELECT CASE WHEN pg_try_advisory_lock(%s) THEN pg_advisory_unlock(%s) ELSE false END"
+# Whether a reservation's key is free (taken and given back at once), in any statement: its key twice.
+FREE = "CASE WHEN pg_try_advisory_lock(%s) THEN pg_advisory_unlock(%s) ELSE false END"
+_FREE_SQL = f"SELECT {FREE}"
 _HOLDER_IDLE_S = 30.0  # the holder's connection closes after this long without a reservation
 _STATEMENT_S = 10.0  # a hand-off or release the holder has not done by then is given up
 

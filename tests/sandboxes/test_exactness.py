@@ -155,6 +155,35 @@ def test_a_sandbox_cut_off_mid_call_is_retired_not_trusted(api, docker_task, bus
     assert Sandbox.objects.get(pk=row.pk).state == "failed"
 
 
+def test_the_mark_is_committed_while_the_call_runs_and_cleared_once_it_is_recorded(api, docker_task):
+    """Another connection sees the rollout's sandbox marked `executing` while its call runs, on the
+    first miss (a sandbox started for it) and on the next ones (its own, read and marked in one
+    statement): a server killed then leaves the mark, and the sandbox is retired."""
+    import threading
+
+    from django.db import connections
+
+    task = docker_task("marked")
+    for step in range(3):
+        done = threading.Event()
+        answered = {}
+
+        def call(step=step):
+            try:
+                answered["outcome"] = run(api, task, "r", bash(f"sleep 1; echo {step} >> /f"))
+            finally:
+                connections.close_all()
+                done.set()
+
+        threading.Thread(target=call).start()
+        seen = False
+        while not done.wait(0.05):
+            seen = seen or Sandbox.objects.filter(rollout__rollout_id="r", state="leased", executing=True).exists()
+        assert seen and answered["outcome"]["cached"] is False
+        row = Sandbox.objects.get(rollout__rollout_id="r", state="leased")
+        assert (row.executing, row.applied) == (False, step + 1)
+
+
 def test_a_call_that_kills_what_runs_it_leaves_the_rollout_going_in_its_own_sandbox(api, docker_task):
     # The call kills the shell of the session agent that waits for it: its exit status is lost, so its
     # effects are unknown. The rollout leaves the graph, and goes on in its own sandbox, as it would
