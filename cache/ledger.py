@@ -84,9 +84,9 @@ FROM unnest(%s::bigint[], %s::int[]) AS t(id, hits) WHERE cache_node.id = t.id
 """
 
 ROLLOUTS_SQL = """
-INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at, trajectory_ref, branch_of,
-                           branch_step, branch_tokens)
-SELECT t.task_id, t.rollout_id, t.epoch, t.calls, t.hits, '[]'::jsonb, now(), t.ref, t.branch_of, t.branch_step,
+INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history_length, started_at, trajectory_ref,
+                           branch_of, branch_step, branch_tokens)
+SELECT t.task_id, t.rollout_id, t.epoch, t.calls, t.hits, 0, now(), t.ref, t.branch_of, t.branch_step,
        t.branch_tokens::jsonb
 FROM unnest(%s::text[], %s::text[], %s::int[], %s::int[], %s::int[], %s::text[], %s::text[], %s::int[], %s::text[])
      AS t(task_id, rollout_id, epoch, calls, hits, ref, branch_of, branch_step, branch_tokens)

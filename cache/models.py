@@ -318,7 +318,8 @@ class Rollout(models.Model):
     epoch = models.IntegerField(default=0)
     calls = models.PositiveIntegerField(default=0)
     hits = models.PositiveIntegerField(default=0)
-    history = models.JSONField(default=list)  # tool-server mode keeps the rollout's calls
+    # Tool-server mode keeps the rollout's state-changing calls: how many, and each a RolloutCall.
+    history_length = models.PositiveIntegerField(default=0, db_default=0)
     started_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     # Known-state rule: after a call that timed out, was killed or after which the backend failed,
@@ -340,6 +341,17 @@ class Rollout(models.Model):
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
         # The task page's rollouts, latest first, a page at a time.
         indexes = [models.Index(fields=["task", "started_at", "id"], name="rollout_task_started")]
+
+
+class RolloutCall(models.Model):
+    """The state-changing call at `position` (from 0) of a rollout's kept history, written once when
+    it joins the history and never changed (cache/services/rollouts.py): a call appends one row,
+    however long the history, where a history kept in one column was written whole on every call."""
+
+    pk = models.CompositePrimaryKey("rollout_id", "position")
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="kept_calls", db_index=False)
+    position = models.PositiveIntegerField()
+    call = models.JSONField()
 
 
 class RolloutStep(models.Model):

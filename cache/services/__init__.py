@@ -22,6 +22,7 @@ from .retention import task_enforce_retention, tasks_enforce_retention
 from .rollouts import (
     RolloutClaim,
     kept_digests,
+    kept_history,
     rollout_claim,
     rollout_detach,
     rollout_history_append,
@@ -54,6 +55,7 @@ __all__ = [
     "tasks_enforce_retention",
     "rollout_claim",
     "kept_digests",
+    "kept_history",
     "rollout_detach",
     "rollout_history_append",
     "rollout_unclaim",

@@ -21,6 +21,7 @@ from cache.notfound import unknown_node
 from cache.tcg import ToolCall, state_chain
 from core.errors import Conflict, InvalidInput, NotFound
 
+from .rollouts import kept_histories_add, kept_history
 from .tasks import task_handle
 
 # The node and its ancestors, root first.
@@ -52,20 +53,21 @@ def branch_point(*, task_id: str, rollout: str | None, step: int | None, node_id
 
 
 def _rollout_prefix(task_id: str, rollout: str, step: int) -> tuple[ToolCall, ...]:
-    history = Rollout.objects.filter(task_id=task_id, rollout_id=rollout).values_list("history", flat=True).first()
-    if history is None:
+    found = Rollout.objects.filter(task_id=task_id, rollout_id=rollout).values_list("pk", "history_length").first()
+    if found is None:
         raise NotFound(
             f"Task '{task_public_id(task_id)}' has no rollout '{rollout}'.",
             code="unknown_rollout",
             details={"rollout": rollout},
         )
-    if step > len(history):
+    pk, length = found
+    if step > length:
         raise InvalidInput(
-            f"Rollout '{rollout}' has {len(history)} calls in its history; step {step} is past them.",
+            f"Rollout '{rollout}' has {length} calls in its history; step {step} is past them.",
             code="branch_step_out_of_range",
-            details={"field": "from.step", "max": len(history)},
+            details={"field": "from.step", "max": length},
         )
-    return tuple(ToolCall.from_json(call) for call in history[:step])
+    return kept_history(pk, step)
 
 
 def _node_history(task_id: str, node_id: int) -> tuple[ToolCall, ...]:
@@ -110,14 +112,13 @@ def rollouts_branch(
 ) -> list[Rollout]:
     """The branches' rollouts, each starting with the history that reaches the point (409 if a
     rollout id is taken); `tokens`, `trajectory_refs`: what the trainer said of them (Trace)."""
-    history = [call.to_json() for call in point.history]
     refs = trajectory_refs or ("",) * len(rollout_ids)
     rows = [
         Rollout(
             task_id=task_id,
             rollout_id=rollout_id,
             epoch=epoch,
-            history=history,
+            history_length=len(point.history),
             branch_of=point.rollout,
             branch_step=point.step,
             branch_node=point.node_id,
@@ -128,7 +129,9 @@ def rollouts_branch(
     ]
     try:
         with transaction.atomic():
-            return Rollout.objects.bulk_create(rows)
+            made = Rollout.objects.bulk_create(rows)
+            kept_histories_add(made, point.history)
+            return made
     except IntegrityError:
         taken = list(
             Rollout.objects.filter(task_id=task_id, rollout_id__in=rollout_ids).values_list("rollout_id", flat=True)

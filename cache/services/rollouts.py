@@ -14,7 +14,7 @@ from django.db.models import Expression
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from cache.models import Rollout
+from cache.models import Rollout, RolloutCall
 from cache.notfound import unknown_task
 from cache.prepared import prepared_cursor
 from cache.tcg import ToolCall, call_digest
@@ -28,31 +28,36 @@ log = logging.getLogger("tvcache.rollouts")
 _histories: RecentMemo[tuple[str, str], tuple[tuple[int, Any], tuple[ToolCall, ...]]] = RecentMemo(2048)
 
 # The rollout and a session advisory lock on it (pg_try_advisory_lock is evaluated for the one row),
-# and its history: only the calls after the first `n` where this process read those of the same
-# rollout row before (`suffix`; a row is named by its id and its start, so that even a row made
-# again under a reused id after a restore is read whole). A history only grows (APPEND_SQL), so
-# what was read of it is its prefix for good, and a rollout's next call reads what was appended
+# and its history: only the calls from position `n` on where this process read those before them
+# of the same rollout row (`suffix`; a row is named by its id and its start, so that even a row
+# made again under a reused id after a restore is read whole). A history only grows (APPEND_SQL),
+# so what was read of it is its prefix for good, and a rollout's next call reads what was appended
 # since, not its whole history.
 CLAIM_SQL = """
 SELECT r.id, r.started_at, pg_try_advisory_lock(r.id), k.suffix,
-       CASE WHEN k.suffix THEN jsonb_path_query_array(r.history, ('$[' || k.n || ' to last]')::jsonpath)::text
-            ELSE r.history::text END,
+       (SELECT coalesce(json_agg(c.call ORDER BY c.position), '[]')::text FROM cache_rolloutcall c
+        WHERE c.rollout_id = r.id AND c.position >= CASE WHEN k.suffix THEN p.n ELSE 0 END),
        r.finished_at IS NOT NULL, r.detached_at IS NOT NULL, NULL
 FROM (SELECT %s::bigint AS pk, %s::timestamptz AS started_at, %s::int AS n) p
 JOIN cache_rollout r ON r.task_id = %s AND r.rollout_id = %s
-CROSS JOIN LATERAL (SELECT r.id = p.pk AND r.started_at = p.started_at AND jsonb_array_length(r.history) >= p.n
-                           AS suffix, p.n) k
+CROSS JOIN LATERAL (SELECT r.id = p.pk AND r.started_at = p.started_at AND r.history_length >= p.n AS suffix) k
 """
 
 CREATE_SQL = """
-INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history, started_at)
-SELECT id, %s, %s, 0, 0, '[]'::jsonb, now() FROM cache_task WHERE id = %s
+INSERT INTO cache_rollout (task_id, rollout_id, epoch, calls, hits, history_length, started_at)
+SELECT id, %s, %s, 0, 0, 0, now() FROM cache_task WHERE id = %s
 ON CONFLICT (task_id, rollout_id) DO NOTHING
 """
 
+# One row more, whatever the history's length; none if the history has grown meanwhile or the
+# rollout has ended.
 APPEND_SQL = """
-UPDATE cache_rollout SET history = history || %s::jsonb
-WHERE id = %s AND jsonb_array_length(history) = %s AND finished_at IS NULL
+WITH grown AS (
+    UPDATE cache_rollout SET history_length = history_length + 1
+    WHERE id = %s AND history_length = %s AND finished_at IS NULL
+    RETURNING id, history_length - 1 AS position
+)
+INSERT INTO cache_rolloutcall (rollout_id, position, call) SELECT id, position, %s::jsonb FROM grown
 """
 
 
@@ -137,9 +142,24 @@ def rollout_unclaim(*, rollout_pk: int) -> None:
 def rollout_history_append(*, rollout_pk: int, call: ToolCall, length: int) -> None:
     """Append a state-changing call to a history that has `length` calls."""
     with connection.cursor() as cursor:
-        cursor.execute(APPEND_SQL, [orjson.dumps([call.to_json()]).decode(), rollout_pk, length])
+        cursor.execute(APPEND_SQL, [rollout_pk, length, orjson.dumps(call.to_json()).decode()])
         if cursor.rowcount != 1:
             raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
+
+
+def kept_history(rollout_pk: int, length: int) -> tuple[ToolCall, ...]:
+    """The first `length` calls of a rollout's kept history."""
+    calls = RolloutCall.objects.filter(rollout_id=rollout_pk, position__lt=length).order_by("position")
+    return tuple(ToolCall.from_json(item) for item in calls.values_list("call", flat=True))
+
+
+def kept_histories_add(rollouts: list[Rollout], history: tuple[ToolCall, ...]) -> None:
+    """The same history for each of `rollouts` (branches made at one point): its calls' rows."""
+    RolloutCall.objects.bulk_create(
+        RolloutCall(rollout=rollout, position=position, call=call.to_json())
+        for rollout in rollouts
+        for position, call in enumerate(history)
+    )
 
 
 def rollout_detach(*, rollout: Rollout, reason: str) -> None:

@@ -45,7 +45,7 @@ NODE_COLUMNS = (
     "state_fingerprint, state_shape, state_order, live_processes, divergent"
 )
 ROLLOUT_COLUMNS = (
-    "id, task_id, rollout_id, epoch, calls, hits, history, started_at, detached_reason, branch_of, branch_step, "
+    "id, task_id, rollout_id, epoch, calls, hits, history_length, started_at, detached_reason, branch_of, branch_step, "
     "branch_node, trajectory_ref, branch_tokens"
 )
 STEP_COLUMNS = "rollout_id, applied, seq, at, node_id, hit, tokens"
@@ -293,7 +293,7 @@ class GraphGrowth:
         rollout_id = f"g{group}.r{branch}"
         origin = ("", "\\N", "\\N") if branch == 0 else (f"g{group}.r0", str(step), str(root_ids[step - 1]))
         tokens = "\\N" if branch == 0 else f'{{"prompt": [0, {100 * step}]}}'
-        fields = (str(ids.rollout), task_id, rollout_id, str(group % EPOCHS), str(len(path)), str(step), "[]", AT, "")
+        fields = (str(ids.rollout), task_id, rollout_id, str(group % EPOCHS), str(len(path)), str(step), "0", AT, "")
         buffers["cache_rollout"].write("\t".join((*fields, *origin, f"traj/{rollout_id}", tokens)) + "\n")
         at = time.time_ns()
         for i, node_id in enumerate(path):

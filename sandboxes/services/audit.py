@@ -18,7 +18,7 @@ import orjson
 from django.utils import timezone
 
 from cache.models import Divergence, Node, Rollout, Task
-from cache.services import divergence_record, replay_file_times, task_handle
+from cache.services import divergence_record, kept_history, replay_file_times, task_handle
 from cache.services.lookup import task_chain
 from cache.tcg import ToolCall, canonical_json
 from cache.tcg.records import CallContext
@@ -51,11 +51,11 @@ def hit_audit(*, task_id: str, node_id: int, rollout_pk: int, applied: int, engi
     state) or "skipped" (the node, the rollout or the task's keys are gone, or the node is divergent
     already). The audit's sandbox goes to `engine` (a docker engine's name)."""
     node = Node.objects.defer("file_times").filter(task_id=task_id, pk=node_id, divergent=False).first()
-    rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history", "rollout_id").first()
+    rollout = Rollout.objects.filter(pk=rollout_pk, task_id=task_id).values_list("history_length", "rollout_id").first()
     task = Task.objects.filter(pk=task_id).first()
-    if node is None or rollout is None or task is None or len(rollout[0]) < applied:
+    if node is None or rollout is None or task is None or rollout[0] < applied:
         return SKIPPED
-    history, rollout_id = tuple(ToolCall.from_json(item) for item in rollout[0][:applied]), rollout[1]
+    history, rollout_id = kept_history(rollout_pk, applied), rollout[1]
     call = ToolCall.from_json(node.call)
     handle = task_handle(task_id=task_id)
     context = CallContext(history, call, rollout_id, 0, None)

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 import cache.services.record as record
 import sandboxes.backends as registry
 from cache.models import Rollout, Task
+from cache.services import kept_history
 from cache.tcg.snapshots import SnapshotCosts
 from lab.replay.exactness import Outcome, Referee, Step
 from sandboxes.backends.base import EngineUnavailable, SandboxGone, ToolSpec
@@ -188,7 +189,10 @@ def _store_violations(api, task: str, referee: Referee) -> list[str]:
 
     return referee.store_violations(
         fingerprint=Task.objects.get(pk=task).env_fingerprint,
-        histories=list(Rollout.objects.filter(task_id=task).values_list("history", flat=True)),
+        histories=[
+            [call.to_json() for call in kept_history(pk, length)]
+            for pk, length in Rollout.objects.filter(task_id=task).values_list("pk", "history_length")
+        ],
         nodes=stored_nodes(task),
         snapshots=stored_snapshots(task, snapshot_files),
         served=served,

@@ -4,10 +4,12 @@ chain comes from the memo under keys that name the history without hashing it (k
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cache.models import Rollout
-from cache.services import kept_digests, rollout_claim, rollout_history_append, rollout_unclaim, task_put
+from cache.services import kept_digests, kept_history, rollout_claim, rollout_history_append, rollout_unclaim, task_put
 from cache.services import lookup as lookup_module
 from cache.services import rollouts as rollouts_module
 from cache.services.lookup import task_chain
@@ -106,3 +108,33 @@ def test_a_rollouts_next_call_computes_no_state_chain(monkeypatch):
     assert counted["chains"] == 1
     assert second == state_chain(task.fingerprint, (*longer, call("y")), task.policy)
     assert second.steps[:-1] == first.steps
+
+
+def test_the_migration_moves_each_history_into_rows_of_its_calls():
+    """0023's move: a history kept in the rollout's column becomes its calls' rows, in order, and
+    its length (run here on a column made again for the test)."""
+    import sys
+
+    from django.db import connection
+    from django.db.migrations.loader import MigrationLoader
+
+    from cache.models import RolloutCall
+
+    task_put(task_id="moved", env={"backend": "external", "moved": 1})
+    claimed("moved", "long")
+    claimed("moved", "empty")
+    module = sys.modules[type(MigrationLoader(connection).disk_migrations[("cache", "0023_rollout_calls")]).__module__]
+    calls = [call(f"m{i}").to_json() for i in range(12)]
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE cache_rollout ADD COLUMN history jsonb NOT NULL DEFAULT '[]'::jsonb")
+        try:
+            cursor.execute(
+                "UPDATE cache_rollout SET history = %s::jsonb WHERE rollout_id = 'long'", [json.dumps(calls)]
+            )
+            cursor.execute(module._MOVE)
+        finally:
+            cursor.execute("ALTER TABLE cache_rollout DROP COLUMN history")
+    long, empty = (Rollout.objects.get(task_id="moved", rollout_id=r) for r in ("long", "empty"))
+    assert (long.history_length, empty.history_length) == (12, 0)
+    assert [c.to_json() for c in kept_history(long.pk, 12)] == calls
+    assert not RolloutCall.objects.filter(rollout=empty).exists()

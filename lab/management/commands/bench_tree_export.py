@@ -143,7 +143,7 @@ class Command(BaseCommand):
                 rid = f"g{group}.r{rollout}"
                 origin = ("", "\\N", "\\N") if rollout == 0 else (f"g{group}.r0", str(step), str(root_path[step - 1]))
                 tokens = "\\N" if rollout == 0 else json.dumps({"prompt": [0, 100 * step]})
-                fields = [str(next_rollout), task, rid, "0", str(depth), str(step), "[]", "2026-11-27 00:00:00+00", ""]
+                fields = [str(next_rollout), task, rid, "0", str(depth), str(step), "0", "2026-11-27 00:00:00+00", ""]
                 rollout_rows.write("\t".join([*fields, *origin, f"traj/{rid}", tokens]) + "\n")
                 for i, node in enumerate(path):
                     span = json.dumps({"prompt": [0, 100 * i + 60], "completion": [100 * i + 60, 100 * (i + 1)]})
