@@ -18,7 +18,7 @@ from cache.tcg.snapshots import snapshot_wanted
 from core.errors import Conflict, PayloadTooLarge
 
 from .lookup import ANY_LIVE_SNAPSHOT, SNAPSHOT_WALK, task_chain
-from .snapshots import backend_costs, recently_evicted_refs
+from .snapshots import backend_costs, recently_evicted_refs, snapshot_would_stay
 from .tasks import task_handle
 from .totals import RECORD_TOTALS_SQL
 
@@ -77,7 +77,8 @@ SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
         SELECT n.parent_id, walk.steps + 1, n.cum_exec_ms, {_LIVE}
         FROM walk JOIN cache_node n ON n.id = walk.parent_id
         WHERE NOT walk.live AND walk.steps < %(walk)s AND {ANY_LIVE_SNAPSHOT}
-    ) SELECT coalesce(max(cum_exec_ms) FILTER (WHERE live), 0) FROM walk)
+    ) SELECT coalesce(max(cum_exec_ms) FILTER (WHERE live), 0) FROM walk),
+    (SELECT coalesce(sum(t.live), 0) FROM cache_snapshottotal t WHERE t.task_id = %(task)s)
 FROM task LEFT JOIN ins ON true
 """
 
@@ -189,7 +190,7 @@ def node_record(
             break
     else:
         raise Conflict("The task kept changing while this call was recorded; record it again.", code="task_changed")
-    _, _, node_id, cum_exec_ms, node_mutates, nearest_cum = row
+    _, _, node_id, cum_exec_ms, node_mutates, nearest_cum, live_snapshots = row
     created = node_id is not None
     if not created:
         with connection.cursor() as cursor:
@@ -210,7 +211,8 @@ def node_record(
             node_id=node_id,
         )
     # Only the rollout that created the node is asked for a snapshot: rollouts racing on the
-    # same call (or replaying it) would each pay for one, and all but one be thrown away.
+    # same call (or replaying it) would each pay for one, and all but one be thrown away. A task at
+    # its budget is asked for none that its eviction would throw away at once (snapshots.py).
     wanted = (
         created
         and merged is None
@@ -222,6 +224,10 @@ def node_record(
             costs=backend_costs(task.backend),
             live_processes=state.processes,
             keeps_processes=keeps_processes,
+        )
+        and (
+            live_snapshots < task.sandbox_budget
+            or snapshot_would_stay(task_id=task.task_id, node_id=node_id, budget=task.sandbox_budget)
         )
     )
     return RecordOutcome(

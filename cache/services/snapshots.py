@@ -188,24 +188,42 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
         if over <= 0:
             return []
         now = timezone.now()
-        ids = [s.pk for s in live]
-        leased = set(
-            Lease.objects.filter(snapshot_id__in=ids, released_at__isnull=True, expires_at__gt=now).values_list(
-                "snapshot_id", flat=True
-            )
-        )
-        children = dict(
-            Node.objects.filter(parent_id__in=[s.node_id for s in live])
-            .values("parent_id")
-            .annotate(n=Count("id"))
-            .values_list("parent_id", "n")
-        )
-        candidates = [_candidate(s, now, children.get(s.node_id, 0), s.pk in leased) for s in live]
-        chosen = set(eviction_order(candidates, over))
+        chosen = set(eviction_order(_candidates(live, now), over))
         evicted = [s for s in live if s.pk in chosen]
         Snapshot.objects.filter(pk__in=chosen).update(status=Snapshot.Status.EVICTED, evicted_at=now)
         _announce_evicted(evicted)
     return evicted
+
+
+def snapshot_would_stay(*, task_id: str, node_id: int, budget: int) -> bool:
+    """Whether a snapshot of node `node_id` would outlast its own registration. A task at its
+    budget evicts the live snapshot of least expected reuse as it takes one more; where that would
+    be the new one (the newest state of a long path has no children nor hits yet), taking it (a
+    commit of the sandbox) buys nothing. A tie goes against the new one."""
+    live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).select_related("node"))
+    node = Node.objects.defer("file_times").filter(pk=node_id).first()
+    if len(live) < budget or node is None:
+        return node is not None
+    now = timezone.now()
+    new = Snapshot(pk=0, node=node)  # (ids of real snapshots are positive)
+    candidates = _candidates([*live, new], now)
+    return 0 not in eviction_order(candidates, len(candidates) - budget)
+
+
+def _candidates(live: list[Snapshot], now) -> list[SnapshotCandidate]:
+    """The snapshots as the eviction scores them: with their nodes' children and open leases."""
+    leased = set(
+        Lease.objects.filter(
+            snapshot_id__in=[s.pk for s in live], released_at__isnull=True, expires_at__gt=now
+        ).values_list("snapshot_id", flat=True)
+    )
+    children = dict(
+        Node.objects.filter(parent_id__in=[s.node_id for s in live])
+        .values("parent_id")
+        .annotate(n=Count("id"))
+        .values_list("parent_id", "n")
+    )
+    return [_candidate(s, now, children.get(s.node_id, 0), s.pk in leased) for s in live]
 
 
 def _announce_evicted(snapshots: list[Snapshot]) -> None:
