@@ -34,12 +34,14 @@ def _celery_queue_of_this_session():
 
 @pytest.fixture(autouse=True)
 def _snapshot_costs_of_this_test():
-    """The snapshot and restore costs the process caches for a few seconds are this test's: a
-    transactional test's flush removes the measured rows, and a cost measured by the test before
-    (a gVisor checkpoint's, say) must not decide which states this one snapshots."""
-    from cache.services.snapshots import _costs
+    """The snapshot and restore costs the process caches for a few seconds, and the eviction's
+    floors, are this test's: a transactional test's flush removes the measured rows, and a cost
+    measured by the test before (a gVisor checkpoint's, say) must not decide which states this one
+    snapshots."""
+    from cache.services.snapshots import _costs, _floors
 
     _costs.clear()
+    _floors.clear()
     yield
 
 

@@ -227,7 +227,7 @@ def node_record(
         )
         and (
             live_snapshots < task.sandbox_budget
-            or snapshot_would_stay(task_id=task.task_id, node_id=node_id, budget=task.sandbox_budget)
+            or snapshot_would_stay(task_id=task.task_id, depth=plan.depth, cum_exec_ms=cum_exec_ms)
         )
     )
     return RecordOutcome(

@@ -14,7 +14,7 @@ from accounts.projects import key_project
 from cache import ledger
 from cache.models import BackendCost, Lease, Node, Snapshot, Task
 from cache.notfound import unknown_node
-from cache.tcg.eviction import SnapshotCandidate, eviction_order
+from cache.tcg.eviction import SnapshotCandidate, eviction_order, reuse_score
 from cache.tcg.snapshots import SnapshotCosts, moving_average
 from core.errors import Conflict, Forbidden, InvalidInput, NotFound
 from core.ttl import TTLCache
@@ -29,6 +29,9 @@ DEFAULT_COSTS = {
 EVICTION_NOTICE_S = 60.0  # how long an evicted client snapshot's ref is reported in responses
 COSTS_CACHE_TTL_S = 5.0
 _costs: TTLCache[str, SnapshotCosts] = TTLCache()
+# The least an evictable live snapshot of a task is worth to the eviction (snapshot_would_stay).
+EVICTION_FLOOR_TTL_S = 5.0
+_floors: TTLCache[str, float] = TTLCache()
 
 
 def backend_costs(backend: str) -> SnapshotCosts:
@@ -114,6 +117,7 @@ def snapshot_register(
     if create_ms is not None:
         _cost_sample(backend, snapshot_ms=create_ms)
     evicted = task_enforce_budget(task_id=task_id)
+    _floors.pop(task_id)  # the live snapshots changed: the next would-stay reads them again
     return snapshot, [s.ref for s in evicted]
 
 
@@ -195,19 +199,24 @@ def task_enforce_budget(*, task_id: str) -> list[Snapshot]:
     return evicted
 
 
-def snapshot_would_stay(*, task_id: str, node_id: int, budget: int) -> bool:
-    """Whether a snapshot of node `node_id` would outlast its own registration. A task at its
-    budget evicts the live snapshot of least expected reuse as it takes one more; where that would
-    be the new one (the newest state of a long path has no children nor hits yet), taking it (a
-    commit of the sandbox) buys nothing. A tie goes against the new one."""
-    live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).select_related("node"))
-    node = Node.objects.defer("file_times").filter(pk=node_id).first()
-    if len(live) < budget or node is None:
-        return node is not None
-    now = timezone.now()
-    new = Snapshot(pk=0, node=node)  # (ids of real snapshots are positive)
-    candidates = _candidates([*live, new], now)
-    return 0 not in eviction_order(candidates, len(candidates) - budget)
+def snapshot_would_stay(*, task_id: str, depth: int, cum_exec_ms: float) -> bool:
+    """Whether a snapshot of a node just recorded (no hits nor children yet) would outlast its own
+    registration in a task at its budget, which evicts the live snapshot of least expected reuse
+    as it takes one more (the older first on a tie). Where the new one would go (the newest state
+    of a long path is worth the least to that scoring), taking it, a commit of the sandbox, buys
+    nothing. The least any evictable live snapshot of the task is worth is read again when this
+    process registers one, else at most once in EVICTION_FLOOR_TTL_S: a view that old costs at worst
+    a snapshot taken for nothing or one not taken, never an answer."""
+    new = SnapshotCandidate(snapshot_id=0, hit_count=0, children=0, depth=depth, rebuild_ms=cum_exec_ms, idle_s=0.0)
+    floor = _floors.get(task_id)
+    if floor is None:
+        now = timezone.now()
+        live = list(Snapshot.objects.filter(task_id=task_id, status=Snapshot.Status.LIVE).select_related("node"))
+        floor = min(
+            (reuse_score(c) for c in _candidates(live, now) if not (c.leased or c.pinned)), default=float("inf")
+        )
+        _floors.put(task_id, floor, EVICTION_FLOOR_TTL_S)
+    return reuse_score(new) >= floor
 
 
 def _candidates(live: list[Snapshot], now) -> list[SnapshotCandidate]:
