@@ -35,16 +35,17 @@ from .totals import RECORD_TOTALS_SQL
 # stamp, so that an outdated handle is read again and the statement run again with its keys (as
 # lookups do). It also returns the replay cost since the nearest live snapshot on the path, for
 # the snapshot decision (the new node has no snapshot yet): up the parent links from the anchor's
-# node, at most SNAPSHOT_WALK of them and none in a task without a live snapshot (lookup.py), an
-# index probe each whatever the statistics say, so that a record costs the same after 10 calls or
-# 1,000. One round trip instead of three. A state-keyed hit's node (`merged_from`:
-# docs/design/state-match.md) is stored the same way; it counts no execution.
+# node (`parent`, read once for the insert and the walk), at most SNAPSHOT_WALK of them and none in
+# a task without a live snapshot (lookup.py), an index probe each whatever the statistics say, so
+# that a record costs the same after 10 calls or 1,000; and the task's live snapshots, counted. One
+# round trip instead of three. A state-keyed hit's node (`merged_from`: docs/design/state-match.md)
+# is stored the same way; it counts no execution.
 _LIVE = "EXISTS (SELECT FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live')"
 INSERT_SQL = f"""
 WITH task AS (
     SELECT version, created_at FROM cache_task WHERE id = %(task)s
 ), parent AS (
-    SELECT id, cum_exec_ms FROM cache_node
+    SELECT id, cum_exec_ms, parent_id FROM cache_node
     WHERE task_id = %(task)s AND mutates AND state_key = decode(%(anchor)s, 'hex')
 ), ins AS (
     INSERT INTO cache_node (task_id, anchor_key, call_digest, state_key, parent_id, depth, tool, call, mutates,
@@ -71,8 +72,7 @@ WITH task AS (
 )
 SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
     WITH RECURSIVE walk(parent_id, steps, cum_exec_ms, live) AS (
-        SELECT n.parent_id, 0, n.cum_exec_ms, {_LIVE} FROM cache_node n
-        WHERE n.task_id = %(task)s AND n.mutates AND n.state_key = decode(%(anchor)s, 'hex')
+        SELECT n.parent_id, 0, n.cum_exec_ms, {_LIVE} FROM parent n
         UNION ALL
         SELECT n.parent_id, walk.steps + 1, n.cum_exec_ms, {_LIVE}
         FROM walk JOIN cache_node n ON n.id = walk.parent_id
