@@ -194,8 +194,20 @@ class Counts:
         with transaction.atomic(), prepared_cursor() as cursor:  # the flush runs several times a second
             cursor.execute("SET LOCAL synchronous_commit = off")
             # One flush at a time across processes: each locks many node, stat and rollout rows, in
-            # whatever order its batch has, and two of them at once deadlocked under load.
+            # whatever order its batch has, and two of them at once deadlocked under load. Rollouts
+            # before stats, as a tool-server miss's record locks them (its history grows, then its
+            # execution counts: record.record_sql); the other order deadlocked with it.
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FLUSH_LOCK_KEY])
+            if self.rollouts:
+                keys, values = list(self.rollouts), list(self.rollouts.values())
+                cursor.execute(
+                    ROLLOUTS_SQL,
+                    [
+                        [k[0] for k in keys],
+                        [k[1] for k in keys],
+                        *([v[i] for v in values] for i in (2, 0, 1, 3, 4, 5, 6)),
+                    ],
+                )
             if self.stats:
                 keys, values = list(self.stats), list(self.stats.values())
                 cursor.execute(
@@ -214,16 +226,6 @@ class Counts:
                 )
             if self.nodes:
                 cursor.execute(NODES_SQL, [[k[1] for k in self.nodes], list(self.nodes.values())])
-            if self.rollouts:
-                keys, values = list(self.rollouts), list(self.rollouts.values())
-                cursor.execute(
-                    ROLLOUTS_SQL,
-                    [
-                        [k[0] for k in keys],
-                        [k[1] for k in keys],
-                        *([v[i] for v in values] for i in (2, 0, 1, 3, 4, 5, 6)),
-                    ],
-                )
             if self.steps:
                 cursor.execute(STEPS_SQL, [list(column) for column in zip(*self.steps)])
             if self.requests:

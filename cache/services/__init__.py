@@ -20,6 +20,7 @@ from .nodes import nodes_delete
 from .record import RecordOutcome, node_record
 from .retention import task_enforce_retention, tasks_enforce_retention
 from .rollouts import (
+    KeptAppend,
     RolloutClaim,
     kept_digests,
     kept_history,
@@ -34,6 +35,7 @@ from .trees import tree_export
 
 __all__ = [
     "Flight",
+    "KeptAppend",
     "LookupHit",
     "LookupMiss",
     "RecordOutcome",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import IntegrityError, connection
-from psycopg.errors import ForeignKeyViolation
+from django.db import IntegrityError, OperationalError, connection
+from psycopg.errors import DeadlockDetected, ForeignKeyViolation
 
 from cache import ledger
 from cache.notfound import unknown_task
@@ -18,6 +19,7 @@ from cache.tcg.snapshots import snapshot_wanted
 from core.errors import Conflict, PayloadTooLarge
 
 from .lookup import ANY_LIVE_SNAPSHOT, SNAPSHOT_WALK, task_chain
+from .rollouts import ADD_CALL_SQL, GROW_SQL, KeptAppend, rollout_ended
 from .snapshots import backend_costs, recently_evicted_refs, snapshot_would_stay
 from .tasks import task_handle
 from .totals import RECORD_TOTALS_SQL
@@ -41,9 +43,22 @@ from .totals import RECORD_TOTALS_SQL
 # round trip instead of three. A state-keyed hit's node (`merged_from`: docs/design/state-match.md)
 # is stored the same way; it counts no execution.
 _LIVE = "EXISTS (SELECT FROM cache_snapshot s WHERE s.node_id = n.id AND s.status = 'live')"
-INSERT_SQL = f"""
+_STAMP = "task.version = %(version)s AND task.created_at = %(created_at)s"
+
+
+@functools.cache
+def record_sql(append: bool = False, also: str = "") -> str:
+    """The record's statement. `go` is a row where it writes: the task's stamp is the handle's and,
+    with `append`, the rollout's kept history grew by the call (rollouts.py's `grown`, in the same
+    statement); `also` is a caller's write (an UPDATE, its WHERE holding `EXISTS (SELECT FROM go)`)
+    that commits with it. Nothing is written unless all of it is: the statement is its own
+    transaction, one round trip and one commit."""
+    grown = f"grown AS ({GROW_SQL.format(guard=f' AND EXISTS (SELECT FROM task WHERE {_STAMP})')}), kept AS ({ADD_CALL_SQL}), "
+    return f"""
 WITH task AS (
     SELECT version, created_at FROM cache_task WHERE id = %(task)s
+), {grown if append else ""}go AS (
+    SELECT FROM task WHERE {_STAMP}{" AND EXISTS (SELECT FROM grown)" if append else ""}
 ), parent AS (
     SELECT id, cum_exec_ms, parent_id FROM cache_node
     WHERE task_id = %(task)s AND mutates AND state_key = decode(%(anchor)s, 'hex')
@@ -57,7 +72,7 @@ WITH task AS (
            %(call)s::jsonb, %(mutates)s, %(result)s, %(result_bytes)s, %(exec_ms)s,
            coalesce((SELECT cum_exec_ms FROM parent), 0) + %(own_cost)s, 0, %(rollout)s, %(epoch)s, false, now(),
            %(fingerprint)s, %(shape)s, %(order)s, %(file_times)s::jsonb, %(processes)s, %(merged_from)s::bigint
-    FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s
+    FROM go
     ON CONFLICT (task_id, anchor_key, call_digest) DO NOTHING
     RETURNING id, cum_exec_ms, parent_id
 ), totals AS ({RECORD_TOTALS_SQL}), stat AS (
@@ -67,9 +82,8 @@ WITH task AS (
         executions = cache_toolstat.executions + 1, executed_ms = cache_toolstat.executed_ms + EXCLUDED.executed_ms
 ), unclaim AS (
     UPDATE cache_claim SET expires_at = clock_timestamp() + interval '2 seconds'
-    WHERE task_id = %(task)s AND anchor_key = %(anchor)s AND call_digest = %(digest)s
-      AND EXISTS (SELECT FROM task WHERE task.version = %(version)s AND task.created_at = %(created_at)s)
-)
+    WHERE task_id = %(task)s AND anchor_key = %(anchor)s AND call_digest = %(digest)s AND EXISTS (SELECT FROM go)
+){f", also AS ({also})" if also else ""}
 SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
     WITH RECURSIVE walk(parent_id, steps, cum_exec_ms, live) AS (
         SELECT n.parent_id, 0, n.cum_exec_ms, {_LIVE} FROM parent n
@@ -78,9 +92,11 @@ SELECT task.version, task.created_at, ins.id, ins.cum_exec_ms, %(mutates)s, (
         FROM walk JOIN cache_node n ON n.id = walk.parent_id
         WHERE NOT walk.live AND walk.steps < %(walk)s AND {ANY_LIVE_SNAPSHOT}
     ) SELECT coalesce(max(cum_exec_ms) FILTER (WHERE live), 0) FROM walk),
-    (SELECT coalesce(sum(t.live), 0) FROM cache_snapshottotal t WHERE t.task_id = %(task)s)
+    (SELECT coalesce(sum(t.live), 0) FROM cache_snapshottotal t WHERE t.task_id = %(task)s),
+    {"EXISTS (SELECT FROM grown)" if append else "true"}
 FROM task LEFT JOIN ins ON true
 """
+
 
 EXISTING_SQL = """SELECT id, cum_exec_ms, mutates FROM cache_node
 WHERE task_id = %s AND anchor_key = decode(%s, 'hex') AND call_digest = decode(%s, 'hex')"""
@@ -144,13 +160,18 @@ def node_record(
     keeps_processes: bool = False,
     evicted: bool = True,
     merged: MergedNode | None = None,
+    append: KeptAppend | None = None,
+    also: tuple[str, dict] | None = None,
 ) -> RecordOutcome:
     """`state`: what the node keeps of the sandbox after the call (RecordedState). A snapshot of a
     state with live processes is wanted only where it would keep them (`keeps_processes`).
     `evicted=False`: the caller owns no snapshot (the service's own are never listed), so the
     client-owned snapshots evicted lately are not read. `merged`: a state-keyed hit's node, which
     stores the bytes of the node it merged with, counts no execution and no step of the rollout's
-    path (its lookup counts the hit) and wants no snapshot (that node's stands in for it)."""
+    path (its lookup counts the hit) and wants no snapshot (that node's stands in for it).
+    `append`: the call joins its rollout's kept history in the same statement (tool-server mode);
+    `also`: a caller's write and its parameters that commit with the node (record_sql). Where the
+    history has grown meanwhile or the rollout has ended, nothing is written (409 rollout_finished)."""
     context = record.context
     stored = merged.result_json if merged else result_json(record.result).decode()
     limit = settings.TVCACHE["MAX_RESULT_BYTES"]
@@ -172,16 +193,23 @@ def node_record(
             continue  # the handle may be outdated: the current fingerprint decides
         chain = task_chain(task, context)
         plan = record_plan(chain, task.policy, record.mutated)
+        params = _insert_params(task, chain, plan, record, state, stored, merged)
+        if append is not None:
+            params.update(append.params())
+        if also is not None:
+            params.update(also[1])
         try:
             with prepared_cursor() as cursor:
-                cursor.execute(INSERT_SQL, _insert_params(task, chain, plan, record, state, stored, merged))
+                cursor.execute(record_sql(append is not None, also[0] if also else ""), params)
                 row = cursor.fetchone()
-        except IntegrityError as exc:
+        except (IntegrityError, OperationalError) as exc:
             # The parent was deleted between the statement's read of it and its key check (retention
-            # evicted the path: nodes.py). Run again, the parent is not found: the node is stored
-            # with none, under its own key all the same. Inside a transaction the failed statement
-            # has aborted it: the caller's transaction fails instead (a live path is never evicted).
-            if connection.in_atomic_block or not isinstance(exc.__cause__, ForeignKeyViolation):
+            # evicted the path: nodes.py): run again, the parent is not found, and the node is stored
+            # with none, under its own key all the same. Or PostgreSQL broke a deadlock by aborting
+            # the statement: run again. The statement is its own transaction: it wrote nothing.
+            # Inside a caller's transaction the failed statement has aborted it: the caller's
+            # transaction fails instead (a live path is never evicted).
+            if connection.in_atomic_block or not isinstance(exc.__cause__, (ForeignKeyViolation, DeadlockDetected)):
                 raise
             continue
         if row is None:  # the task is gone
@@ -190,7 +218,9 @@ def node_record(
             break
     else:
         raise Conflict("The task kept changing while this call was recorded; record it again.", code="task_changed")
-    _, _, node_id, cum_exec_ms, node_mutates, nearest_cum, live_snapshots = row
+    _, _, node_id, cum_exec_ms, node_mutates, nearest_cum, live_snapshots, appended = row
+    if not appended:
+        raise rollout_ended()
     created = node_id is not None
     if not created:
         with connection.cursor() as cursor:

@@ -50,15 +50,31 @@ ON CONFLICT (task_id, rollout_id) DO NOTHING
 """
 
 # One row more, whatever the history's length; none if the history has grown meanwhile or the
-# rollout has ended.
-APPEND_SQL = """
-WITH grown AS (
+# rollout has ended. Two parts, so that a tool-server miss's record appends in its own statement
+# (record.py): `grown` grows the length (`{guard}`: the record's condition), then the call's row.
+GROW_SQL = """
     UPDATE cache_rollout SET history_length = history_length + 1
-    WHERE id = %s AND history_length = %s AND finished_at IS NULL
-    RETURNING id, history_length - 1 AS position
-)
-INSERT INTO cache_rolloutcall (rollout_id, position, call) SELECT id, position, %s::jsonb FROM grown
-"""
+    WHERE id = %(kept_rollout)s AND history_length = %(kept_length)s AND finished_at IS NULL{guard}
+    RETURNING id, history_length - 1 AS position"""
+ADD_CALL_SQL = """
+    INSERT INTO cache_rolloutcall (rollout_id, position, call) SELECT id, position, %(kept_call)s::jsonb FROM grown"""
+APPEND_SQL = f"WITH grown AS ({GROW_SQL.format(guard='')}){ADD_CALL_SQL}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeptAppend:
+    """The call appended to a rollout's kept history of `length` calls (APPEND_SQL's parameters)."""
+
+    rollout_pk: int
+    length: int
+    call: ToolCall
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "kept_rollout": self.rollout_pk,
+            "kept_length": self.length,
+            "kept_call": orjson.dumps(self.call.to_json()).decode(),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +158,13 @@ def rollout_unclaim(*, rollout_pk: int) -> None:
 def rollout_history_append(*, rollout_pk: int, call: ToolCall, length: int) -> None:
     """Append a state-changing call to a history that has `length` calls."""
     with connection.cursor() as cursor:
-        cursor.execute(APPEND_SQL, [rollout_pk, length, orjson.dumps(call.to_json()).decode()])
+        cursor.execute(APPEND_SQL, KeptAppend(rollout_pk, length, call).params())
         if cursor.rowcount != 1:
-            raise Conflict("The rollout ended while its call ran.", code="rollout_finished")
+            raise rollout_ended()
+
+
+def rollout_ended() -> Conflict:
+    return Conflict("The rollout ended while its call ran.", code="rollout_finished")
 
 
 def kept_history(rollout_pk: int, length: int) -> tuple[ToolCall, ...]:

@@ -25,15 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
-
 from cache.models import Divergence, Node, Snapshot
 from cache.services import (
+    KeptAppend,
     divergence_record,
     lease_release,
     node_record,
     rollout_detach,
-    rollout_history_append,
     snapshot_register,
 )
 from cache.tcg import RecordedState, ToolCall
@@ -158,10 +156,12 @@ def miss_record(
     lets the rollouts waiting for this call go (given the node's (anchor, digest)). Its node and
     whether it joined the history."""
     run, state = execution.run, execution.state
+    append = rollout_call.recorded(mutates=execution.mutates).append
+    applied = len(context.history) + int(append)
     try:
-        # One commit for the node, the sandbox's progress and the rollout's history (each commit
-        # waits for the disk).
-        with phases.timed("record"), transaction.atomic():
+        # One statement for the node, the sandbox's progress and the rollout's history: one round
+        # trip and one commit (which waits for the disk), all of it or none.
+        with phases.timed("record"):
             outcome = node_record(
                 task_id=run.task.pk,
                 record=CallRecord(context, execution.result, execution.exec_ms, execution.observed),
@@ -170,11 +170,13 @@ def miss_record(
                 else RecordedState(),
                 keeps_processes=run.sandbox.keeps_processes,
                 evicted=False,  # the service's own snapshots: nothing to tell a client
+                append=KeptAppend(run.rollout.pk, len(context.history), context.call) if append else None,
+                also=(
+                    _PROGRESS_SQL,
+                    {"sandbox": run.row.pk, "sandbox_applied": applied, "sandbox_idle": idle_deadline()},
+                ),
             )
-            append = rollout_call.recorded(mutates=execution.mutates).append
-            _executed(run, applied=len(context.history) + int(append))
-            if append:
-                rollout_history_append(rollout_pk=run.rollout.pk, call=context.call, length=len(context.history))
+        run.row.applied = applied
         inline = False
         if outcome.snapshot_wanted:  # handed off before the rollouts waiting for this call see it pending
             with phases.timed("snapshot"):  # the hand-off: the snapshot itself is taken after the answer
@@ -235,6 +237,11 @@ def _mark_executing(run: Run) -> None:
     the rollout's next call retires the sandbox instead of trusting it. The idle deadline moves
     past the longest call, so a long call is never reaped mid-run."""
     Sandbox.objects.filter(pk=run.row.pk).update(executing=True, lease_expires_at=idle_deadline(busy=True))
+
+
+# The sandbox's progress, committed with the record in its statement (node_record's `also`).
+_PROGRESS_SQL = """UPDATE sandboxes_sandbox SET executing = false, applied = %(sandbox_applied)s,
+    lease_expires_at = %(sandbox_idle)s WHERE id = %(sandbox)s AND EXISTS (SELECT FROM go)"""
 
 
 def _executed(run: Run, *, applied: int) -> None:

@@ -2,6 +2,8 @@
 must never be lost, neither to a flush that fails (PostgreSQL busy or restarting) nor to one bad
 key."""
 
+import time
+
 import psycopg
 import pytest
 from django.conf import settings
@@ -52,3 +54,79 @@ def test_a_key_no_column_can_hold_never_enters_the_batch(api, toy_task):
     ledger.lookup_add(**good)
     ledger.ledger_flush()
     assert totals() == (2, 2, 2, 2)
+
+
+def test_a_flush_and_a_tool_server_record_take_their_rows_in_one_order():
+    """A tool-server miss's record grows its rollout's history and then counts its execution, in one
+    statement (record.record_sql); a flush writes the rollout's counters and the tool's stats. Held
+    up between the two (another rollout's record of the same call is not committed yet) while a
+    flush starts, the two deadlocked when the flush took the stats first: PostgreSQL aborted one of
+    them. Now neither is aborted and both write."""
+    import threading
+
+    from django.db import connections, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from cache.services import KeptAppend, node_record, rollout_claim, rollout_unclaim, task_put
+    from cache.tcg import ToolCall
+    from cache.tcg.records import CallContext, CallRecord
+
+    task_put(task_id="order", env={"backend": "external", "order": 1})
+    claim = rollout_claim(task_id="order", rollout_id="r1")
+    rollout_unclaim(rollout_pk=claim.rollout.pk)
+    made = ToolCall("bash", {"command": "made"})
+    ledger.ledger_flush()
+    outcomes: dict[str, object] = {}
+    release = threading.Event()
+
+    def in_thread(name, work):
+        def run():
+            try:
+                outcomes[name] = work()
+            except Exception as exc:  # noqa: BLE001 (compared below)
+                outcomes[name] = exc
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(0.5)  # it holds what it takes before it waits
+        return thread
+
+    def uncommitted():  # another rollout's record of the same call, rolled back once released
+        with transaction.atomic():
+            node_record(task_id="order", record=CallRecord(CallContext((), made, "r2", 0, None), {"ok": 1}, 1.0))
+            release.wait(30)
+            transaction.set_rollback(True)
+        return "rolled back"
+
+    def recorded():
+        with CaptureQueriesContext(connection) as statements:
+            node_record(
+                task_id="order",
+                record=CallRecord(CallContext((), made, "r1", 0, None), {"ok": 2}, 1.0),
+                append=KeptAppend(claim.rollout.pk, 0, made),
+            )
+        return sum(not q["sql"] for q in statements.captured_queries)  # prepared: 1, it was not aborted
+
+    def flushed():
+        for _ in range(3):
+            ledger.lookup_add(
+                task_id="order",
+                epoch=0,
+                tool="bash",
+                rollout_id="r1",
+                node_id=None,
+                hit=False,
+                seen=False,
+                saved_ms=0.0,
+            )
+        ledger.ledger_flush()
+        return "written"
+
+    threads = [in_thread("other", uncommitted), in_thread("record", recorded), in_thread("flush", flushed)]
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert outcomes == {"other": "rolled back", "record": 1, "flush": "written"}
+    assert Rollout.objects.get(pk=claim.rollout.pk).history_length == 1

@@ -138,3 +138,40 @@ def test_the_migration_moves_each_history_into_rows_of_its_calls():
     assert (long.history_length, empty.history_length) == (12, 0)
     assert [c.to_json() for c in kept_history(long.pk, 12)] == calls
     assert not RolloutCall.objects.filter(rollout=empty).exists()
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_record_that_appends_writes_its_node_history_and_callers_write_together_or_not_at_all(ended):
+    """A tool-server miss's record is one statement (record.record_sql): the node, the call's row in
+    the kept history and the caller's write (`also`: the sandbox's progress) commit together; where
+    the history cannot grow (the rollout ended while the call ran) none of them is written."""
+    from django.utils import timezone
+
+    from cache.models import Node, Task
+    from cache.services import KeptAppend, node_record
+    from cache.tcg.records import CallRecord
+    from core.errors import Conflict
+
+    task_put(task_id="together", env={"backend": "external", "together": 1})
+    appended("together", [call("c0")])
+    claim = claimed("together")
+    made = call("c1")
+    if ended:
+        Rollout.objects.filter(pk=claim.rollout.pk).update(finished_at=timezone.now())
+    also = (
+        "UPDATE cache_task SET sandbox_budget = 7 WHERE id = %(marked)s AND EXISTS (SELECT FROM go)",
+        {"marked": "together"},
+    )
+    record = CallRecord(CallContext(claim.history, made, "r", 0, None), {"stdout": "1"}, 5.0)
+    if ended:
+        with pytest.raises(Conflict) as refused:
+            node_record(task_id="together", record=record, append=KeptAppend(claim.rollout.pk, 1, made), also=also)
+        assert refused.value.code == "rollout_finished"
+    else:
+        node_record(task_id="together", record=record, append=KeptAppend(claim.rollout.pk, 1, made), also=also)
+    row = Rollout.objects.get(pk=claim.rollout.pk)
+    written = not ended
+    assert Node.objects.filter(task_id="together").count() == int(written)
+    budget = Task.objects.get(pk="together").sandbox_budget
+    assert (row.history_length, budget == 7) == ((2, True) if written else (1, False))
+    assert kept_history(claim.rollout.pk, 2) == ((call("c0"), made) if written else (call("c0"),))

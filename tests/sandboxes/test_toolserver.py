@@ -268,5 +268,5 @@ def test_a_miss_on_the_lane_that_runs_tools_issues_a_constant_number_of_statemen
         sum(not s for s in sql) == 3
     )  # prepared, their text not captured: the rollout's claim, the lookup, the record
     # the rollout's claim, the lookup, the task, the sandbox read and marked (its reservation free);
-    # the record's transaction (the node, the sandbox's progress, the history); the rollout's release
-    assert len(sql) == 10, "\n".join(s[:120] for s in sql)
+    # the record (the node, the sandbox's progress, the history: one statement); the rollout's release
+    assert len(sql) == 6, "\n".join(s[:120] for s in sql)
