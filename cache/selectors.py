@@ -21,6 +21,7 @@ from cache.models import (
     ToolStat,
 )
 from cache.notfound import unknown_node, unknown_task
+from cache.prepared import prepared_cursor
 from cache.tcg.exectimes import histogram_median
 from core.errors import InvalidInput
 from core.inputs import INT32, INT64
@@ -338,3 +339,36 @@ def node_subtree_ids(*, task_id: str, node_id: int, max_depth: int | None = None
     with connection.cursor() as cursor:
         cursor.execute(SUBTREE_SQL, [task_id, node_id, max_depth, max_depth])
         return [row[0] for row in cursor.fetchall()]
+
+
+def _columns(model, names: tuple[str, ...] | None = None) -> list:
+    return [f for f in model._meta.concrete_fields if names is None or f.attname in names]
+
+
+_MISS_TASK_FIELDS = _columns(Task, ("id", "project_id", "env", "tools"))
+_MISS_PROJECT_FIELDS = _columns(Task._meta.get_field("project").related_model)
+_MISS_TASK_SQL = (
+    f"SELECT {', '.join(f't.{f.column}' for f in _MISS_TASK_FIELDS)}, "
+    f"{', '.join(f'p.{f.column}' for f in _MISS_PROJECT_FIELDS)} FROM {Task._meta.db_table} t "
+    f"JOIN {Task._meta.get_field('project').related_model._meta.db_table} p ON p.id = t.project_id WHERE t.id = %s"
+)
+
+
+def task_for_miss(*, task_id: str) -> Task | None:
+    """The task as a miss reads it (its id, env and tools) with its project whole (the grants), in
+    one prepared statement: the ORM compiles a select_related query and PostgreSQL plans it on every
+    call (1.4 ms a miss, against 0.2 ms here). Its other fields are deferred (reading one reads it)."""
+    with prepared_cursor() as cursor:
+        cursor.execute(_MISS_TASK_SQL, [task_id])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    values = [
+        f.from_db_value(value, None, connection) if hasattr(f, "from_db_value") else value
+        for f, value in zip((*_MISS_TASK_FIELDS, *_MISS_PROJECT_FIELDS), row)
+    ]
+    split = len(_MISS_TASK_FIELDS)
+    task = Task.from_db(connection.alias, [f.attname for f in _MISS_TASK_FIELDS], values[:split])
+    project_model = Task._meta.get_field("project").related_model
+    task.project = project_model.from_db(connection.alias, [f.attname for f in _MISS_PROJECT_FIELDS], values[split:])
+    return task

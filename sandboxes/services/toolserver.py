@@ -32,6 +32,7 @@ from django.utils import timezone
 from accounts.projects import task_public_id
 from cache.models import Rollout, Task
 from cache.notfound import unknown_task
+from cache.selectors import task_for_miss
 from cache.services import (
     Flight,
     LookupHit,
@@ -216,7 +217,7 @@ class _Serving:
             saved_ms=0.0,
         )
         with self.phases.timed_outside("prepare"):
-            task = Task.objects.select_related("project").filter(pk=task_id).first()
+            task = task_for_miss(task_id=task_id)
             if task is None:  # deleted since the lookup
                 raise unknown_task(task_id)
             backend = backend_named(task.env.get("backend", "external"))

@@ -339,3 +339,31 @@ def test_a_history_is_hashed_once_per_rollout_step(door, toy_task, auth, monkeyp
         first = call("write", path="f0", content=value)
         answer = json.loads(send(fast, "POST", f"{task}/lookup", body(history=[first], call=history[1]), token=auth)[2])
         assert answer["hit"] is hit and (hit or answer["matched"] == 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_misss_task_is_the_tasks_row_with_its_project():
+    """task_for_miss reads in a prepared statement what a miss reads of the task and its project as
+    the ORM would; the task's other fields are deferred and read on demand."""
+    from cache.models import Task
+    from cache.selectors import task_for_miss
+    from cache.services import task_put
+
+    task_put(
+        task_id="miss-task", env={"backend": "external", "k": [1, {"a": "b"}]}, tools={"read": {"mutates_state": False}}
+    )
+    Project.objects.filter(pk=Task.objects.get(pk="miss-task").project_id).update(images=["x:1"], max_memory_mb=256)
+    expected = Task.objects.select_related("project").get(pk="miss-task")
+    read = task_for_miss(task_id="miss-task")
+    assert (read.pk, read.env, read.tools, read.project_id) == (
+        expected.pk,
+        expected.env,
+        expected.tools,
+        expected.project_id,
+    )
+    assert {f.attname: getattr(read.project, f.attname) for f in Project._meta.concrete_fields} == {
+        f.attname: getattr(expected.project, f.attname) for f in Project._meta.concrete_fields
+    }
+    assert read.get_deferred_fields() >= {"name", "version", "created_at"}
+    assert (read.name, read.version) == (expected.name, expected.version)  # read on demand
+    assert task_for_miss(task_id="no-such-task") is None

@@ -264,9 +264,8 @@ def test_a_miss_on_the_lane_that_runs_tools_issues_a_constant_number_of_statemen
     sql = [q["sql"] or "" for q in statements.captured_queries]
     assert not any("DELETE FROM cache_claim" in s for s in sql)  # the recorded node's claim lapses by itself
     assert not any("WITH claimed AS" in s for s in sql)  # the call's claim rode in the lookup's statement
-    assert (
-        sum(not s for s in sql) == 3
-    )  # prepared, their text not captured: the rollout's claim, the lookup, the record
+    # prepared, their text not captured: the rollout's claim, the lookup, the task, the record
+    assert sum(not s for s in sql) == 4
     # the rollout's claim, the lookup, the task, the sandbox read and marked (its reservation free);
     # the record (the node, the sandbox's progress, the history: one statement); the rollout's release
     assert len(sql) == 6, "\n".join(s[:120] for s in sql)
