@@ -67,6 +67,12 @@ def main() -> None:
         "--work", type=Path, help="folder for the task, probe and jobs, kept (default: a temporary one, removed)"
     )
     parser.add_argument("--label", default=uuid.uuid4().hex[:12], help="makes the task, and its tvcache task, distinct")
+    parser.add_argument(
+        "--varying",
+        default="",
+        help="comma-separated JSON fields that vary between any two trials by nature (ids, names, times): "
+        "left out of the comparison even where the two uncached trials happen to agree on them",
+    )
     args = parser.parse_args()
     if args.work is not None:
         run(args, args.work)
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     )
     for name in args.passes.split(","):
         report["passes"][name] = run_pass(name, args.command, task, probe, work / "jobs", client)
-    compare(report)
+    compare(report, known=[field for field in args.varying.split(",") if field])
     print(json.dumps(report))
 
 
@@ -221,16 +227,17 @@ def snapshot(folder: Path) -> dict[str, Any]:
     return entries
 
 
-def compare(report: dict[str, Any]) -> None:
+def compare(report: dict[str, Any], known: list[str] = ()) -> None:
     """`varying`: the JSON fields that differ between the two uncached trials; `differences`: what
-    differs between each cached trial and the first uncached one, less those."""
+    differs between each cached trial and the first uncached one, less those and the `known` ones
+    (two trials run at once may agree on a time by chance)."""
     passes = report["passes"]
     uncached = passes.get("uncached", {}).get("trials", [])
     if len(uncached) < 2:
         return
     a, b = uncached[0]["files"], uncached[1]["files"]
-    varying = sorted(set(_differing(a, b)))
-    report["varying"] = varying
+    report["varying"] = sorted(set(_differing(a, b)))
+    varying = sorted(set(report["varying"]) | set(known))
     reference = _masked(_as_cached(a), varying)
     report["differences"] = {
         name: [path for path in _differing(reference, _masked(entry["files"], varying))]

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # a venv of the framework's own, driven in a subp
 DOC = ROOT / "docs" / "integrations" / "harbor.md"
 RELEASES = ("harbor-0.25", "harbor-0.26")
 # What differs between any two uncached trials: ids, names, the job's folder and times. The
-# comparison of cached and uncached trial folders leaves out these JSON fields and nothing else.
+# comparison of cached and uncached trial folders leaves out these JSON fields and nothing else
+# (two plain trials run at once may agree on one of the times by chance: it is left out all the same).
 VARYING = [
     "/config.json/json/job_id",
     "/config.json/json/trial_name",
@@ -74,6 +75,8 @@ def trials(release: str, tvcache, **variables) -> dict:
             "uncached,first,repeat",
             "--command",
             doc_block("cached-trial.sh"),
+            "--varying",
+            ",".join(VARYING),
         ],
         env=served(tvcache, **variables),
         timeout=300,
@@ -132,7 +135,7 @@ def test_cached_trials_are_the_uncached_trial_and_the_repeat_runs_nothing(releas
 
     # Every file of the cached trials' folders, byte for byte and mode for mode, but the fields
     # that differ between the two uncached trials too.
-    assert report["varying"] == VARYING
+    assert set(report["varying"]) <= set(VARYING)  # nothing else differs between two plain trials
     assert report["differences"] == {"first": [], "repeat": []}
     for name in ("first", "repeat"):
         assert passes[name]["trials"][0]["reward"] == {"reward": 1.0}
@@ -166,7 +169,7 @@ def test_a_download_too_large_to_record_runs_live_after_the_catch_up(tvcache):
     report = trials("harbor-0.26", tvcache, TVCACHE_MAX_RESULT_BYTES="64")
     passes = report["passes"]
     print(timings("harbor-0.26 (downloads live)", report))
-    assert report["varying"] == VARYING
+    assert set(report["varying"]) <= set(VARYING)  # nothing else differs between two plain trials
     assert report["differences"] == {"first": [], "repeat": []}
     assert [passes[name]["solve_runs"] for name in ("uncached", "first", "repeat")] == [2, 1, 1]
     ran = operations(passes["repeat"]["sandbox_operations"])
