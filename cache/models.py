@@ -183,6 +183,15 @@ class SnapshotTotal(models.Model):
         constraints = [models.UniqueConstraint(fields=["task", "backend"], name="snapshottotal_unique")]
 
 
+class RolloutTotal(models.Model):
+    """A task's rollouts, counted. Kept by triggers on cache_rollout (migration 0024), which see every
+    insert and delete (a claim's, a counter flush's, a branch's, a task's delete cascading), so that
+    stats read a row instead of counting every rollout of the task (docs/operations/growth.md)."""
+
+    task = models.OneToOneField(Task, on_delete=models.CASCADE, primary_key=True, related_name="rollout_total")
+    rollouts = models.BigIntegerField(default=0)
+
+
 class Snapshot(models.Model):
     class Status(models.TextChoices):
         LIVE = "live"

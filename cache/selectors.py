@@ -13,7 +13,7 @@ from cache.models import (
     Divergence,
     MaterializationStat,
     Node,
-    Rollout,
+    RolloutTotal,
     Snapshot,
     SnapshotTotal,
     Task,
@@ -68,7 +68,7 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "nodes": graph["nodes"] or 0,
         "results_bytes": graph["results_bytes"] or 0,
         "snapshots": {key: value or 0 for key, value in snapshots.items()},
-        "rollouts": Rollout.objects.filter(task_id=task_id).count(),
+        "rollouts": RolloutTotal.objects.filter(task_id=task_id).values_list("rollouts", flat=True).first() or 0,
         "per_epoch": per_epoch,
         "per_tool": per_tool,
         "divergences": task_divergences(task_id=task_id),
@@ -122,11 +122,12 @@ def task_processes(*, task_id: str, snapshots: int) -> dict[str, Any]:
         for how, label in MaterializationStat.How.choices
         if (how, True) in counts or (how, False) in counts
     ]
-    states = Node.objects.filter(task_id=task_id, mutates=True)
+    # From the task's divergences (few), not its nodes (millions in a large graph).
+    drifted = Divergence.objects.filter(task_id=task_id, kind=Divergence.Kind.DRIFT, node__mutates=True)
     return {
         "states": TaskTotal.objects.filter(task_id=task_id).aggregate(n=Sum("process_states"))["n"] or 0,
         "snapshots": snapshots,
-        "drifted": states.filter(divergences__kind=Divergence.Kind.DRIFT).distinct().count(),
+        "drifted": drifted.values("node_id").distinct().count(),
         "materialized": materialized,
     }
 

@@ -13,7 +13,7 @@ import pytest
 from django.db import connection, connections
 from django.db.migrations.loader import MigrationLoader
 
-from cache.models import Divergence, Node, Snapshot, SnapshotTotal, Task, TaskTotal
+from cache.models import Divergence, Node, Rollout, RolloutTotal, Snapshot, SnapshotTotal, Task, TaskTotal
 from cache.selectors import task_stats, task_totals
 from cache.services import admin_subtree_evict, divergence_record, node_record, task_flush, task_put
 from cache.tcg import RecordedState, ToolCall
@@ -270,3 +270,38 @@ def test_the_migration_fills_the_snapshot_totals_of_existing_snapshots(task):
         cursor.execute("DELETE FROM cache_snapshottotal")
         cursor.execute(module.TRIGGERS)
     assert snapshots_kept(task) == expected == {"docker": (3, 30, 0, 1)}
+
+
+def rollouts_kept(task_id: str) -> int | None:
+    return RolloutTotal.objects.filter(task_id=task_id).values_list("rollouts", flat=True).first()
+
+
+def test_rollout_totals_follow_every_way_a_rollout_comes_and_goes(task):
+    """A claim's, a counter flush's and a bulk insert's rollouts, deleted ones and a task's delete
+    leave the count equal to the rows there are, and stats read it."""
+    from cache import ledger
+    from cache.services import rollout_claim, rollout_unclaim
+
+    for name in ("c1", "c2", "c1"):  # made by its first claim, once
+        rollout_unclaim(rollout_pk=rollout_claim(task_id=task, rollout_id=name).rollout.pk)
+    ledger.lookup_add(
+        task_id=task, epoch=0, tool="write", rollout_id="counted", node_id=None, hit=False, seen=False, saved_ms=0.0
+    )
+    ledger.ledger_flush()  # a rollout the counters made
+    Rollout.objects.bulk_create(Rollout(task_id=task, rollout_id=f"b{i}") for i in range(4))  # as branches are made
+    assert rollouts_kept(task) == Rollout.objects.filter(task_id=task).count() == 7
+    assert task_stats(task_id=task)["rollouts"] == 7
+    Rollout.objects.filter(task_id=task, rollout_id__startswith="b").exclude(rollout_id="b0").delete()
+    assert rollouts_kept(task) == task_stats(task_id=task)["rollouts"] == 4
+    Task.objects.filter(pk=task).delete()  # cascades to its rollouts and its total: nothing left behind
+    assert rollouts_kept(task) is None
+
+
+def test_the_migration_fills_the_rollout_totals_of_existing_rollouts(task):
+    Rollout.objects.bulk_create(Rollout(task_id=task, rollout_id=f"old{i}") for i in range(3))
+    module = sys.modules[type(MigrationLoader(connection).disk_migrations[("cache", "0024_rollout_totals")]).__module__]
+    with connection.cursor() as cursor:
+        cursor.execute(module.UNTRIGGERS)
+        cursor.execute("DELETE FROM cache_rollouttotal")
+        cursor.execute(module.TRIGGERS)
+    assert rollouts_kept(task) == 3
