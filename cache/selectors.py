@@ -8,6 +8,7 @@ from django.db import connection
 from django.db.models import BooleanField, Count, Max, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.expressions import RawSQL
 
+from accounts.models import Project
 from cache.ledger import ledger_flush
 from cache.models import (
     Divergence,
@@ -347,11 +348,11 @@ def _columns(model, names: tuple[str, ...] | None = None) -> list:
 
 
 _MISS_TASK_FIELDS = _columns(Task, ("id", "project_id", "env", "tools"))
-_MISS_PROJECT_FIELDS = _columns(Task._meta.get_field("project").related_model)
+_MISS_PROJECT_FIELDS = _columns(Project)
 _MISS_TASK_SQL = (
     f"SELECT {', '.join(f't.{f.column}' for f in _MISS_TASK_FIELDS)}, "
-    f"{', '.join(f'p.{f.column}' for f in _MISS_PROJECT_FIELDS)} FROM {Task._meta.db_table} t "
-    f"JOIN {Task._meta.get_field('project').related_model._meta.db_table} p ON p.id = t.project_id WHERE t.id = %s"
+    f"{', '.join(f'p.{f.column}' for f in _MISS_PROJECT_FIELDS)} "
+    f"FROM {Task._meta.db_table} t JOIN {Project._meta.db_table} p ON p.id = t.project_id WHERE t.id = %s"
 )
 
 
@@ -370,6 +371,5 @@ def task_for_miss(*, task_id: str) -> Task | None:
     ]
     split = len(_MISS_TASK_FIELDS)
     task = Task.from_db(connection.alias, [f.attname for f in _MISS_TASK_FIELDS], values[:split])
-    project_model = Task._meta.get_field("project").related_model
-    task.project = project_model.from_db(connection.alias, [f.attname for f in _MISS_PROJECT_FIELDS], values[split:])
+    task.project = Project.from_db(connection.alias, [f.attname for f in _MISS_PROJECT_FIELDS], values[split:])
     return task
