@@ -211,14 +211,23 @@ def _wait_free(key: int, timeout_s: float) -> float | None:
 def settle(timeout_s: float = 120.0) -> bool:
     """Waits for this process's background work to end and closes the reservations' connection
     (tests: before they look at the graph, and before their database is flushed); False on
-    timeout. A server that stops without it loses only the snapshots still being taken."""
+    timeout. A server that stops without it loses only the snapshots still being taken.
+
+    A hand-off under way in another request (its reservation taken, its thread not started yet,
+    or not even listed) is waited for like the threads."""
     deadline = time.monotonic() + timeout_s
     while True:
         with _threads_lock:
             threads = list(_threads)
-        if not threads:
-            return _holder.ask("close")
+        if not threads and _holder.ask("close"):
+            return True
+        starting = not threads
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.ident is None:  # listed before it starts (run_reserved)
+                starting = True
+            else:
+                thread.join(max(0.0, deadline - time.monotonic()))
         if time.monotonic() > deadline:
             return False
+        if starting:
+            time.sleep(0.01)

@@ -4,6 +4,7 @@ rollout's sandbox catches up after a state-changing hit; the rollout's next miss
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -12,7 +13,7 @@ from rest_framework.test import APIClient
 from cache.models import Snapshot
 from sandboxes.backends.base import SandboxError
 from sandboxes.models import Sandbox
-from sandboxes.services import misses
+from sandboxes.services import misses, reserved
 from sandboxes.services.reserved import settle
 from tests.support.toolserver import bash, run
 
@@ -161,3 +162,39 @@ def test_a_rollout_without_a_sandbox_waits_for_the_snapshot_being_taken_rather_t
     assert settle()
     snapshot = Snapshot.objects.get(task_id=task, status="live")
     assert Sandbox.objects.get(rollout__rollout_id="r2", state="leased").snapshot_id == snapshot.pk
+
+
+@pytest.mark.parametrize("window", ["reserved", "listed"])
+def test_settling_waits_for_a_hand_off_another_request_is_making(monkeypatch, window):
+    """A hand-off under way in another request is work under way: the settle of another request
+    (the tests' check before they look at the graph) waits for it, whether the hand-off has taken
+    its reservation only or has listed its thread too, not started yet."""
+    ran = threading.Event()
+    thread_class, ask = reserved.threading.Thread, reserved._holder.ask
+    if window == "reserved":
+
+        def slow_ask(action, key=0):
+            answer = ask(action, key)
+            if action == "take":
+                time.sleep(0.5)
+            return answer
+
+        monkeypatch.setattr(reserved._holder, "ask", slow_ask)
+    else:
+
+        class SlowToStart(thread_class):
+            def start(self):
+                time.sleep(0.5)
+                super().start()
+
+        monkeypatch.setattr(reserved.threading, "Thread", SlowToStart)
+    handing_off = thread_class(target=reserved.run_reserved, args=(987654, ran.set), kwargs={"name": "test"})
+    handing_off.start()
+    deadline = time.monotonic() + 30
+    while reserved.wait_unreserved(987654, timeout_s=0) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not ran.is_set()  # reserved, its work not started
+    assert settle(timeout_s=30)
+    assert ran.is_set()
+    handing_off.join(30)
+    connection.close()
