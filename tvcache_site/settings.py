@@ -36,12 +36,14 @@ VAR_DIR = Path(env("TVCACHE_VAR_DIR", default=str(BASE_DIR / "var")))
 # PostgreSQL is the store of record, always (the hot paths use its SQL). The default is the
 # local development server; production sets DATABASE_URL.
 DATABASES = {"default": env.db("DATABASE_URL", default="postgres://postgres@127.0.0.1:5432/tvcache")}
+DATABASES["default"]["ENGINE"] = "tvcache_site.postgresql"  # Django's, its pool's check cheaper (its docstring)
 # Without a pool each thread keeps a persistent connection (Celery workers, commands). Under ASGI,
 # sync views run on changing threads and persistent per-thread connections would pile up: set
 # DB_POOL_SIZE to use a psycopg pool per process instead (the run command does).
 # After a PostgreSQL restart every kept connection is dead: with health checks each is checked
-# before a request uses it (under a pool, each one the pool hands out), so the service recovers by
-# itself. A request whose connection died under it answers 503 database_unavailable.
+# before a request uses it (under a pool, each one the pool hands out, with a round trip only if
+# it has anything to read: tvcache_site/postgresql), so the service recovers by itself. A request
+# whose connection died under it answers 503 database_unavailable.
 if env.int("DB_POOL_SIZE", default=0):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
