@@ -118,6 +118,9 @@ _SNAPSHOT_OF = """LEFT JOIN LATERAL (
         FROM cache_snapshot s WHERE s.node_id = coalesce(n.merged_from, n.id) AND s.status = 'live') s ON true"""
 ANY_LIVE_SNAPSHOT = "EXISTS (SELECT FROM cache_snapshottotal t WHERE t.task_id = %(task)s AND t.live > 0)"
 _RESUMABLE = "s.snapshot IS NOT NULL AND (coalesce(n.live_processes, 0) = 0 OR s.keeps)"
+# What the answer needs of each node walked, carried by the walk: a join of the walk with the nodes
+# at the end would be planned on the table's statistics (with stale ones, a scan of every node).
+_WALKED = "n.state_key, n.depth, n.cum_exec_ms, n.live_processes"
 _PATH_SQL = f"""WITH RECURSIVE keys AS MATERIALIZED (
     SELECT string_to_array(%(keys)s, ',') AS a
 ), probe(i, id) AS (
@@ -126,19 +129,18 @@ _PATH_SQL = f"""WITH RECURSIVE keys AS MATERIALIZED (
     SELECT probe.i + 1, (SELECT n.id FROM cache_node n WHERE n.task_id = %(task)s AND n.mutates
                                                           AND n.state_key = decode(keys.a[probe.i + 1], 'hex'))
     FROM probe, keys WHERE probe.id IS NULL AND probe.i < coalesce(cardinality(keys.a), 0)
-), walk(id, parent_id, steps, snapshot, resumable) AS (
-    SELECT n.id, n.parent_id, 0, s.snapshot, {_RESUMABLE}
+), walk(id, parent_id, steps, snapshot, resumable, state_key, depth, cum_exec_ms, live_processes) AS (
+    SELECT n.id, n.parent_id, 0, s.snapshot, {_RESUMABLE}, {_WALKED}
     FROM probe JOIN cache_node n ON n.id = probe.id
     {_SNAPSHOT_OF}
     UNION ALL
-    SELECT n.id, n.parent_id, walk.steps + 1, s.snapshot, {_RESUMABLE}
+    SELECT n.id, n.parent_id, walk.steps + 1, s.snapshot, {_RESUMABLE}, {_WALKED}
     FROM walk JOIN cache_node n ON n.id = walk.parent_id
     {_SNAPSHOT_OF}
     WHERE NOT walk.resumable AND walk.steps < %(walk)s AND {ANY_LIVE_SNAPSHOT}
 )
-SELECT json_agg(json_build_array(n.id, encode(n.state_key, 'hex'), n.depth, n.cum_exec_ms, walk.snapshot,
-                                 n.live_processes))
-FROM walk JOIN cache_node n ON n.id = walk.id WHERE walk.steps = 0 OR walk.resumable"""
+SELECT json_agg(json_build_array(id, encode(state_key, 'hex'), depth, cum_exec_ms, snapshot, live_processes))
+FROM walk WHERE steps = 0 OR resumable"""
 
 # How many parent links a miss walks up from the deepest node of its history for a snapshot to
 # start from (_PATH_SQL), and a record for the nearest snapshot's cost (record.py).
@@ -148,7 +150,9 @@ SNAPSHOT_WALK = 128
 # miss by history of a cacheable call (the CASE is lazy), from a state `p` with a verified
 # fingerprint: a node of the same call under another state `q` whose fingerprint (contents, modes,
 # owners, the order of file times by the nanosecond and by the second, the shell session, the live
-# processes) is p's: three index probes. Neither state, nor the node, divergent; the fingerprint not stopped by
+# processes) is p's: three index probes, in that order whatever the table's statistics say (`OFFSET 0`
+# keeps the planner from flattening the subqueries: with stale statistics it started from every
+# state-changing node of the task, and found p through the fingerprints' index, scanning the task). Neither state, nor the node, divergent; the fingerprint not stopped by
 # the audit (cache_mergeban). An executed node first (a merged one serves the same bytes). A state
 # recorded without the order of its times merges only where its backend's tools see no file times
 # (folders, SQLite: their shape is their full fingerprint); a merged node's is one (record.py).
@@ -156,9 +160,10 @@ SNAPSHOT_WALK = 128
 # below one is not a function of its history, so its fingerprint vouches for nothing).
 _STATE_PROBE_SQL = """(
 WITH p AS MATERIALIZED (
-    SELECT p.id, p.state_fingerprint, p.state_order FROM cache_node p
-    WHERE p.task_id = %(task)s AND p.mutates AND p.state_key = decode(%(anchor)s, 'hex') AND p.state_fingerprint <> ''
-      AND (p.state_order <> '' OR p.state_shape = p.state_fingerprint) AND NOT p.divergent
+    SELECT p.id, p.state_fingerprint, p.state_order
+    FROM (SELECT * FROM cache_node p WHERE p.task_id = %(task)s AND p.mutates AND p.state_key = decode(%(anchor)s, 'hex')
+          OFFSET 0) p
+    WHERE p.state_fingerprint <> '' AND (p.state_order <> '' OR p.state_shape = p.state_fingerprint) AND NOT p.divergent
       AND NOT EXISTS (SELECT FROM cache_mergeban b WHERE b.task_id = p.task_id AND b.fingerprint = p.state_fingerprint)
 )
 SELECT json_build_array(m.id, m.result_json, m.exec_ms, m.mutates, m.state_fingerprint, m.state_shape,
@@ -167,11 +172,11 @@ FROM p
 CROSS JOIN LATERAL (
     SELECT q.id, q.state_key, q.parent_id FROM cache_node q
     WHERE q.task_id = %(task)s AND q.mutates AND q.state_fingerprint = p.state_fingerprint AND q.state_fingerprint <> ''
-      AND q.state_order = p.state_order AND q.id <> p.id AND NOT q.divergent) q
+      AND q.state_order = p.state_order AND q.id <> p.id AND NOT q.divergent OFFSET 0) q
 CROSS JOIN LATERAL (
     SELECT m.* FROM cache_node m
     WHERE m.task_id = %(task)s AND m.anchor_key = q.state_key AND m.call_digest = decode(%(digest)s, 'hex')
-      AND NOT m.divergent) m
+      AND NOT m.divergent OFFSET 0) m
 WHERE true {clean}
 ORDER BY m.merged_from IS NOT NULL, m.id
 LIMIT 1)"""

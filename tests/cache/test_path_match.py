@@ -15,7 +15,7 @@ from cache.services import LookupMiss, node_record, task_put, tcg_lookup
 from cache.services.lookup import _WRITES_SQL, SNAPSHOT_WALK, _node_refs
 from cache.services.tasks import task_handle
 from cache.tcg import ToolCall, longest_prefix_match, state_chain
-from cache.tcg.records import CallContext, CallRecord
+from cache.tcg.records import CallContext, CallRecord, RecordedState
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -103,3 +103,38 @@ def test_a_snapshot_past_the_walk_is_not_used_and_the_miss_starts_from_the_root(
     assert far.match.node is not None and far.match.resume is None and len(far.match.replay) == len(history)
     near = tcg_lookup(task_id="walk", context=CallContext(tuple(history[:SNAPSHOT_WALK]), call("next"), "r", 0, None))
     assert near.match.resume is not None and near.match.resume.node_id == first
+
+
+def test_a_miss_reads_a_few_pages_of_a_task_the_statistics_do_not_know():
+    """The lookup's statement is index probes in a fixed order whatever the statistics say. A task
+    that grew after the table was last analyzed (a new task in a long training: its rows are not
+    in the statistics) looked small to the planner, which then read every state-changing node of
+    it on each miss (the state probe started from all of them, and found the history's node by the
+    fingerprints' index)."""
+    task_put(task_id="known", env={"backend": "external", "stats": 1})
+    for i in range(50):
+        record("known", [], call(f"k{i}"))
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE cache_node")
+    task_put(task_id="grown", env={"backend": "external", "stats": 2})
+    for i in range(1500):  # one state each, all fingerprinted: candidates of the state probe
+        node_record(
+            task_id="grown",
+            record=CallRecord(CallContext((), call(f"g{i}"), "r", 0, None), {"stdout": str(i)}, 5.0),
+            state=RecordedState(full=f"full-{i}", shape=f"shape-{i}", order="order"),
+            evicted=False,
+        )
+    pages = []
+
+    def explained(execute, sql, params, many, context):
+        if sql.lstrip().startswith("WITH claimed"):  # the lookup's statement
+            cursor = context["cursor"]
+            cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params)
+            plan = cursor.fetchone()[0][0]["Plan"]
+            pages.append(plan["Shared Hit Blocks"] + plan["Shared Read Blocks"])
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(explained):
+        answer = tcg_lookup(task_id="grown", context=CallContext((call("g7"),), call("new"), "r", 0, None))
+    assert isinstance(answer, LookupMiss) and answer.match.matched == 1
+    assert pages and max(pages) < 100, pages  # the old plan: 774
