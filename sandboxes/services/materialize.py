@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from cache.ledger import materialized_add, replay_add
 from cache.models import Divergence, MaterializationStat, Node, Rollout, Snapshot, Task
+from cache.selectors import Rider
 from cache.services import (
     LookupMiss,
     backend_costs,
@@ -105,28 +106,37 @@ class Run:
 
 
 # The rollout's own sandbox when it holds the whole history already and no work after the previous
-# answer holds it (reserved.py), marked `executing` in the same statement (committed before the call
-# runs, as misses.py's mark): a rollout whose last call ran in it, the usual miss, takes one
-# statement instead of three. Where it finds none, the miss takes the long way.
-_OWN_MARKED_SQL = f"""
-UPDATE sandboxes_sandbox SET executing = true, lease_expires_at = %s
-WHERE rollout_id = %s AND state = 'leased' AND NOT executing AND applied = %s AND {FREE}
-RETURNING *"""
+# answer holds it (reserved.py), marked `executing` (committed before the call runs, as misses.py's
+# mark) in the statement that reads the miss's task (cache.selectors.task_for_miss): a rollout whose
+# last call ran in it, the usual miss, takes one statement for its task, its sandbox and the mark.
+# Where it finds none, the miss takes the long way.
+_OWN_MARKED_SQL = f"""UPDATE sandboxes_sandbox SET executing = true, lease_expires_at = %s
+WHERE rollout_id = %s AND state = 'leased' AND NOT executing AND applied = %s AND {FREE}"""
 
 
-def rollout_sandbox(task, backend, rollout, context: CallContext, answer, phases: Phases, *, mark: bool = False) -> Run:
+def own_marked(rollout_pk: int, applied: int) -> Rider:
+    """The write that marks the rollout's own sandbox `executing` where it has applied `applied`
+    calls of the history and is free (rollout_sandbox's `marked`), to ride on the task's read."""
+    key = reservation_key(rollout_pk)
+    return Rider(Sandbox, _OWN_MARKED_SQL, (idle_deadline(busy=True), rollout_pk, applied, key, key))
+
+
+def own_unmarked(row: Sandbox) -> None:
+    """A mark given back: the miss stopped before its call ran (its task is refused)."""
+    Sandbox.objects.filter(pk=row.pk, executing=True).update(executing=False, lease_expires_at=idle_deadline())
+
+
+def rollout_sandbox(
+    task, backend, rollout, context: CallContext, answer, phases: Phases, *, marked: Sandbox | None = None
+) -> Run:
     """The rollout's sandbox brought up to date with its history (everything before the call) and
     checked against the state its history's node recorded: its own sandbox, else a materialized
     one (a pre-fork, a fork, a ready root), else, when that diverged, a fresh one replayed from the
-    root. A sandbox whose replay failed midway is retired: its state is unknown. With `mark`, its
-    own sandbox that holds the history already is marked `executing` as it is read (`Run.marked`)."""
+    root. A sandbox whose replay failed midway is retired: its state is unknown. `marked`: its own
+    sandbox, marked `executing` already and holding the history (own_marked): used as it is."""
     policy = TaskPolicy.from_json(task.tools)
-    if mark:
-        key = reservation_key(rollout.pk)
-        found = list(
-            Sandbox.objects.raw(_OWN_MARKED_SQL, [idle_deadline(busy=True), rollout.pk, len(context.history), key, key])
-        )
-        run = _own(task, policy, rollout, found[0], phases) if found else None
+    if marked is not None:
+        run = _own(task, policy, rollout, marked, phases)
         if run is not None:
             run.marked = True
             return _counted(run, answer, context)

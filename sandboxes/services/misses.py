@@ -78,13 +78,16 @@ class Execution:
     untrusted: bool = False  # the sandbox cannot be trusted with another call
 
 
-def miss_execute(task, backend, rollout, context: CallContext, answer, phases: Phases) -> Execution:
+def miss_execute(
+    task, backend, rollout, context: CallContext, answer, phases: Phases, *, marked: Sandbox | None = None
+) -> Execution:
     """The call executed in the rollout's sandbox brought to its history's state, and what it did
-    observed: how it ran (the known-state rule's input), its result and state fingerprint."""
+    observed: how it ran (the known-state rule's input), its result and state fingerprint.
+    `marked`: the rollout's own sandbox, marked `executing` already (materialize.own_marked)."""
     restore_ms = None
     with phases.timed_outside("prepare"):  # (materialize, replay and verify are phases of their own)
         try:
-            run = rollout_sandbox(task, backend, rollout, context, answer, phases, mark=True)
+            run = rollout_sandbox(task, backend, rollout, context, answer, phases, marked=marked)
             restore_ms = run.restore_ms
         finally:  # the lookup's lease, used or not (its sandbox may have been reaped, or a pre-fork taken)
             if answer.lease_id:

@@ -59,7 +59,7 @@ from sandboxes.handles import as_application_error, backend_named, env_check_gra
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
-from .materialize import Phases, catch_up_after_answer, resume_snapshotted, retire
+from .materialize import Phases, catch_up_after_answer, own_marked, own_unmarked, resume_snapshotted, retire
 from .misses import miss_detach, miss_execute, miss_record
 from .pools import idle_deadline, sandbox_stop
 
@@ -217,15 +217,23 @@ class _Serving:
             saved_ms=0.0,
         )
         with self.phases.timed_outside("prepare"):
-            task = task_for_miss(task_id=task_id)
-            if task is None:  # deleted since the lookup
-                raise unknown_task(task_id)
-            backend = backend_named(task.env.get("backend", "external"))
-            _granted(task)
+            # A rollout with a sandbox of its own marks it `executing` in the task's read (one
+            # round trip), given back if the task refuses the miss.
+            rider = own_marked(self.rollout.pk, len(self.history)) if self.has_sandbox else None
+            task, marked = task_for_miss(task_id=task_id, rider=rider)
+            try:
+                if task is None:  # deleted since the lookup
+                    raise unknown_task(task_id)
+                backend = backend_named(task.env.get("backend", "external"))
+                _granted(task)
+            except BaseException:
+                if marked is not None:
+                    own_unmarked(marked)
+                raise
             if not self.has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
                 answer = self.answer = resume_snapshotted(task_id, self.context, answer, self.phases)
         self.answer = None  # its lease is the execution's to release
-        execution = miss_execute(task, backend, self.rollout, self.context, answer, self.phases)
+        execution = miss_execute(task, backend, self.rollout, self.context, answer, self.phases, marked=marked)
         step = protocol.executed(execution.ran, reason=execution.reason)
         node_id, mutates = None, True
         if step.act is Act.RECORD:

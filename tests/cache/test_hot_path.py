@@ -354,7 +354,8 @@ def test_a_misss_task_is_the_tasks_row_with_its_project():
     )
     Project.objects.filter(pk=Task.objects.get(pk="miss-task").project_id).update(images=["x:1"], max_memory_mb=256)
     expected = Task.objects.select_related("project").get(pk="miss-task")
-    read = task_for_miss(task_id="miss-task")
+    read, written = task_for_miss(task_id="miss-task")
+    assert written is None
     assert (read.pk, read.env, read.tools, read.project_id) == (
         expected.pk,
         expected.env,
@@ -366,7 +367,29 @@ def test_a_misss_task_is_the_tasks_row_with_its_project():
     }
     assert read.get_deferred_fields() >= {"name", "version", "created_at"}
     assert (read.name, read.version) == (expected.name, expected.version)  # read on demand
-    assert task_for_miss(task_id="no-such-task") is None
+    assert task_for_miss(task_id="no-such-task") == (None, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_write_rides_on_the_misss_task_read_and_comes_back_as_its_model():
+    """task_for_miss's rider: the caller's UPDATE runs in the task's statement, and the row it
+    wrote comes back as the ORM would read it; where it writes nothing, None."""
+    from cache.models import Task
+    from cache.selectors import Rider, task_for_miss
+    from cache.services import task_put
+
+    task_put(task_id="rider", env={"backend": "external"}, tools={})
+    Task.objects.filter(pk="rider").update(name="before")
+    rename = "UPDATE cache_task SET name = %s WHERE id = %s AND name = %s"
+    task, written = task_for_miss(task_id="rider", rider=Rider(Task, rename, ("after", "rider", "before")))
+    assert task.pk == "rider" and isinstance(written, Task)
+    expected = Task.objects.get(pk="rider")
+    assert expected.name == "after"
+    assert {f.attname: getattr(written, f.attname) for f in Task._meta.concrete_fields} == {
+        f.attname: getattr(expected, f.attname) for f in Task._meta.concrete_fields
+    }
+    task, written = task_for_miss(task_id="rider", rider=Rider(Task, rename, ("again", "rider", "before")))
+    assert task.pk == "rider" and written is None and Task.objects.get(pk="rider").name == "after"
 
 
 def test_what_the_server_process_made_at_startup_is_out_of_the_collectors_passes():

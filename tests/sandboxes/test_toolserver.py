@@ -264,8 +264,32 @@ def test_a_miss_on_the_lane_that_runs_tools_issues_a_constant_number_of_statemen
     sql = [q["sql"] or "" for q in statements.captured_queries]
     assert not any("DELETE FROM cache_claim" in s for s in sql)  # the recorded node's claim lapses by itself
     assert not any("WITH claimed AS" in s for s in sql)  # the call's claim rode in the lookup's statement
-    # prepared, their text not captured: the rollout's claim, the lookup, the task, the record
+    # prepared, their text not captured: the rollout's claim, the lookup, the task with the sandbox
+    # read and marked, the record
     assert sum(not s for s in sql) == 4
-    # the rollout's claim, the lookup, the task, the sandbox read and marked (its reservation free);
-    # the record (the node, the sandbox's progress, the history: one statement); the rollout's release
-    assert len(sql) == 6, "\n".join(s[:120] for s in sql)
+    # the rollout's claim, the lookup, the task with the sandbox read and marked (its reservation
+    # free: one statement); the record (the node, the sandbox's progress, the history: one
+    # statement); the rollout's release
+    assert len(sql) == 5, "\n".join(s[:120] for s in sql)
+
+
+def test_a_miss_its_project_refuses_leaves_the_rollouts_sandbox_as_it_was(api, docker_task):
+    """The miss marks the rollout's own sandbox `executing` as it reads its task (one statement),
+    then checks the project's grants: a refused miss gives the mark back, so that the rollout's
+    next miss, once the grant is back, runs in the same sandbox rather than retiring it as one cut
+    off mid-call."""
+    from accounts.models import Project
+    from cache.models import Task
+
+    task = docker_task("refused-mid")
+    assert run(api, task, "r1", bash("echo a > f"))["cached"] is False
+    own = Sandbox.objects.get(rollout__rollout_id="r1", state="leased")
+    project = Project.objects.filter(pk=Task.objects.get(pk=task).project_id)
+    memory = project.values_list("max_memory_mb", flat=True).get()
+    project.update(max_memory_mb=64)  # below the task's default: the grant is taken back
+    refused = api.post(f"/api/v1/tasks/{task}/rollouts/r1/calls", {"call": bash("echo b >> f")}, format="json")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "limit_exceeded"
+    assert not Sandbox.objects.get(pk=own.pk).executing
+    project.update(max_memory_mb=memory)
+    assert run(api, task, "r1", bash("echo c >> f; cat f"))["result"]["stdout"] == "a\nc\n"
+    assert Sandbox.objects.get(rollout__rollout_id="r1", state="leased").pk == own.pk
