@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
 
 from django.db import transaction
 from django.db.models import Count, Sum
@@ -56,15 +55,6 @@ def _cost_sample(backend: str, *, snapshot_ms: float | None = None, restore_ms: 
             row.restore_ms = moving_average(row.restore_ms if row.restore_samples else None, restore_ms)
             row.restore_samples += 1
         row.save()
-
-
-def recently_evicted_refs(*, task_id: str) -> list[str]:
-    since = timezone.now() - timedelta(seconds=EVICTION_NOTICE_S)
-    return list(
-        Snapshot.objects.filter(
-            task_id=task_id, owner=Snapshot.Owner.CLIENT, status=Snapshot.Status.EVICTED, evicted_at__gte=since
-        ).values_list("ref", flat=True)
-    )
 
 
 def snapshot_register(

@@ -1,5 +1,8 @@
+from datetime import timedelta
+
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from cache.models import Lease
 from cache.services import claims_clear, tables_vacuum
@@ -126,6 +129,28 @@ def test_record_is_idempotent(api, toy_task):
     second = record(api, toy_task, [], W1, {"ok": "ignored"})
     assert second == {**first, "created": False}
     assert lookup(api, toy_task, [], W1)["result"] == {"ok": True}
+
+
+def test_a_record_tells_the_client_which_of_its_snapshots_were_evicted_lately(api, toy_task):
+    """Over the task's budget of snapshots the least worth is evicted; the records that follow tell
+    the client its ref (to delete what it holds) for EVICTION_NOTICE_S, then no more."""
+    from cache.models import Snapshot
+
+    history, refs = [], []
+    for i in range(5):  # one over the toy task's budget of 4
+        made = call("write", path="f", content=str(i))
+        node = record(api, toy_task, history, made, {"ok": i}, exec_ms=5000)["node_id"]
+        history.append(made)
+        refs.append(f"snap-{i}")
+        registered = api.post(
+            f"/api/v1/tasks/{toy_task}/nodes/{node}/snapshots", {"ref": refs[-1], "backend": "external"}, format="json"
+        )
+        assert registered.status_code == 201, registered.content
+    evicted = registered.json()["evicted"]
+    assert len(evicted) == 1 and evicted[0] in refs
+    assert record(api, toy_task, history, R, {"output": "x"})["evicted"] == evicted
+    Snapshot.objects.filter(ref=evicted[0]).update(evicted_at=timezone.now() - timedelta(seconds=61))
+    assert record(api, toy_task, history, call("read", path="g"), {"output": "y"})["evicted"] == []
 
 
 def test_miss_resumes_from_the_deepest_snapshot_with_a_lease(api, toy_task):
@@ -287,11 +312,11 @@ def test_lookup_and_record_issue_a_constant_number_of_queries(api, toy_task, dja
     record(api, toy_task, [], call("warm", up=1), {})  # token verified and backend costs cached
     with django_assert_num_queries(1):  # one statement: the node, else the longest-prefix match (task handle cached)
         assert lookup(api, toy_task, history, R)["hit"] is False
-    # The insert checks the task's stamp and reads the nearest snapshot's cost in its own statement
-    # (task handle cached); then the evicted snapshots to tell the client.
-    with django_assert_num_queries(2):
+    # The insert checks the task's stamp and reads the nearest snapshot's cost and the evicted
+    # snapshots to tell the client in its own statement (task handle cached).
+    with django_assert_num_queries(1):
         record(api, toy_task, history, R, {"output": "x"})
-    with django_assert_num_queries(2):
+    with django_assert_num_queries(1):
         record(api, toy_task, history, call("write", path="g", content="x"), {"ok": True})
     with django_assert_num_queries(1):  # hit with counters
         assert lookup(api, toy_task, history, R, rollout_id="r")["hit"] is True
