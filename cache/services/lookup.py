@@ -152,10 +152,11 @@ SNAPSHOT_WALK = 128
 # owners, the order of file times by the nanosecond and by the second, the shell session, the live
 # processes) is p's: three index probes, in that order whatever the table's statistics say (`OFFSET 0`
 # keeps the planner from flattening the subqueries: with stale statistics it started from every
-# state-changing node of the task, and found p through the fingerprints' index, scanning the task). Neither state, nor the node, divergent; the fingerprint not stopped by
-# the audit (cache_mergeban). An executed node first (a merged one serves the same bytes). A state
-# recorded without the order of its times merges only where its backend's tools see no file times
-# (folders, SQLite: their shape is their full fingerprint); a merged node's is one (record.py).
+# state-changing node of the task, and found p through the fingerprints' index, scanning the task).
+# Neither state, nor the node, divergent; the fingerprint not stopped by the audit (cache_mergeban).
+# An executed node first (a merged one serves the same bytes). A state recorded without the order of
+# its times merges only where its backend's tools see no file times (folders, SQLite: their shape is
+# their full fingerprint); a merged node's is one (record.py).
 # `{clean}`: in a task with a divergent state-changing node, neither history may pass one (a state
 # below one is not a function of its history, so its fingerprint vouches for nothing).
 _STATE_PROBE_SQL = """(
