@@ -98,12 +98,15 @@ DELETE FROM cache_claim c WHERE c.task_id = %(task)s AND c.anchor_key = %(anchor
 # The history's state-changing nodes that exist, each with its live snapshot if it has one (and
 # whether that keeps processes) and the processes its state keeps running. A state-keyed hit's
 # node (`merged_from`) holds the state of the node it merged with: that node's snapshot stands in
-# for it. Every node of the history: what a catch-up weighs (history_catch_up).
+# for it. Every node of the history: what a catch-up weighs (history_catch_up). An index probe per
+# key whatever the statistics say (`OFFSET 0` keeps the subquery from being flattened): with a task
+# newer than them, the planner read every state-changing node of the task and filtered the keys.
 _WRITES_SQL = """SELECT json_agg(json_build_array(w.id, encode(w.state_key, 'hex'), w.depth, w.cum_exec_ms, (
                SELECT json_build_array(s.id, s.ref, s.keeps_processes) FROM cache_snapshot s
                WHERE s.node_id = coalesce(w.merged_from, w.id) AND s.status = 'live'), w.live_processes))
-           FROM cache_node w
-           WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = ANY(ARRAY(SELECT decode(k, 'hex') FROM unnest(string_to_array(%(keys)s, ',')) AS k))"""
+           FROM unnest(string_to_array(%(keys)s, ',')) AS k
+           CROSS JOIN LATERAL (SELECT * FROM cache_node w
+                               WHERE w.task_id = %(task)s AND w.mutates AND w.state_key = decode(k, 'hex') OFFSET 0) w"""
 
 # What a miss needs of them (tcg.longest_prefix_match), read without visiting the whole history,
 # so that a miss costs the same after 10 calls or 1,000: the deepest that exists, its keys probed
