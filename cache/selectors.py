@@ -370,7 +370,10 @@ class Rider:
 
 
 @functools.cache
-def _rider_sql(model, sql: str) -> str:
+def _miss_task_sql(model=None, sql: str = "") -> str:
+    """The task's read, with a rider's write and its row (`model`, `sql`) or alone."""
+    if model is None:
+        return _MISS_TASK_SQL.format(rider="", join="")
     columns = ", ".join(f.column for f in _columns(model))
     return f"WITH rider AS ({sql} RETURNING {columns}) " + _MISS_TASK_SQL.format(
         rider=", r.*", join=" LEFT JOIN rider r ON true"
@@ -383,9 +386,11 @@ def task_for_miss(*, task_id: str, rider: Rider | None = None) -> tuple[Task | N
     call (1.4 ms a miss, against 0.2 ms here). Its other fields are deferred (reading one reads it).
     With a `rider`, its write runs in the same statement (whether or not the task is found): the
     row it wrote, or None."""
-    sql = _rider_sql(rider.model, rider.sql) if rider else _MISS_TASK_SQL.format(rider="", join="")
     with prepared_cursor() as cursor:
-        cursor.execute(sql, [*rider.params, task_id] if rider else [task_id])
+        if rider is None:
+            cursor.execute(_miss_task_sql(), [task_id])
+        else:
+            cursor.execute(_miss_task_sql(rider.model, rider.sql), [*rider.params, task_id])
         row = cursor.fetchone()
     if row is None:
         return None, None

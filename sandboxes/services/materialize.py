@@ -121,9 +121,10 @@ def own_marked(rollout_pk: int, applied: int) -> Rider:
     return Rider(Sandbox, _OWN_MARKED_SQL, (idle_deadline(busy=True), rollout_pk, applied, key, key))
 
 
-def own_unmarked(row: Sandbox) -> None:
-    """A mark given back: the miss stopped before its call ran (its task is refused)."""
-    Sandbox.objects.filter(pk=row.pk, executing=True).update(executing=False, lease_expires_at=idle_deadline())
+def unmarked(row: Sandbox) -> None:
+    """The sandbox's mark given back, its state as the row says: the miss stopped before its call
+    ran (its task refused it), or the rollout left the shared graph keeping its sandbox."""
+    Sandbox.objects.filter(pk=row.pk).update(executing=False, lease_expires_at=idle_deadline())
 
 
 def rollout_sandbox(

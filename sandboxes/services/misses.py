@@ -53,7 +53,7 @@ from sandboxes.engines import engine_queue
 from sandboxes.handles import as_application_error, labels
 from sandboxes.models import Sandbox
 
-from .materialize import Phases, Run, retire, rollout_sandbox
+from .materialize import Phases, Run, retire, rollout_sandbox, unmarked
 from .pools import idle_deadline, prefork_if_room
 from .reserved import run_reserved
 
@@ -259,7 +259,7 @@ def _detach(run: Run, reason: str, *, untrusted: bool = False) -> None:
     if untrusted:
         retire(run.row, reason)
     else:
-        Sandbox.objects.filter(pk=run.row.pk).update(executing=False, lease_expires_at=idle_deadline())
+        unmarked(run.row)
 
 
 def _execute(run: Run, call: ToolCall) -> tuple[dict, float, bool | None]:

@@ -59,7 +59,7 @@ from sandboxes.handles import as_application_error, backend_named, env_check_gra
 from sandboxes.models import Sandbox
 
 from .audit import hit_audit_enqueue
-from .materialize import Phases, catch_up_after_answer, own_marked, own_unmarked, resume_snapshotted, retire
+from .materialize import Phases, catch_up_after_answer, own_marked, resume_snapshotted, retire, unmarked
 from .misses import miss_detach, miss_execute, miss_record
 from .pools import idle_deadline, sandbox_stop
 
@@ -228,7 +228,7 @@ class _Serving:
                 _granted(task)
             except BaseException:
                 if marked is not None:
-                    own_unmarked(marked)
+                    unmarked(marked)
                 raise
             if not self.has_sandbox:  # the state it needs may be being snapshotted: better forked than replayed
                 answer = self.answer = resume_snapshotted(task_id, self.context, answer, self.phases)
