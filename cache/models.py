@@ -186,10 +186,13 @@ class SnapshotTotal(models.Model):
 class RolloutTotal(models.Model):
     """A task's rollouts, counted. Kept by triggers on cache_rollout (migration 0024), which see every
     insert and delete (a claim's, a counter flush's, a branch's, a task's delete cascading), so that
-    stats read a row instead of counting every rollout of the task (docs/operations/growth.md)."""
+    stats read a row instead of counting every rollout of the task (docs/operations/growth.md).
+    `expired` counts the rollouts whose rows the history's retention deleted (cache/services/
+    retention.py): stats count them still (what a task ran is history)."""
 
     task = models.OneToOneField(Task, on_delete=models.CASCADE, primary_key=True, related_name="rollout_total")
     rollouts = models.BigIntegerField(default=0)
+    expired = models.BigIntegerField(default=0, db_default=0)
 
 
 class Snapshot(models.Model):
@@ -348,8 +351,12 @@ class Rollout(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["task", "rollout_id"], name="rollout_unique")]
-        # The task page's rollouts, latest first, a page at a time.
-        indexes = [models.Index(fields=["task", "started_at", "id"], name="rollout_task_started")]
+        indexes = [
+            # The task page's rollouts, latest first, a page at a time.
+            models.Index(fields=["task", "started_at", "id"], name="rollout_task_started"),
+            # The history's retention: the oldest rollouts of every task.
+            models.Index(fields=["started_at"], name="rollout_started"),
+        ]
 
 
 class RolloutCall(models.Model):

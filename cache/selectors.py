@@ -71,7 +71,7 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "nodes": graph["nodes"] or 0,
         "results_bytes": graph["results_bytes"] or 0,
         "snapshots": {key: value or 0 for key, value in snapshots.items()},
-        "rollouts": RolloutTotal.objects.filter(task_id=task_id).values_list("rollouts", flat=True).first() or 0,
+        "rollouts": sum(RolloutTotal.objects.filter(task_id=task_id).values_list("rollouts", "expired").first() or ()),
         "per_epoch": per_epoch,
         "per_tool": per_tool,
         "divergences": task_divergences(task_id=task_id),

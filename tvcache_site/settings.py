@@ -174,6 +174,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env.float("TVCACHE_ORPHANS_EVERY_S", default=300.0),
     },
     "vacuum-tables": {"task": "workers.tasks.tables_vacuum", "schedule": 60.0},  # if autovacuum is off
+    # Indexes that retention's deletes left sparse (cache/services/maintenance.py, indexes_rebuild).
+    "rebuild-sparse-indexes": {
+        "task": "workers.tasks.indexes_rebuild",
+        "schedule": env.float("TVCACHE_REINDEX_EVERY_S", default=600.0),
+    },
     "clear-lapsed-claims": {"task": "workers.tasks.claims_clear", "schedule": 60.0},
     "prune-request-counts": {"task": "workers.tasks.project_requests_prune", "schedule": 3600.0},
 }
@@ -290,6 +295,10 @@ TVCACHE = {
         "TVCACHE_RETENTION_LIVE_S", default=env.float("TVCACHE_ROLLOUT_IDLE_S", default=900.0)
     ),
     "RETENTION_BATCH": env.int("TVCACHE_RETENTION_BATCH", default=5000),
+    # The same job expires a rollout's history (its row, steps and kept calls) once it has ended or
+    # keeps none of its own (client mode) and was neither started nor answered for this long; its
+    # task's stats still count it. 0 keeps every rollout.
+    "HISTORY_KEEP_S": env.float("TVCACHE_HISTORY_KEEP_S", default=7 * 86400.0),
     # Ready pre-forks kept per task (idle containers cost memory), and how long a ready sandbox
     # nobody takes stays up.
     "PREFORKS_PER_TASK": env.int("TVCACHE_PREFORKS_PER_TASK", default=4),

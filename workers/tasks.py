@@ -48,6 +48,11 @@ def tables_vacuum() -> list[str]:
 
 
 @shared_task(acks_late=True)
+def indexes_rebuild() -> list[str]:
+    return cache_services.indexes_rebuild()
+
+
+@shared_task(acks_late=True)
 def claims_clear() -> int:
     return cache_services.claims_clear()
 

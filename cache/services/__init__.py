@@ -15,10 +15,10 @@ from .lookup import (
     tcg_lookup,
     tcg_lookup_in_memory,
 )
-from .maintenance import claims_clear, tables_vacuum
+from .maintenance import claims_clear, indexes_rebuild, tables_vacuum
 from .nodes import nodes_delete
 from .record import RecordOutcome, node_record
-from .retention import task_enforce_retention, tasks_enforce_retention
+from .retention import rollouts_expire, task_enforce_retention, tasks_enforce_retention
 from .rollouts import (
     KeptAppend,
     RolloutClaim,
@@ -55,6 +55,7 @@ __all__ = [
     "nodes_delete",
     "task_enforce_retention",
     "tasks_enforce_retention",
+    "rollouts_expire",
     "rollout_claim",
     "kept_digests",
     "kept_history",
@@ -69,6 +70,7 @@ __all__ = [
     "task_handle",
     "task_put",
     "tables_vacuum",
+    "indexes_rebuild",
     "claims_clear",
     "tcg_lookup",
     "tcg_lookup_in_memory",

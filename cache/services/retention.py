@@ -5,6 +5,12 @@ reused (cache.tcg.eviction.retention_order), leaves first, and deletes them (nod
 their lookups miss and a rollout that gets there again executes and records afresh; what they
 counted stays. docs/operations/retention.md says what is spared and why.
 
+The same job expires rollouts (`rollouts_expire`): a rollout's row, its steps and its kept calls
+are the history of what it ran, read by the tree export and the dashboard; once it has ended, or
+keeps no history of its own (a client-mode rollout sends its history with every call), and was
+neither started nor answered for TVCACHE_HISTORY_KEEP_S, they are deleted. The task's stats still
+count it (cache_rollouttotal.expired) and what it hit and saved (the tool stats).
+
 A node is spared, with its ancestors (a path stays a prefix), when it is
 - pinned;
 - on a live rollout's path: created or hit within TVCACHE_RETENTION_LIVE_S (each call of a
@@ -23,7 +29,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from cache import ledger
-from cache.models import Node, Snapshot, Task
+from cache.models import Node, Rollout, Snapshot, Task
 from cache.tcg.eviction import NodeCandidate, RetentionBudget, retention_order
 
 from .nodes import nodes_delete
@@ -154,3 +160,50 @@ def _still_evictable(chosen: list[int], params: dict) -> list[int]:
             keep.add(node_id)
             node_id = parents[node_id]
     return [node_id for node_id in chosen if node_id not in keep]
+
+
+# Rollouts to expire: started and last answered before the cutoff, and either ended or keeping no
+# history of their own (an unfinished rollout with a kept history may still come back for its next
+# call: its history is what its sandbox is rebuilt from). The oldest first, locked, skipping those a
+# counter flush or a call holds.
+EXPIRING_SQL = """
+SELECT r.id, r.task_id FROM cache_rollout r
+WHERE r.started_at < now() - make_interval(secs => %(keep_s)s)
+  AND (r.history_length = 0 OR r.finished_at IS NOT NULL OR r.detached_at IS NOT NULL)
+  AND NOT EXISTS (SELECT FROM cache_rolloutstep s WHERE s.rollout_id = r.id
+                  AND s.at > (extract(epoch FROM now()) - %(keep_s)s) * 1e9)
+ORDER BY r.started_at LIMIT %(batch)s
+FOR UPDATE OF r SKIP LOCKED
+"""
+
+EXPIRED_SQL = """
+UPDATE cache_rollouttotal t SET expired = t.expired + c.n
+FROM (SELECT task_id, count(*) AS n FROM unnest(%s::varchar[]) AS task_id GROUP BY task_id) c
+WHERE t.task_id = c.task_id
+"""
+
+
+def rollouts_expire(*, keep_s: float | None = None, batch: int | None = None) -> dict[str, int]:
+    """Delete the rollouts nothing needs any more (the module's docstring), with their steps, kept
+    calls and trajectories, a transaction per `batch`; TVCACHE_HISTORY_KEEP_S = 0 keeps them all."""
+    keep_s = settings.TVCACHE["HISTORY_KEEP_S"] if keep_s is None else keep_s
+    batch = batch or settings.TVCACHE["RETENTION_BATCH"]
+    expired = 0
+    while keep_s > 0:
+        with transaction.atomic():
+            ledger.counters_quiet()  # before any row: a flush writes rollouts and their steps
+            with connection.cursor() as cursor:
+                cursor.execute(EXPIRING_SQL, {"keep_s": keep_s, "batch": batch})
+                rows = cursor.fetchall()
+                if not rows:
+                    break
+                # Only the key is read; the collector deletes the steps, kept calls and trajectories
+                # and unlinks sandboxes (a reaped one keeps its row).
+                Rollout.objects.filter(pk__in=[row[0] for row in rows]).only("pk").delete()
+                cursor.execute(EXPIRED_SQL, [[row[1] for row in rows]])
+        expired += len(rows)
+        if len(rows) < batch:
+            break
+    if expired:
+        log.info("expired %d rollouts", expired)
+    return {"rollouts_expired": expired}

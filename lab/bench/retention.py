@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from django.db import connection
 
 from cache.models import Node, Task
-from cache.services import node_record, tables_vacuum, task_flush, task_put, tcg_lookup
+from cache.services import indexes_rebuild, node_record, tables_vacuum, task_flush, task_put, tcg_lookup
 from cache.services.lookup import LookupHit
 from cache.tcg import ToolCall, canonical_call, result_json
 from cache.tcg.records import CallContext, CallRecord
@@ -101,10 +101,16 @@ class Totals:
 class Jobs:
     """The periodic jobs, in a thread, as a deployment's beat or in-process runner would run them."""
 
-    def __init__(self, *, collect_every_s: float, vacuum_every_s: float):
-        self.collect_every_s, self.vacuum_every_s = collect_every_s, vacuum_every_s
+    def __init__(self, *, collect_every_s: float, vacuum_every_s: float, reindex_every_s: float):
+        self.collect_every_s, self.vacuum_every_s, self.reindex_every_s = (
+            collect_every_s,
+            vacuum_every_s,
+            reindex_every_s,
+        )
+        self.indexes_rebuilt: list[str] = []
         self.stop = threading.Event()
         self.nodes_evicted = 0
+        self.rollouts_expired = 0
         self.rounds = 0
         self.round_ms: list[float] = []
         self.failures = 0
@@ -119,18 +125,22 @@ class Jobs:
         self.thread.join()
 
     def _run(self) -> None:
-        vacuumed = time.monotonic()
+        vacuumed = reindexed = time.monotonic()
         try:
             while not self.stop.wait(self.collect_every_s):
                 started = time.perf_counter()
                 try:
                     done = snapshots_collect()
                     self.nodes_evicted += done.get("nodes_evicted", 0)
+                    self.rollouts_expired += done.get("rollouts_expired", 0)
                     self.rounds += 1
                     self.round_ms.append((time.perf_counter() - started) * 1000)
                     if time.monotonic() - vacuumed > self.vacuum_every_s:
                         tables_vacuum()
                         vacuumed = time.monotonic()
+                    if time.monotonic() - reindexed > self.reindex_every_s:
+                        self.indexes_rebuilt += indexes_rebuild()
+                        reindexed = time.monotonic()
                 except Exception:
                     self.failures += 1
                     log.exception("a periodic job failed")
@@ -274,6 +284,8 @@ class Soak:
             "retention": {
                 "rounds": jobs.rounds,
                 "nodes_evicted": jobs.nodes_evicted,
+                "rollouts_expired": jobs.rollouts_expired,
+                "indexes_rebuilt": len(jobs.indexes_rebuilt),
                 "round_p50_ms": percentile(jobs.round_ms, 50, 1),
                 "round_max_ms": round(max(jobs.round_ms), 1) if jobs.round_ms else None,
                 "failures": jobs.failures,

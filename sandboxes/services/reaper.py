@@ -13,7 +13,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from cache.models import Lease, Snapshot
-from cache.services import snapshot_evict, task_enforce_budget, tasks_enforce_retention
+from cache.services import rollouts_expire, snapshot_evict, task_enforce_budget, tasks_enforce_retention
 from sandboxes.backends import BACKEND_NAMES
 from sandboxes.backends.base import SandboxError
 from sandboxes.engines import engines
@@ -52,7 +52,8 @@ def snapshots_collect(*, engine: str | None = None) -> dict[str, int]:
     """Enforce every task's budget, then free the storage of evicted service snapshots (those on
     `engine` only, if given) and stop the pre-forks nobody will take any more. The periodic run (no
     `engine`) then enforces the tasks' retention of results, which spares a node while its
-    snapshot's storage is held: freed first, its node may go in the same round."""
+    snapshot's storage is held: freed first, its node may go in the same round; and expires the
+    rollouts whose history nothing needs any more."""
     for task_id in Snapshot.objects.filter(status=Snapshot.Status.LIVE).values_list("task_id", flat=True).distinct():
         task_enforce_budget(task_id=task_id)
     freed = 0
@@ -69,7 +70,7 @@ def snapshots_collect(*, engine: str | None = None) -> dict[str, int]:
         freed += 1
     if engine is not None:  # after a miss, for its engine: retention waits for the periodic run
         return {"snapshots_freed": freed}
-    return {"snapshots_freed": freed, **tasks_enforce_retention()}
+    return {"snapshots_freed": freed, **tasks_enforce_retention(), **rollouts_expire()}
 
 
 def tasks_release(*, task_ids: list[str]) -> dict[str, int]:

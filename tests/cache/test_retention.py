@@ -1,7 +1,8 @@
 """Retention (cache/services/retention.py): a task over its bounds of nodes or result bytes loses its
 coldest subtrees in the periodic job (run here by a real Celery worker); pinned, leased and live
 nodes and their paths stay; an evicted path misses, from the database and from the process's cache
-of hits alike, and is recorded again; what was counted stays."""
+of hits alike, and is recorded again; what was counted stays. Rollouts nothing needs any more are
+expired by the same job, and still counted."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from django.utils import timezone
 
 from accounts.models import Project
 from cache import selectors
-from cache.models import Node, Task
-from cache.services import admin_node_pin, tasks_enforce_retention
+from cache.models import Node, Rollout, RolloutCall, RolloutStep, Task
+from cache.services import admin_node_pin, rollouts_expire, tasks_enforce_retention
 from cache.services.hitcache import hit_cache_reset, version_move_wait_s
 from tests.cache.test_tree_export import export
 from tests.support.api import call, lookup, record, wait_for
@@ -184,3 +185,50 @@ def test_subtrees_a_rollout_resumes_from_or_executes_under_stay(api):
     assert miss["hit"] is False
     assert tasks_enforce_retention()["nodes_evicted"] == 0
     assert selectors.node_subtree_ids(task_id="claimed", node_id=path[0]) == path
+
+
+def aged_rollout(task: str, rollout: str, days: float = 8.0) -> None:
+    """As if the rollout had started and made its last call `days` ago."""
+    then = timezone.now() - timedelta(days=days)
+    Rollout.objects.filter(task_id=task, rollout_id=rollout).update(started_at=then)
+    RolloutStep.objects.filter(rollout__task_id=task, rollout__rollout_id=rollout).update(
+        at=int(then.timestamp() * 1e9)
+    )
+
+
+def test_a_rollout_nothing_needs_expires_and_its_task_still_counts_it(api, celery_worker):
+    put(api, "aged")
+    old = walk(api, "aged", [W[0], W[1]], rollout="old")
+    walk(api, "aged", [W[0], W[1], W[2]], rollout="recent")
+    # Rollouts that keep a history of their own (tool-server, a verl-tool trajectory): unfinished,
+    # it may come back for its next call and its sandbox be rebuilt from that history; ended, not.
+    task = Task.objects.get(pk="aged")
+    for rollout, finished in (("kept", None), ("ended", timezone.now())):
+        row = Rollout.objects.create(task=task, rollout_id=rollout, history_length=1, finished_at=finished)
+        RolloutCall.objects.create(rollout=row, position=0, call=W[0])
+    before = api.get("/api/v1/tasks/aged/stats").json()  # flushes the ledger: steps written
+    assert before["rollouts"] == 4
+    for rollout in ("old", "kept", "ended"):
+        aged_rollout("aged", rollout)
+
+    snapshots_collect.delay()  # the periodic job, in the worker, with the default keep (7 days)
+    wait_for(lambda: not Rollout.objects.filter(rollout_id="ended").exists(), what="the ended rollout expired")
+
+    assert set(Rollout.objects.filter(task_id="aged").values_list("rollout_id", flat=True)) == {"recent", "kept"}
+    assert not RolloutStep.objects.filter(rollout__rollout_id="old").exists()
+    assert RolloutCall.objects.filter(rollout__rollout_id="kept").count() == 1
+    assert RolloutCall.objects.count() == 1  # the ended one's went with it
+    # What was counted stays: the rollouts, the calls, hits and savings; the graph is untouched.
+    assert api.get("/api/v1/tasks/aged/stats").json() == before
+    assert {line["rollout_id"] for line in export(api, "aged") if line["kind"] == "rollout"} == {"recent", "kept"}
+    assert lookup(api, "aged", [W[0]], W[1])["node_id"] == old[1]
+
+
+def test_history_kept_forever_when_the_keep_is_zero(api):
+    put(api, "forever")
+    walk(api, "forever", [W[0]], rollout="old")
+    api.get("/api/v1/tasks/forever/stats")
+    aged_rollout("forever", "old", days=400)
+    assert rollouts_expire(keep_s=0) == {"rollouts_expired": 0}
+    assert rollouts_expire(keep_s=86400, batch=1) == {"rollouts_expired": 1}
+    assert api.get("/api/v1/tasks/forever/stats").json()["rollouts"] == 1

@@ -38,8 +38,12 @@ class Command(BaseCommand):
         parser.add_argument("--drift", type=int, default=10, help="steps between moves of the popular calls")
         parser.add_argument("--share", type=float, default=0.9, help="a j-th call is a popular one: share ** j")
         parser.add_argument("--live-seconds", type=float, default=10.0, help="TVCACHE_RETENTION_LIVE_S for the run")
+        parser.add_argument(
+            "--history-keep-seconds", type=float, default=60.0, help="TVCACHE_HISTORY_KEEP_S for the run (0: keep)"
+        )
         parser.add_argument("--collect-seconds", type=float, default=10.0, help="period of the retention job")
         parser.add_argument("--vacuum-seconds", type=float, default=60.0)
+        parser.add_argument("--reindex-seconds", type=float, default=600.0, help="period of the index rebuild job")
         parser.add_argument("--checkpoint-steps", type=int, default=5)
         parser.add_argument("--sample", type=int, default=4000, help="recorded paths audited at each checkpoint")
         parser.add_argument(
@@ -54,6 +58,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         settings.TVCACHE["RETENTION_LIVE_S"] = options["live_seconds"]  # this process runs the job
+        settings.TVCACHE["HISTORY_KEEP_S"] = options["history_keep_seconds"]
         soak = Soak(
             tasks=options["tasks"],
             rollouts=options["rollouts"],
@@ -76,7 +81,11 @@ class Command(BaseCommand):
         deadline = started + options["minutes"] * 60
         step = 0
         try:
-            with Jobs(collect_every_s=options["collect_seconds"], vacuum_every_s=options["vacuum_seconds"]) as jobs:
+            with Jobs(
+                collect_every_s=options["collect_seconds"],
+                vacuum_every_s=options["vacuum_seconds"],
+                reindex_every_s=options["reindex_seconds"],
+            ) as jobs:
                 for step in range(1, options["steps"] + 1):
                     finished = soak.step(step - 1, deadline)
                     if not finished or step % options["checkpoint_steps"] == 0 or step == options["steps"]:
@@ -103,7 +112,7 @@ def _line(row: dict, budget: int) -> str:
         f"step {row['step']:>4} {row['elapsed_s']:>7}s  nodes {nodes['total']:>8,} (max/task {nodes['max_per_task']:,}"
         f" / {budget:,})  cache_node {sizes.get('cache_node', 0) / 2**20:7.1f} MiB  db {sizes['database'] / 2**20:7.1f}"
         f" MiB  lookup p50 {row['lookup_p50_ms']} p99 {row['lookup_p99_ms']} ms  hit {row['hit_rate']:.0%}"
-        f"  evicted {row['retention']['nodes_evicted']:,}  wrong {totals['wrong_hits']}  lost {totals['lost']}"
+        f"  evicted {row['retention']['nodes_evicted']:,}  expired {row['retention']['rollouts_expired']:,}  wrong {totals['wrong_hits']}  lost {totals['lost']}"
         f"  evicted-missed {totals['evicted_misses']:,}"
     )
 
