@@ -18,7 +18,7 @@ HOT_MODELS = (
     "cache.Snapshot",
     "cache.Lease",
     "cache.Rollout",
-    "cache.RolloutStep",  # and the history tables, whose rows retention deletes (retention.rollouts_retire)
+    "cache.RolloutStep",  # and the history tables, whose rows expiry deletes (retention.rollouts_expire)
     "cache.RolloutCall",
     "cache.ToolStat",
     "sandboxes.Sandbox",
