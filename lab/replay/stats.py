@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from tvclient import TVCacheClient
 
 from .arms import Arm, ArmTasks
 from .faults import divergence_count
+from .restarts import send
 
 log = logging.getLogger("tvcache.replay")
 
@@ -23,19 +25,34 @@ class ServiceStats:
         self.client = client
         self.arm_tasks = arm_tasks
 
+    def _read(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """What the service answers `read`. Right after the fault arm's restart the client may still
+        hold the service for down (its rollouts' requests failed; it probes again later and fails
+        fast meanwhile): the read is sent again until the service answers (restarts.send)."""
+        answer, _, error, _ = send(read, again=True)
+        if error is not None:
+            raise RuntimeError(f"the service's figures could not be read: {error}")
+        return answer
+
+    def _stats(self, task_id: str) -> dict[str, Any]:
+        return self._read(lambda: self.client.stats(task_id))
+
     def sandboxes_started(self, arm: Arm) -> int:
         """Sandboxes the service started or forked for the arm's tasks (that got running)."""
-        return sum(self.client.sandboxes(task_id)["started"] for task_id in self.arm_tasks.ids(arm))
+        return sum(
+            self._read(lambda task_id=task_id: self.client.sandboxes(task_id))["started"]
+            for task_id in self.arm_tasks.ids(arm)
+        )
 
     def _settled(self, arm: Arm) -> dict[str, dict[str, Any]]:
         """The arm's task stats once they stop moving. Each server process buffers its lookup
         counters for TVCACHE_COUNTER_FLUSH_S (a stats read flushes only the answering process's
         buffer), so two reads STATS_SETTLE_S apart that agree hold every counter of the epoch."""
         pause = STATS_SETTLE_S
-        stats = {task_id: self.client.stats(task_id) for task_id in self.arm_tasks.ids(arm)}
+        stats = {task_id: self._stats(task_id) for task_id in self.arm_tasks.ids(arm)}
         for _ in range(20):
             time.sleep(pause)
-            again = {task_id: self.client.stats(task_id) for task_id in stats}
+            again = {task_id: self._stats(task_id) for task_id in stats}
             if [s["per_epoch"] for s in again.values()] == [s["per_epoch"] for s in stats.values()]:
                 return again
             stats = again
@@ -65,7 +82,7 @@ class ServiceStats:
         tools: dict[str, Counter] = defaultdict(Counter)
         divergences: dict[str, int] | None = None
         for task_id in self.arm_tasks.ids(arm):
-            stats = self.client.stats(task_id)
+            stats = self._stats(task_id)
             for row in stats["per_tool"]:
                 for key in ("calls", "hits", "oracle_hits", "saved_ms", "executed_ms"):
                     tools[row["tool"]][key] += row.get(key, 0) or 0
