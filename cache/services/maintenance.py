@@ -58,7 +58,6 @@ CHURNED_TABLES = ("cache_node", "cache_rolloutstep", "cache_rollout", "cache_rol
 REBUILD_FACTOR = 2.5
 REBUILD_MIN_EXCESS = 4 * 1024 * 1024
 PAGE = 8192
-_REBUILD_LOCK = 0x7476_6964_7872_6562  # pg_try_advisory_lock key: one rebuilding job at a time
 
 # The churned tables' valid B-trees on plain columns (not expressions): name, bytes, entries (as the
 # last VACUUM or ANALYZE counted them) and the entries' key width (the columns' average, ANALYZE's).
@@ -97,25 +96,20 @@ def btree_need(entries: float, key_width: float) -> int:
 
 def indexes_rebuild(*, factor: float = REBUILD_FACTOR, min_excess: int = REBUILD_MIN_EXCESS) -> list[str]:
     """Rebuild (REINDEX CONCURRENTLY: reads and writes go on) the churned tables' indexes that take
-    `factor` times what their entries need, and `min_excess` bytes more; the names rebuilt. One job
-    at a time; a rebuild that failed half way in an earlier run is cleaned up first. Needs
-    autocommit."""
+    `factor` times what their entries need, and `min_excess` bytes more; the names rebuilt. A
+    rebuild that failed half way in an earlier run is cleaned up first. Needs autocommit. (Two runs
+    at once would only rebuild an index twice: PostgreSQL lets one REINDEX CONCURRENTLY of an index
+    run at a time.)"""
     rebuilt = []
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [_REBUILD_LOCK])
-        if not cursor.fetchone()[0]:
-            return []
-        try:
-            cursor.execute(LEFTOVERS_SQL, [list(CHURNED_TABLES)])
-            for (name,) in cursor.fetchall():
-                cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {connection.ops.quote_name(name)}")
-            cursor.execute(BTREES_SQL, [list(CHURNED_TABLES)])
-            for name, size, entries, width in cursor.fetchall():
-                need = btree_need(entries, float(width or 8))
-                if size > factor * need and size - need > min_excess:
-                    cursor.execute(f"REINDEX INDEX CONCURRENTLY {connection.ops.quote_name(name)}")
-                    log.info("rebuilt index %s: %d bytes for %d entries (about %d needed)", name, size, entries, need)
-                    rebuilt.append(name)
-        finally:
-            cursor.execute("SELECT pg_advisory_unlock(%s)", [_REBUILD_LOCK])
+        cursor.execute(LEFTOVERS_SQL, [list(CHURNED_TABLES)])
+        for (name,) in cursor.fetchall():
+            cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {connection.ops.quote_name(name)}")
+        cursor.execute(BTREES_SQL, [list(CHURNED_TABLES)])
+        for name, size, entries, width in cursor.fetchall():
+            need = btree_need(entries, float(width or 8))
+            if size > factor * need and size - need > min_excess:
+                cursor.execute(f"REINDEX INDEX CONCURRENTLY {connection.ops.quote_name(name)}")
+                log.info("rebuilt index %s: %d bytes for %d entries (about %d needed)", name, size, entries, need)
+                rebuilt.append(name)
     return rebuilt
