@@ -13,6 +13,7 @@ from cache.models import Divergence, Node, Rollout
 from sandboxes.backends import hostfs
 from sandboxes.handles import sandbox_config
 from sandboxes.models import Sandbox
+from sandboxes.services.reserved import settle
 from tests.support.toolserver import bash, run
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -105,14 +106,26 @@ EDIT = bash("echo new > /w/src")
 CHECK = "[ /w/src -nt /w/obj ] && echo rebuild || echo up-to-date"  # busybox: whole seconds
 
 
-def test_a_replay_that_cannot_restore_every_time_is_verified_and_never_recorded(api, docker_task, monkeypatch, request):
-    # BIG changes more entries than a node keeps times of (the limit lowered here). The replay
-    # restores no time from there on (restoring EDIT's live time after BIG's replayed one put the
-    # source behind the object: an order no live run has); BIG and EDIT then land in one second,
+@pytest.fixture
+def few_file_times():
+    """A node keeps the times of at most 20 entries. The backends take the limit from the cached
+    configuration: rebuilt with the real limit once the test's background work has ended and the
+    limit is back, so that no later test of this process sees 20."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inputs, "MAX_FILE_TIMES", 20)
+        sandbox_config.cache_clear()
+        try:
+            yield
+        finally:
+            assert settle(), "background snapshots still running"
+    sandbox_config.cache_clear()
+
+
+def test_a_replay_that_cannot_restore_every_time_is_verified_and_never_recorded(api, docker_task, few_file_times):
+    # BIG changes more entries than a node keeps times of (the limit lowered: few_file_times). The
+    # replay restores no time from there on (restoring EDIT's live time after BIG's replayed one put
+    # the source behind the object: an order no live run has); BIG and EDIT then land in one second,
     # and the check of the times' order (by whole second too) finds the state is not the live one.
-    monkeypatch.setattr(inputs, "MAX_FILE_TIMES", 20)
-    sandbox_config.cache_clear()  # the backends take the limit from the configuration
-    request.addfinalizer(sandbox_config.cache_clear)  # (run before monkeypatch's undo: rebuilt after it)
     task = docker_task("holes", sandbox_budget=0)  # no snapshots: r2 catches up by replay
     run(api, task, "r1", BIG)
     time.sleep(1.1)
