@@ -15,9 +15,7 @@ source .ci/setup.sh
 status=0
 # Three test processes side by side on two cores (TVCACHE_TEST_WORKERS): most of a test's time is
 # spent waiting on containers, servers and browsers (the whole suite: 19 min with two, 15 with
-# three, docs/contributing.md). Each is a run of its own (tests/settings.py). Each takes whole
-# files, the files with the most slow tests first (tests/conftest.py orders them).
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TVCACHE_TEST_WORKERS:-3}" --dist loadfile \
-    --no-loadscope-reorder "$@" || status=$?
+# three, docs/contributing.md). Each is a run of its own (tests/settings.py).
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TVCACHE_TEST_WORKERS:-3}" --dist loadfile "$@" || status=$?
 [ "$status" = 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
 exit "$status"

@@ -13,17 +13,6 @@ from accounts.services.tokens import token_create
 from cache import ledger
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files with the most slow tests first, each file's own order kept: the test processes
-    take whole files in this order (.ci/test.sh: --dist loadfile --no-loadscope-reorder), so the
-    longest start first instead of last (xdist's own order puts the files with the most tests first,
-    which left a file of a few long replays to run alone at the end)."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.path] = slow.get(item.path, 0) + int(item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _postgres_only(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():

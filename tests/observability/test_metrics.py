@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 from django.apps import apps
@@ -70,21 +69,16 @@ def test_divergences_are_a_counter_of_the_divergence_table(api):
 
 
 def test_queue_depth_counts_waiting_jobs_and_a_scrape_survives_redis_down(api, settings):
-    # A default queue of this test's own, which no worker consumes: a worker another test of this
-    # process started may still consume the session's (a consumer left blocked on it takes the job).
-    conf = celery_app.conf
-    default, conf.task_default_queue = conf.task_default_queue, f"tvcache-depth-{uuid.uuid4().hex[:8]}"
-    queue = conf.task_default_queue
+    queue = celery_app.conf.task_default_queue  # this test session's own: no worker consumes it here
+    before = scrape(api).value("tvcache_queue_depth", queue=queue)
+    celery_app.send_task("workers.tasks.claims_clear")
     try:
-        before = scrape(api).value("tvcache_queue_depth", queue=queue)
-        celery_app.send_task("workers.tasks.claims_clear")
         scraped = scrape(api)
         assert scraped.value("tvcache_broker_up") == 1
         assert scraped.value("tvcache_queue_depth", queue=queue) == before + 1
     finally:
-        conf.task_default_queue = default
         with celery_app.connection_for_write() as broker:
-            broker.default_channel.queue_delete(queue)
+            broker.default_channel.queue_purge(queue)
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
     down = scrape(api)
     assert down.value("tvcache_broker_up") == 0 and "tvcache_queue_depth" not in down.families
