@@ -9,11 +9,13 @@ first `stable` ones change, so old subtrees go cold. A result is a function of t
 history of state-changing calls and the call, so every hit can be checked byte for byte.
 
 `Soak` drives lookups and records through the services (cache.services.tcg_lookup, node_record),
-one rollout after another, while the periodic jobs run beside it in a thread as a deployment runs
-them (sandboxes.services.snapshots_collect, which enforces retention; cache.services.tables_vacuum).
-At each checkpoint it writes a row: storage, nodes against the budget, lookup latency, hits checked,
-and the misses of paths it recorded: evicted (the node is gone) or lost (the node is there, yet the
-lookup missed: a defect).
+its drivers side by side, each a thread with its own connection and its share of the tasks, its
+rollouts one after another (a training run's rollouts run in parallel: one driver keeps one
+PostgreSQL backend busy and leaves the other core idle), while the periodic jobs run beside them
+in a thread as a deployment runs them (sandboxes.services.snapshots_collect, which enforces
+retention; cache.services.tables_vacuum). At each checkpoint it writes a row: storage, nodes against
+the budget, lookup latency, hits checked, and the misses of paths it recorded: evicted (the node is
+gone) or lost (the node is there, yet the lookup missed: a defect).
 """
 
 from __future__ import annotations
@@ -148,61 +150,27 @@ class Jobs:
             connection.close()
 
 
-class Soak:
-    def __init__(
-        self,
-        *,
-        tasks: int,
-        rollouts: int,
-        steps: int,
-        workload: Workload,
-        max_nodes: int | None,
-        max_result_bytes: int | None,
-        prefix: str = "soak",
-        sample: int = 4000,
-        seed: int = 1,
-    ):
-        self.task_ids = [f"{prefix}-{i:03d}" for i in range(tasks)]
-        self.rollouts, self.steps, self.workload = rollouts, steps, workload
-        self.max_nodes, self.max_result_bytes = max_nodes, max_result_bytes
-        self.prefix = prefix
+class _Driver:
+    """One driver: its tasks' rollouts, one after another, and what it saw of them (its own sample
+    of recorded paths, its own counts), so that drivers share nothing but the database."""
+
+    def __init__(self, task_ids: list[str], soak: Soak, seed: int, sample: int):
+        self.task_ids, self.soak = task_ids, soak
         self.rng = random.Random(seed)
         self.paths = Reservoir(sample, random.Random(seed + 1))  # (task, history, call, state) recorded
         self.known: dict[tuple[str, str, str], int] = {}  # (task, state, call digest) -> node id
         self.totals = Totals()
         self.interval = Interval()
 
-    def teardown(self, *, keep: bool = False) -> None:
-        """Remove the soak's tasks (unless `keep`) and give the connection its commit setting back."""
-        if not keep:
-            self.drop_existing()
-        with connection.cursor() as cursor:
-            cursor.execute("RESET synchronous_commit")
-
-    def drop_existing(self) -> None:
-        for task_id in Task.objects.filter(pk__startswith=f"{self.prefix}-").values_list("pk", flat=True):
-            task_flush(task_id=task_id)
-            Task.objects.filter(pk=task_id).delete()
-
-    def setup(self, *, synchronous_commit: bool = True) -> None:
-        """The soak's tasks, afresh. Without `synchronous_commit`, its records do not wait for the
-        disk (this connection only; the periodic jobs' commits still do)."""
-        if not synchronous_commit:
-            with connection.cursor() as cursor:
-                cursor.execute("SET synchronous_commit = off")
-        self.drop_existing()
-        retention = {"max_nodes": self.max_nodes, "max_result_bytes": self.max_result_bytes}
-        for task_id in self.task_ids:
-            task_put(task_id=task_id, env=ENV, tools=TOOLS, sandbox_budget=0, audit_rate=0.0, retention=retention)
-
     def step(self, step: int, deadline: float) -> bool:
-        """Every task's rollouts of the training step; False if the deadline came first."""
+        """Its tasks' rollouts of the training step; False if the deadline came first."""
+        workload = self.soak.workload
         for task_id in self.task_ids:
-            for rollout in range(self.rollouts):
+            for rollout in range(self.soak.rollouts):
                 if time.monotonic() > deadline:
                     return False
-                calls = self.workload.rollout_calls(step, self.rng)
-                self._rollout(task_id, f"s{step}-r{rollout}", step // self.workload.drift, calls)
+                calls = workload.rollout_calls(step, self.rng)
+                self._rollout(task_id, f"s{step}-r{rollout}", step // workload.drift, calls)
         return True
 
     def _rollout(self, task_id: str, rollout_id: str, epoch: int, calls: list[ToolCall]) -> None:
@@ -263,7 +231,9 @@ class Soak:
         self.totals.lost += lost
         return {"sampled": len(self.paths.items), "hits": hits, "evicted": evicted, "lost": lost, "wrong": wrong}
 
-    def checkpoint(self, step: int, jobs: Jobs, elapsed_s: float) -> dict:
+    def interval_taken(self) -> Interval:
+        """What happened since the last checkpoint, the missed recorded paths told apart (evicted
+        or lost) and counted in its totals."""
         interval, self.interval = self.interval, Interval()
         gone = set(interval.known_misses) - set(
             Node.objects.filter(pk__in=interval.known_misses).values_list("pk", flat=True)
@@ -271,14 +241,97 @@ class Soak:
         lost = sum(1 for node_id in interval.known_misses if node_id not in gone)
         self.totals.evicted_misses += len(interval.known_misses) - lost
         self.totals.lost += lost
+        return interval
+
+
+class Soak:
+    def __init__(
+        self,
+        *,
+        tasks: int,
+        rollouts: int,
+        steps: int,
+        workload: Workload,
+        max_nodes: int | None,
+        max_result_bytes: int | None,
+        prefix: str = "soak",
+        sample: int = 4000,
+        seed: int = 1,
+        drivers: int = 1,
+    ):
+        self.task_ids = [f"{prefix}-{i:03d}" for i in range(tasks)]
+        self.rollouts, self.steps, self.workload = rollouts, steps, workload
+        self.max_nodes, self.max_result_bytes = max_nodes, max_result_bytes
+        self.prefix = prefix
+        self.synchronous_commit = True
+        count = max(1, min(drivers, tasks))  # each its share of the tasks and of the audit's sample
+        self.drivers = [
+            _Driver(self.task_ids[i::count], self, seed + 1000 * i, max(1, sample // count)) for i in range(count)
+        ]
+
+    @property
+    def totals(self) -> Totals:
+        """The drivers' totals added up."""
+        return Totals(**{name: sum(getattr(d.totals, name) for d in self.drivers) for name in vars(Totals())})
+
+    def teardown(self, *, keep: bool = False) -> None:
+        """Remove the soak's tasks (unless `keep`)."""
+        if not keep:
+            self.drop_existing()
+
+    def drop_existing(self) -> None:
+        for task_id in Task.objects.filter(pk__startswith=f"{self.prefix}-").values_list("pk", flat=True):
+            task_flush(task_id=task_id)
+            Task.objects.filter(pk=task_id).delete()
+
+    def setup(self, *, synchronous_commit: bool = True) -> None:
+        """The soak's tasks, afresh. Without `synchronous_commit`, the drivers' records do not wait
+        for the disk (their connections only; the periodic jobs' commits still do)."""
+        self.synchronous_commit = synchronous_commit
+        self.drop_existing()
+        retention = {"max_nodes": self.max_nodes, "max_result_bytes": self.max_result_bytes}
+        for task_id in self.task_ids:
+            task_put(task_id=task_id, env=ENV, tools=TOOLS, sandbox_budget=0, audit_rate=0.0, retention=retention)
+
+    def step(self, step: int, deadline: float) -> bool:
+        """Every task's rollouts of the training step, the drivers side by side (a thread and a
+        connection each); False if the deadline came first. A driver's failure is raised here."""
+        done: list[bool] = [False] * len(self.drivers)
+        failed: list[BaseException] = []
+
+        def drive(index: int) -> None:
+            try:
+                if not self.synchronous_commit:
+                    with connection.cursor() as cursor:
+                        cursor.execute("SET synchronous_commit = off")
+                done[index] = self.drivers[index].step(step, deadline)
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=drive, args=(i,), name=f"soak-driver-{i}") for i in range(len(self.drivers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failed:
+            raise failed[0]
+        return all(done)
+
+    def checkpoint(self, step: int, jobs: Jobs, elapsed_s: float) -> dict:
+        intervals = [d.interval_taken() for d in self.drivers]
+        hits, misses = sum(i.hits for i in intervals), sum(i.misses for i in intervals)
+        lookup_ms = [ms for i in intervals for ms in i.lookup_ms]
+        audits = [d.audit() for d in self.drivers]
         row = {
             "step": step,
             "elapsed_s": round(elapsed_s, 1),
-            "calls": interval.hits + interval.misses,
-            "hit_rate": round(interval.hits / max(1, interval.hits + interval.misses), 3),
-            "lookup_p50_ms": percentile(interval.lookup_ms, 50, 3),
-            "lookup_p99_ms": percentile(interval.lookup_ms, 99, 3),
-            "records": interval.records,
+            "calls": hits + misses,
+            "hit_rate": round(hits / max(1, hits + misses), 3),
+            "lookup_p50_ms": percentile(lookup_ms, 50, 3),
+            "lookup_p99_ms": percentile(lookup_ms, 99, 3),
+            "records": sum(i.records for i in intervals),
             "nodes": _nodes(self.task_ids),
             "sizes_bytes": _sizes(),
             "retention": {
@@ -290,7 +343,7 @@ class Soak:
                 "round_max_ms": round(max(jobs.round_ms), 1) if jobs.round_ms else None,
                 "failures": jobs.failures,
             },
-            "audit": self.audit(),
+            "audit": {key: sum(a[key] for a in audits) for key in audits[0]},
             "totals": dict(vars(self.totals)),
         }
         return row

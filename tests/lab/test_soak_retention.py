@@ -16,7 +16,8 @@ from cache.models import Task
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_a_short_soak_evicts_checks_every_hit_and_loses_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drivers", [1, 2])
+def test_a_short_soak_evicts_checks_every_hit_and_loses_nothing(tmp_path, monkeypatch, drivers):
     monkeypatch.setitem(settings.TVCACHE, "RETENTION_LIVE_S", settings.TVCACHE["RETENTION_LIVE_S"])  # it sets it
     out = tmp_path / "retention.json"
     options = {
@@ -31,6 +32,7 @@ def test_a_short_soak_evicts_checks_every_hit_and_loses_nothing(tmp_path, monkey
         "--live-seconds": 0,
         "--sample": 100,
         "--minutes": 4,
+        "--drivers": drivers,
         "--out": out,
     }
     call_command("soak_retention", *[str(x) for pair in options.items() for x in pair], stdout=io.StringIO())

@@ -3,8 +3,9 @@ the budget, do lookups stay flat, is nothing lost that was not evicted (docs/ope
 
     python manage.py soak_retention --tasks 64 --rollouts 8 --steps 300 --calls 20 --max-nodes 2000
 
-Drives lookups and records through the services (lab/bench/retention.py), rollouts of a task sharing
-their first calls, the popular calls moving on every --drift steps; the periodic jobs (snapshot
+Drives lookups and records through the services (lab/bench/retention.py), --drivers at a time (a
+thread and a connection each, the tasks split between them), rollouts of a task sharing their first
+calls, the popular calls moving on every --drift steps; the periodic jobs (snapshot
 budgets and retention, vacuum) run beside it in a thread, as deployed. Every --checkpoint-steps
 steps it writes a row: the tables' and database's sizes, nodes against the budget, lookup p50 and
 p99, hit rate, every hit checked against the recorded bytes, the recorded paths that missed since
@@ -53,6 +54,12 @@ class Command(BaseCommand):
         )
         parser.add_argument("--minutes", type=float, default=20.0, help="stop after this long")
         parser.add_argument("--seed", type=int, default=1)
+        parser.add_argument(
+            "--drivers",
+            type=int,
+            default=1,
+            help="drivers side by side, a thread and a connection each, the tasks split",
+        )
         parser.add_argument("--keep", action="store_true", help="keep the soak's tasks")
         parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "artifacts" / "bench" / "retention.json"))
 
@@ -68,6 +75,7 @@ class Command(BaseCommand):
             max_result_bytes=options["max_result_bytes"] or None,
             sample=options["sample"],
             seed=options["seed"],
+            drivers=options["drivers"],
         )
         soak.setup(synchronous_commit=options["synchronous_commit"])
         report = {
