@@ -15,7 +15,7 @@ from accounts.projects import key_project, role_check, task_public_id
 from accounts.services.projects import project_named
 from cache import ledger
 from cache.hooks import sandbox_hooks
-from cache.models import Divergence, MergeBan, Node, Snapshot, Task
+from cache.models import Divergence, MergeBan, Snapshot, Task
 from cache.notfound import unknown_task
 from cache.tcg import TaskPolicy, ToolPolicy, env_fingerprint
 from core.errors import Conflict, InvalidInput, NotFound
@@ -275,11 +275,15 @@ def task_put(
 def _drop_nodes(task: Task) -> None:
     """A new graph starts with a clean audit: its divergences and the tools they made uncacheable
     were those of nodes that are gone (an environment or a policy that no longer holds), and so
-    were the fingerprints it stopped merging (MergeBan)."""
+    were the fingerprints it stopped merging (MergeBan). The nodes go in one statement: what
+    refers to them (snapshots, divergences, the nodes' own parent links) goes first or with them,
+    whereas the ORM's collector would load every node, results included, into this process (a
+    task of millions of nodes would not fit in its memory)."""
     task_totals_clear(task_id=task.pk)  # first: it takes the totals rows before any node (totals.py)
     Snapshot.objects.filter(task=task).delete()
-    Node.objects.filter(task=task).delete()
     Divergence.objects.filter(task=task).delete()
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM cache_node WHERE task_id = %s", [task.pk])
     MergeBan.objects.filter(task=task).delete()
     task.uncacheable_tools = []
 

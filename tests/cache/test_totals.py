@@ -12,6 +12,7 @@ import threading
 import pytest
 from django.db import connection, connections
 from django.db.migrations.loader import MigrationLoader
+from django.test.utils import CaptureQueriesContext
 
 from cache.models import Divergence, Node, Rollout, RolloutTotal, Snapshot, SnapshotTotal, Task, TaskTotal
 from cache.selectors import task_stats, task_totals
@@ -128,6 +129,20 @@ def test_totals_equal_a_count_after_records_divergences_evictions_and_a_flush(ta
     # A new environment drops the graph as a flush does.
     task_put(task_id=task, env={**ENV, "v": 2}, tools=TOOLS, sandbox_budget=0, audit_rate=0.0)
     assert kept(task) == {} and not Node.objects.filter(task_id=task).exists()
+
+
+def test_a_flush_reads_no_node_and_leaves_none(task):
+    """The flush deletes the graph in statements: it never loads the nodes (a task of millions
+    would not fit in the process), and leaves no node, divergence or snapshot of the task."""
+    rng = random.Random(5)
+    nodes = rollout(task, calls("trunk", 6), rng)
+    divergence_record(task_id=task, node_id=nodes[2], tool="write", kind="audit", expected=1, observed=2)
+    with CaptureQueriesContext(connection) as queries:
+        task_flush(task_id=task)
+    assert not [q["sql"] for q in queries if q["sql"].startswith("SELECT") and '"cache_node"."result_json"' in q["sql"]]
+    assert not Node.objects.filter(task_id=task).exists() and not Divergence.objects.filter(task_id=task).exists()
+    assert kept(task) == {} and task_stats(task_id=task)["nodes"] == 0
+    exact(task)
 
 
 def test_totals_stay_exact_when_records_race_a_subtree_eviction(task):
