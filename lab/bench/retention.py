@@ -250,7 +250,6 @@ class Soak:
         *,
         tasks: int,
         rollouts: int,
-        steps: int,
         workload: Workload,
         max_nodes: int | None,
         max_result_bytes: int | None,
@@ -260,7 +259,7 @@ class Soak:
         drivers: int = 1,
     ):
         self.task_ids = [f"{prefix}-{i:03d}" for i in range(tasks)]
-        self.rollouts, self.steps, self.workload = rollouts, steps, workload
+        self.rollouts, self.workload = rollouts, workload
         self.max_nodes, self.max_result_bytes = max_nodes, max_result_bytes
         self.prefix = prefix
         self.synchronous_commit = True

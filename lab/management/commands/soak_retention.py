@@ -69,7 +69,6 @@ class Command(BaseCommand):
         soak = Soak(
             tasks=options["tasks"],
             rollouts=options["rollouts"],
-            steps=options["steps"],
             workload=Workload(calls=options["calls"], share=options["share"], drift=options["drift"]),
             max_nodes=options["max_nodes"] or None,
             max_result_bytes=options["max_result_bytes"] or None,
