@@ -306,6 +306,12 @@ def task_flush(*, task_id: str) -> int:
     _drop_nodes(task)
     task_version_move(task)  # lookups holding the old handle re-read the task
     task.save(update_fields=["version", "uncacheable_tools", "updated_at"])
-    task.rollouts.all().delete()
+    with connection.cursor() as cursor:  # the bulk of a rollout's rows, in statements
+        for table in ("cache_rolloutstep", "cache_rolloutcall"):
+            cursor.execute(
+                f"DELETE FROM {table} WHERE rollout_id IN (SELECT id FROM cache_rollout WHERE task_id = %s)", [task.pk]
+            )
+    # Only the keys are read; the collector deletes the trajectories and unlinks sandboxes.
+    task.rollouts.only("pk").delete()
     task.tool_stats.all().delete()
     return count

@@ -14,7 +14,18 @@ from django.db import connection, connections
 from django.db.migrations.loader import MigrationLoader
 from django.test.utils import CaptureQueriesContext
 
-from cache.models import Divergence, Node, Rollout, RolloutTotal, Snapshot, SnapshotTotal, Task, TaskTotal
+from cache.models import (
+    Divergence,
+    Node,
+    Rollout,
+    RolloutCall,
+    RolloutStep,
+    RolloutTotal,
+    Snapshot,
+    SnapshotTotal,
+    Task,
+    TaskTotal,
+)
 from cache.selectors import task_stats, task_totals
 from cache.services import admin_subtree_evict, divergence_record, node_record, task_flush, task_put
 from cache.tcg import RecordedState, ToolCall
@@ -131,16 +142,40 @@ def test_totals_equal_a_count_after_records_divergences_evictions_and_a_flush(ta
     assert kept(task) == {} and not Node.objects.filter(task_id=task).exists()
 
 
+def _rollouts_with_history(task_id: str, n: int) -> list[int]:
+    """`n` rollouts, each with a kept call and a step, as a tool-server rollout leaves them."""
+    made = Rollout.objects.bulk_create(Rollout(task_id=task_id, rollout_id=f"h{i}", history_length=1) for i in range(n))
+    RolloutCall.objects.bulk_create(RolloutCall(rollout=r, position=0, call={"tool": "write"}) for r in made)
+    RolloutStep.objects.bulk_create(RolloutStep(rollout=r, applied=0, at=0, node_id=0, hit=False) for r in made)
+    return [r.pk for r in made]
+
+
 def test_a_flush_reads_no_node_and_leaves_none(task):
-    """The flush deletes the graph in statements: it never loads the nodes (a task of millions
-    would not fit in the process), and leaves no node, divergence or snapshot of the task."""
+    """The flush deletes the graph and the rollouts in statements: it never loads the nodes or the
+    rollouts' rows (a task of millions would not fit in the process), and leaves no node,
+    divergence, snapshot, rollout, kept call or step of the task; another task keeps its own."""
     rng = random.Random(5)
     nodes = rollout(task, calls("trunk", 6), rng)
     divergence_record(task_id=task, node_id=nodes[2], tool="write", kind="audit", expected=1, observed=2)
+    flushed = _rollouts_with_history(task, 3)
+    task_put(task_id="other", env=ENV, tools=TOOLS, sandbox_budget=0, audit_rate=0.0)
+    others = _rollouts_with_history("other", 2)
     with CaptureQueriesContext(connection) as queries:
         task_flush(task_id=task)
-    assert not [q["sql"] for q in queries if q["sql"].startswith("SELECT") and '"cache_node"."result_json"' in q["sql"]]
+    selects = [q["sql"] for q in queries if q["sql"].startswith("SELECT")]
+    assert not [
+        sql for sql in selects if '"cache_node"."result_json"' in sql or '"cache_rollout"."trajectory_ref"' in sql
+    ]
     assert not Node.objects.filter(task_id=task).exists() and not Divergence.objects.filter(task_id=task).exists()
+    assert not Rollout.objects.filter(task_id=task).exists() and rollouts_kept(task) == 0
+    assert not RolloutCall.objects.filter(rollout_id__in=flushed) and not RolloutStep.objects.filter(
+        rollout_id__in=flushed
+    )
+    assert (
+        RolloutCall.objects.filter(rollout_id__in=others).count()
+        == RolloutStep.objects.filter(rollout_id__in=others).count()
+        == 2
+    )
     assert kept(task) == {} and task_stats(task_id=task)["nodes"] == 0
     exact(task)
 
