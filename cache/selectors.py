@@ -71,12 +71,23 @@ def task_stats(*, task_id: str) -> dict[str, Any]:
         "nodes": graph["nodes"] or 0,
         "results_bytes": graph["results_bytes"] or 0,
         "snapshots": {key: value or 0 for key, value in snapshots.items()},
-        "rollouts": sum(RolloutTotal.objects.filter(task_id=task_id).values_list("rollouts", "expired").first() or ()),
+        "rollouts": sum(_rollout_total(task_id)),
         "per_epoch": per_epoch,
         "per_tool": per_tool,
         "divergences": task_divergences(task_id=task_id),
         "processes": task_processes(task_id=task_id, snapshots=keeping_processes),
     }
+
+
+def _rollout_total(task_id: str) -> tuple[int, int]:
+    """The task's rollouts counted (cache.models.RolloutTotal): those kept, those expired."""
+    return RolloutTotal.objects.filter(task_id=task_id).values_list("rollouts", "expired").first() or (0, 0)
+
+
+def task_rollouts_kept(*, task_id: str) -> int:
+    """How many rollout rows the task keeps, read from its counter rather than counted (a task of a
+    long run has hundreds of thousands)."""
+    return _rollout_total(task_id)[0]
 
 
 def snapshot_totals(totals: QuerySet) -> dict[str, int]:

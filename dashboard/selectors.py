@@ -11,6 +11,7 @@ from django.core.paginator import Paginator
 from django.db import connection
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
+from django.utils.functional import cached_property
 
 from accounts.models import Project
 from accounts.selectors import project_request_rate, project_tokens
@@ -155,6 +156,18 @@ def _overview_rows(task_ids: list[str]) -> list[dict[str, Any]]:
     ]
 
 
+class CountedPaginator(Paginator):
+    """A paginator told how many items it pages, where counting them would read every row."""
+
+    def __init__(self, object_list, per_page: int, *, count: int):
+        super().__init__(object_list, per_page)
+        self._count = count
+
+    @cached_property
+    def count(self) -> int:
+        return self._count
+
+
 # --- task --------------------------------------------------------------------------------------
 
 
@@ -173,11 +186,12 @@ def task_detail(*, task_id: str, rollouts_page: int | str | None = 1) -> dict[st
         tools.append({**row, "median_exec_ms": median, "nodes": nodes})
     for tool, (median, nodes) in sorted(medians.items()):  # recorded but never looked up
         tools.append({**ZERO_RATES, "tool": tool, "median_exec_ms": median, "nodes": nodes})
-    rollouts = Paginator(
+    rollouts = CountedPaginator(
         Rollout.objects.filter(task_id=task_id)
         .order_by("-started_at", "-pk")
         .values("rollout_id", "epoch", "calls", "hits", "started_at", "finished_at"),
         ROLLOUTS_PAGE_SIZE,
+        count=cache_selectors.task_rollouts_kept(task_id=task_id),
     ).get_page(rollouts_page)
     for rollout in rollouts:
         rollout["misses"] = rollout["calls"] - rollout["hits"]

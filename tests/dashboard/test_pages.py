@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from tests.support.graph import PASSWORD
 
@@ -97,6 +99,24 @@ def test_task_page_shows_tools_epochs_and_rollouts(user_client, tree, toy_task):
     html = page.content.decode()
     assert 'id="epochs-data"' in html and 'id="live-calls"' in html
     assert user_client.get("/tasks/nope/").status_code == 404
+
+
+def test_task_page_pages_its_rollouts_without_counting_them(user_client, tree, toy_task):
+    """A long run leaves a task hundreds of thousands of rollouts: the page reads their number
+    from the task's counter, not a count of its rows, and still pages them latest first."""
+    from cache.models import Rollout
+    from dashboard.selectors import ROLLOUTS_PAGE_SIZE
+
+    Rollout.objects.bulk_create(Rollout(task_id=toy_task, rollout_id=f"many{i}") for i in range(2 * ROLLOUTS_PAGE_SIZE))
+    with CaptureQueriesContext(connection) as queries:
+        page = user_client.get(f"/tasks/{toy_task}/?page=3")
+    assert page.status_code == 200
+    total = Rollout.objects.filter(task_id=toy_task).count()  # with the toy's, which the page's flush wrote
+    rollouts = page.context["rollouts"]
+    assert rollouts.paginator.count == total and rollouts.number == 3
+    assert len(rollouts) == total - 2 * ROLLOUTS_PAGE_SIZE
+    counts = [sql for sql in (q["sql"] or "" for q in queries) if "COUNT(" in sql.upper() and '"cache_rollout"' in sql]
+    assert not counts
 
 
 def test_graph_page_embeds_the_top_levels_only(user_client, tree, toy_task):
