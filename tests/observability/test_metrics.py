@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 from django.apps import apps
@@ -68,17 +69,21 @@ def test_divergences_are_a_counter_of_the_divergence_table(api):
     assert sum(sample.value for sample in family.samples) == (model.objects.count() if model else 0)
 
 
-def test_queue_depth_counts_waiting_jobs_and_a_scrape_survives_redis_down(api, settings):
-    queue = celery_app.conf.task_default_queue  # this test session's own: no worker consumes it here
-    before = scrape(api).value("tvcache_queue_depth", queue=queue)
-    celery_app.send_task("workers.tasks.claims_clear")
-    try:
-        scraped = scrape(api)
-        assert scraped.value("tvcache_broker_up") == 1
-        assert scraped.value("tvcache_queue_depth", queue=queue) == before + 1
-    finally:
-        with celery_app.connection_for_write() as broker:
+def test_queue_depth_counts_waiting_jobs_and_a_scrape_survives_redis_down(api, settings, monkeypatch):
+    # A queue of this test's own: the session's is shared with the in-process workers and the jobs
+    # of the tests before it, so its depth is not this test's to know.
+    queue = f"{celery_app.conf.task_default_queue}-depth-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setitem(celery_app.conf, "task_default_queue", queue)
+    assert scrape(api).value("tvcache_queue_depth", queue=queue) == 0
+    with celery_app.connection_for_write() as broker:  # one connection: it deletes what it declared
+        celery_app.send_task("workers.tasks.claims_clear", queue=queue, connection=broker)
+        try:
+            scraped = scrape(api)
+            assert scraped.value("tvcache_broker_up") == 1
+            assert scraped.value("tvcache_queue_depth", queue=queue) == 1
+        finally:
             broker.default_channel.queue_purge(queue)
+            broker.default_channel.queue_delete(queue)
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
     down = scrape(api)
     assert down.value("tvcache_broker_up") == 0 and "tvcache_queue_depth" not in down.families
